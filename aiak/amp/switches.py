@@ -1,0 +1,74 @@
+"""Global switches: TF32 matmuls/convolutions and cuDNN autotuning (CUDA only).
+
+TF32 runs fp32 matmuls and convolutions on Ampere+ tensor cores with a 10-bit mantissa (NVIDIA,
+"Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020): several times faster, slightly different
+numerics, so it is off in the ``default`` profile. Without CUDA these knobs cannot apply: they warn and
+are skipped.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+logger = logging.getLogger("aiak")
+
+
+def apply_tf32(enabled: bool, device: torch.device) -> str:
+    """Set matmul and cuDNN TF32; returns what was done, for the summary."""
+    if not enabled:
+        return "off"
+    if device.type != "cuda":
+        warnings.warn(f"aiak: tf32 requested but the model runs on {device.type}, not CUDA: skipped", stacklevel=3)
+        return f"skipped (no CUDA: model on {device.type})"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"on (no effect: compute capability {major}.x has no TF32 tensor cores)"
+    return "on (matmul + cuDNN)"
+
+
+def apply_channels_last(model: torch.nn.Module) -> str:
+    """NHWC weights and 4-D inputs: cuDNN's fastest layout for convolutions with tensor cores."""
+    from aiak._nested import map_tensors
+
+    model.to(memory_format=torch.channels_last)
+
+    def to_nhwc(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+    model.register_forward_pre_hook(lambda mod, args, kwargs: (map_tensors(args, to_nhwc), map_tensors(kwargs, to_nhwc)),
+                                    with_kwargs=True)
+    n_conv = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    return f"on (model and 4-D inputs NHWC; {n_conv} Conv2d layers)"
+
+
+def apply_compile(model: torch.nn.Module, device: torch.device) -> str:
+    """``torch.compile`` in place (``Module.compile``), so state_dict keys keep the user's names."""
+    import shutil
+
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        warnings.warn("aiak: compile requested but no C++ compiler is on PATH (inductor needs one on CPU): skipped",
+                      stacklevel=3)
+        return "skipped (no C++ compiler for inductor)"
+    if not hasattr(model, "compile"):
+        warnings.warn("aiak: compile requested but this torch has no Module.compile: skipped", stacklevel=3)
+        return "skipped (torch too old)"
+    import torch._dynamo
+
+    # If a graph cannot be compiled at run time, fall back to eager for it instead of failing the run.
+    torch._dynamo.config.suppress_errors = True
+    model.compile()
+    return "on (torch.compile in place; graphs that fail to compile fall back to eager)"
+
+
+def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
+    if not enabled:
+        return "off"
+    if device.type != "cuda":
+        warnings.warn("aiak: cudnn_benchmark requested without CUDA: skipped", stacklevel=3)
+        return "skipped (no CUDA)"
+    torch.backends.cudnn.benchmark = True
+    return "on"

@@ -1,0 +1,91 @@
+"""``aiak.optimize``: sequences the steps of ../shared/DESIGN.md; every step lives in its own subpackage."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from torch import nn
+
+from aiak import amp, comm, loaders, ops, optim
+from aiak.optim.accumulation import StepController
+from aiak.strategy.select import model_device, resolve_strategy
+from aiak.summary import Summary
+
+logger = logging.getLogger("aiak")
+_last_summary: Optional[Summary] = None
+
+
+def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "auto", scheduler=None,
+             device: Any = None):
+    """Apply a strategy to a training setup; returns ``(model, optimizer, loader)`` (+ ``scheduler`` if given).
+
+    The same objects come back, patched in place or wrapped; the training loop stays
+    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``strategy`` is ``"auto"``, a built-in
+    profile name, a YAML path, a dict or an :class:`aiak.Strategy`. ``device`` moves the model there first
+    (default: where its parameters already are).
+    """
+    global _last_summary
+    # 1. resolve and validate the strategy
+    s, reasons = resolve_strategy(strategy, model, optimizer, loader, device=device)
+    dev = model_device(model, device)
+    if model is not None and device is not None:
+        model.to(dev)
+    summary = Summary(s.name, reasons)
+
+    # 2. global switches
+    summary.add("tf32", s.tf32, amp.apply_tf32(s.tf32, dev))
+    summary.add("cudnn_benchmark", s.cudnn_benchmark, amp.apply_cudnn_benchmark(s.cudnn_benchmark, dev))
+    summary.add("cpu_affinity", s.cpu_affinity, comm.apply_cpu_affinity(s.cpu_affinity))
+
+    # 3. module surgery on the bare model
+    if s.fused_ops:
+        counts = ops.apply_fused_ops(model, s.fused_ops)
+        summary.add("fused_ops", s.fused_ops, ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items()))
+    else:
+        summary.add("fused_ops", s.fused_ops, "none")
+
+    # 4. optimizer swap, memory format, precision; the step controller owns optimizer.step()
+    optimizer = optim.swap_optimizer(model, optimizer, s.optimizer)
+    summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
+    summary.add("channels_last", s.channels_last, amp.apply_channels_last(model) if s.channels_last else "off")
+    precision = amp.apply_precision(model, optimizer, s.precision, dev.type)
+    summary.add("precision", s.to_dict()["precision"], precision.describe())
+    controller = None
+    if optimizer is not None and (precision.master or precision.scaler or s.grad_accumulation > 1):
+        controller = StepController(optimizer, s.grad_accumulation, precision.scaler, precision.master)
+    scaled = controller is not None and (precision.scaler is not None or s.grad_accumulation > 1)
+    if s.precision.level != "O0" or scaled:
+        amp.install_output_hook(model, to_fp32=s.precision.level != "O0",
+                                grad_factor=controller.grad_factor if scaled else None)
+    summary.add("grad_accumulation", s.grad_accumulation,
+                f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
+    if scheduler is not None and controller is not None:
+        controller.attach_scheduler(scheduler)
+
+    # 5. distributed wrapping and communication hook
+    wrapped = comm.wrap_distributed(model, s.comm, dev)
+    if wrapped is not model:
+        if precision.master is not None:
+            precision.master.broadcast_(src=0)
+        if controller is not None:
+            controller.attach_ddp(wrapped)
+    summary.add("comm", s.to_dict()["comm"], comm.describe(wrapped))
+    model = wrapped
+
+    # 6. torch.compile last
+    summary.add("compile", s.compile, amp.apply_compile(model, dev) if s.compile else "off")
+
+    # 7. loader
+    if loader is not None:
+        loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last)
+    summary.add("loader", s.to_dict()["loader"], type(loader).__name__ if loader is not None else "no loader")
+
+    _last_summary = summary
+    logger.info("%s", summary.render())
+    result = (model, optimizer, loader)
+    return result + (scheduler,) if scheduler is not None else result
+
+
+def last_summary() -> Optional[Summary]:
+    """The summary of the most recent ``optimize()`` call (what ``aiak explain`` prints)."""
+    return _last_summary

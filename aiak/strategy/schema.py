@@ -1,0 +1,214 @@
+"""The strategy schema: one dataclass per YAML section, validated on construction.
+
+The key names are a public contract (../shared/DESIGN.md): add keys, never rename them. Validation is
+driven by the dataclass fields themselves (type annotation + ``metadata["choices"]``), so a new knob is
+one new field. Every error names the source (file or "<dict>"), the dotted key path and the valid
+choices, and is raised as a single :class:`StrategyError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+PRECISION_LEVELS = ("O0", "O1", "O2")
+PRECISION_DTYPES = ("fp16", "bf16")
+OPTIMIZER_NAMES = ("keep", "lamb", "lars")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+FUSED_OPS = ("window_attention",)
+
+
+class StrategyError(ValueError):
+    """Bad strategy input: names the source, the key path and what would be valid."""
+
+
+def _choices(*values: Any) -> Dict[str, Any]:
+    return {"choices": tuple(values)}
+
+
+@dataclass
+class Match:
+    """Conditions the auto-selector checks before proposing this profile (unused by ``optimize``)."""
+
+    modules: List[str] = field(default_factory=list)
+    cuda_capability: Optional[str] = None
+
+
+@dataclass
+class Precision:
+    """Mixed precision: O0 fp32, O1 autocast, O2 half model + fp32 master weights (apex semantics).
+
+    ``loss_scale`` is ``dynamic``, a positive number (static scale) or ``none`` (no scaling; refused for
+    fp16 at O1/O2, where small gradients underflow).
+    """
+
+    level: str = field(default="O0", metadata=_choices(*PRECISION_LEVELS))
+    dtype: str = field(default="bf16", metadata=_choices(*PRECISION_DTYPES))
+    loss_scale: Union[str, float] = field(default="dynamic", metadata=_choices("dynamic", "none", "<positive number>"))
+
+
+@dataclass
+class OptimizerConfig:
+    """``keep`` the user's optimizer, or swap it for LAMB / LARS; other keys are hyper-parameters."""
+
+    name: str = field(default="keep", metadata=_choices(*OPTIMIZER_NAMES))
+    hyperparameters: Dict[str, Any] = field(default_factory=dict, metadata={"rest": True})
+
+
+@dataclass
+class LoaderConfig:
+    """Loader wrapping: ``prefetch`` batches kept ready by a background thread (0 = off)."""
+
+    prefetch: int = 0
+    pin_memory: bool = False
+    balanced: bool = False
+
+
+@dataclass
+class CommConfig:
+    """Communication under DDP (only used when a process group with world size > 1 exists)."""
+
+    hierarchical: Union[str, bool] = field(default="auto", metadata=_choices("auto", True, False))
+    compression: str = field(default="none", metadata=_choices(*COMPRESSIONS))
+    bucket_mb: float = 25.0
+    autotune: bool = False
+
+
+@dataclass
+class Strategy:
+    """A validated strategy: what ``aiak.optimize`` applies, knob by knob."""
+
+    name: str = "custom"
+    extends: Optional[str] = None
+    description: str = ""
+    match: Match = field(default_factory=Match)
+    tf32: bool = False
+    cudnn_benchmark: bool = False
+    channels_last: bool = False
+    compile: bool = False
+    precision: Precision = field(default_factory=Precision)
+    grad_accumulation: int = 1
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    fused_ops: List[str] = field(default_factory=list, metadata=_choices(*FUSED_OPS))
+    comm: CommConfig = field(default_factory=CommConfig)
+    cpu_affinity: bool = False
+    tune: bool = False
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> "Strategy":
+        """Build and validate from a plain dict (already merged with any ``extends`` parent)."""
+        strategy = _build(cls, data, source, path="")
+        _check_combinations(strategy, source)
+        return strategy
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "Strategy":
+        """Load a YAML file (following ``extends:``) and validate it."""
+        from aiak.strategy.profiles import load_strategy
+
+        return load_strategy(path)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain dict in the YAML shape (``optimizer`` hyper-parameters flattened beside ``name``)."""
+        out = dataclasses.asdict(self)
+        opt = out["optimizer"]
+        out["optimizer"] = {"name": opt["name"], **opt["hyperparameters"]}
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# -- validation ---------------------------------------------------------------------------------
+def _type_name(annotation: Any) -> str:
+    names = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string",
+             "Optional[str]": "a string", "List[str]": "a list of strings", "Dict[str, Any]": "a mapping"}
+    return names.get(str(annotation), str(annotation))
+
+
+def _check_value(value: Any, annotation: str, choices: tuple, where: str) -> Any:
+    """Check one scalar/list value against its annotation and choices; return it normalised."""
+    if annotation == "Union[str, float]":  # precision.loss_scale
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
+        if isinstance(value, str) and value not in ("dynamic", "none"):
+            raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
+        if not isinstance(value, str):
+            if value <= 0:
+                raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
+            return float(value)
+        return value
+    if annotation == "Union[str, bool]":  # comm.hierarchical
+        if value not in choices or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise StrategyError(f"{where} must be one of ['auto', true, false], got {value!r}")
+        return value
+    expected = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "Optional[str]": (str, type(None)),
+                "List[str]": (list,), "Dict[str, Any]": (dict,)}[annotation]
+    if isinstance(value, bool) and bool not in expected:
+        raise StrategyError(f"{where} must be {_type_name(annotation)}, got {value!r}")
+    if not isinstance(value, expected):
+        raise StrategyError(f"{where} must be {_type_name(annotation)}, got {type(value).__name__} {value!r}")
+    if annotation == "List[str]":
+        for item in value:
+            if not isinstance(item, str):
+                raise StrategyError(f"{where} must be a list of strings, got item {item!r}")
+            if choices and item not in choices:
+                raise StrategyError(f"{where}: unknown entry {item!r}; valid choices: {list(choices)}")
+        return list(value)
+    if choices and value not in choices:
+        raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
+    if annotation == "float":
+        return float(value)
+    return value
+
+
+def _build(cls: type, data: Any, source: str, path: str) -> Any:
+    where_section = f"{source}: {path.rstrip('.') or '<top level>'}"
+    if not isinstance(data, Mapping):
+        raise StrategyError(f"{where_section} must be a mapping, got {type(data).__name__} {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    rest = next((f for f in fields.values() if f.metadata.get("rest")), None)
+    known = [n for n, f in fields.items() if not f.metadata.get("rest")]
+    kwargs: Dict[str, Any] = {}
+    extra: Dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{source}: {path}{key}"
+        if not isinstance(key, str):
+            raise StrategyError(f"{where}: keys must be strings")
+        if key not in known:
+            if rest is not None:
+                extra[key] = value
+                continue
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise StrategyError(f"{where}: unknown key{hint}; valid keys: {known}")
+        f = fields[key]
+        if dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
+            kwargs[key] = _build(type(f.default_factory()), value, source, f"{path}{key}.")
+        else:
+            kwargs[key] = _check_value(value, str(f.type), f.metadata.get("choices", ()), where)
+    if rest is not None:
+        kwargs[rest.name] = extra
+    return cls(**kwargs)
+
+
+def _check_combinations(s: Strategy, source: str) -> None:
+    """Impossible combinations, each with the key path that must change."""
+    p = s.precision
+    if p.level in ("O1", "O2") and p.dtype == "fp16" and p.loss_scale == "none":
+        raise StrategyError(
+            f"{source}: precision.loss_scale: fp16 at {p.level} needs loss scaling (small gradients underflow "
+            f"in fp16); set loss_scale to 'dynamic' or a positive number, or use dtype: bf16")
+    if s.grad_accumulation < 1:
+        raise StrategyError(f"{source}: grad_accumulation must be an integer >= 1, got {s.grad_accumulation}")
+    if s.loader.prefetch < 0:
+        raise StrategyError(f"{source}: loader.prefetch must be >= 0 (0 turns prefetching off), got {s.loader.prefetch}")
+    if s.comm.bucket_mb <= 0:
+        raise StrategyError(f"{source}: comm.bucket_mb must be > 0, got {s.comm.bucket_mb}")
+    if s.loader.pin_memory and s.loader.prefetch == 0:
+        raise StrategyError(f"{source}: loader.pin_memory needs loader.prefetch >= 1 (pinning happens in the prefetcher)")

@@ -1,0 +1,119 @@
+"""Gradient accumulation behind a plain ``optimizer.step()``: N micro-batches of B == one batch of N*B."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import aiak
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def _batches(n_steps, batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 12, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n_steps)]
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05),
+}
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_accumulate_4_micro_batches_equals_one_big_batch(opt_name):
+    n, micro = 4, 8
+    big_model = _model()
+    big_opt = OPTIMIZERS[opt_name](big_model.parameters())
+    acc_model = copy.deepcopy(big_model)
+    acc_opt = OPTIMIZERS[opt_name](acc_model.parameters())
+    acc_model, acc_opt, _ = aiak.optimize(acc_model, acc_opt, strategy={"grad_accumulation": n})
+    for x, y in _batches(5, n * micro):
+        nn.functional.cross_entropy(big_model(x), y).backward()
+        big_opt.step()
+        big_opt.zero_grad()
+        for xs, ys in zip(x.split(micro), y.split(micro)):
+            nn.functional.cross_entropy(acc_model(xs), ys).backward()
+            acc_opt.step()
+            acc_opt.zero_grad()
+    for a, b in zip(acc_model.parameters(), big_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # and the accumulation really did something: one micro-batch step differs
+    assert acc_opt._aiak_steps.micro_step == 0
+
+
+def test_micro_steps_do_not_touch_weights_and_zero_grad_keeps_the_sum():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"grad_accumulation": 3})
+    before = copy.deepcopy(model.state_dict())
+    (x1, y1), (x2, y2), (x3, y3) = _batches(3, 4)
+    nn.functional.cross_entropy(model(x1), y1).backward()
+    g1 = model[0].weight.grad.clone()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model[0].weight.grad, g1)  # zero_grad inside the window kept the gradient
+    nn.functional.cross_entropy(model(x2), y2).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    nn.functional.cross_entropy(model(x3), y3).backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    assert model[0].weight.grad is None  # the real step clears gradients
+
+
+def test_scheduler_advances_once_per_real_step():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, _, sched = aiak.optimize(model, opt, strategy={"grad_accumulation": 4}, scheduler=sched)
+    lrs = []
+    for x, y in _batches(8, 4):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.25]
+
+
+def test_scheduler_created_after_optimize_still_works():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": "O2", "dtype": "bf16"}})
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _batches(1, 4)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_default_strategy_leaves_the_optimizer_unpatched():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = opt.step
+    _, opt2, _ = aiak.optimize(model, opt, strategy="default")
+    assert opt2 is opt and opt.step == step and not hasattr(opt, "_aiak_steps")
+
+
+def test_closure_is_refused_with_accumulation():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: torch.zeros(()))
+
+
+def test_optimizing_the_same_optimizer_twice_is_an_error():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
+    with pytest.raises(RuntimeError, match="already passed through aiak.optimize"):
+        aiak.optimize(_model(), opt, strategy={"grad_accumulation": 2})

@@ -1,0 +1,96 @@
+"""``aiak.optimize``: the contract (order of returned objects, default == plain PyTorch, logging)."""
+import copy
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import aiak
+from aiak.demo import DemoNet, synthetic_dataset
+
+
+def _loop(model, opt, loader, epochs=2):
+    for _ in range(epochs):
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_default_strategy_reproduces_plain_training_bit_for_bit(opt_cls):
+    def setup():
+        torch.manual_seed(0)
+        model = DemoNet(width=8)
+        opt = opt_cls(model.parameters(), lr=0.01)
+        loader = DataLoader(synthetic_dataset(64, image_size=8), batch_size=16, shuffle=True,
+                            generator=torch.Generator().manual_seed(0))
+        return model, opt, loader
+
+    plain = _loop(*setup())
+    model, opt, loader = setup()
+    model2, opt2, loader2 = aiak.optimize(model, opt, loader, strategy="default")
+    assert (model2, opt2, loader2) == (model, opt, loader)  # same objects back, nothing to wrap
+    trained = _loop(model2, opt2, loader2)
+    for (k, a), b in zip(plain.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_returns_the_callers_order_and_the_scheduler_when_given():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    out = aiak.optimize(model, opt, None, strategy="default", scheduler=sched)
+    assert len(out) == 4 and out[0] is model and out[1] is opt and out[2] is None and out[3] is sched
+    assert len(aiak.optimize(nn.Linear(2, 2), strategy="default")) == 3
+
+
+def test_optimize_logs_a_one_screen_summary(caplog):
+    caplog.set_level(logging.INFO, logger="aiak")
+    model = DemoNet(width=8)
+    aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                  strategy={"precision": {"level": "O2", "dtype": "bf16"}, "grad_accumulation": 2})
+    text = caplog.text
+    assert "aiak.optimize: strategy 'custom'" in text
+    assert "O2 bf16" in text and "fp32 master weights" in text
+    assert "optimizer steps every 2 step() calls" in text
+    assert len(text.splitlines()) < 40
+
+
+def test_auto_says_what_it_detected(caplog):
+    caplog.set_level(logging.INFO, logger="aiak")
+    model = DemoNet(width=8)
+    loader = DataLoader(synthetic_dataset(32, image_size=8), batch_size=8)
+    strategy, reasons = aiak.select_strategy(model, None, loader)
+    assert strategy.name == "auto" and strategy.precision.level == "O0"
+    assert "default" in reasons["*"] and "loader.prefetch" in reasons
+    aiak.optimize(model, None, loader)
+    assert "auto" in caplog.text and "default" in caplog.text
+
+
+def test_bad_strategy_fails_before_touching_anything():
+    model = DemoNet(width=8)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(aiak.StrategyError, match="precision.level"):
+        aiak.optimize(model, strategy={"precision": {"level": "O9"}})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_import_aiak_imports_no_optional_dependency_and_never_touches_cuda():
+    code = ("import sys, torch\n"
+            "calls = []\n"
+            "torch.cuda.init = lambda *a, **k: calls.append('init')\n"
+            "torch.cuda._lazy_init = lambda *a, **k: calls.append('lazy_init')\n"
+            "import aiak\n"
+            "aiak.optimize, aiak.Strategy, aiak.load_strategy, aiak.ops, aiak.loaders, aiak.comm, aiak.optim, aiak.amp\n"
+            "bad = [m for m in ('triton', 'nvidia.dali', 'apex', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n"
+            "assert not calls, calls\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
