@@ -58,11 +58,17 @@ class OptimizerConfig:
 
 @dataclass
 class LoaderConfig:
-    """Loader wrapping: ``prefetch`` batches kept ready by a background thread (0 = off)."""
+    """Loader wrapping: ``prefetch`` batches kept ready by a background thread (0 = off), pinned host memory,
+    length-balanced batches across ranks (optionally with a token budget per rank and step), and on-device
+    normalization of uint8 images by the prefetcher (``mean``/``std`` in [0, 1] units, one value per channel).
+    """
 
     prefetch: int = 0
     pin_memory: bool = False
     balanced: bool = False
+    max_tokens: Optional[int] = None
+    mean: Optional[List[float]] = None
+    std: Optional[List[float]] = None
 
 
 @dataclass
@@ -127,7 +133,7 @@ class Strategy:
 # -- validation ---------------------------------------------------------------------------------
 def _type_name(annotation: Any) -> str:
     names = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string",
-             "Optional[str]": "a string", "List[str]": "a list of strings", "Dict[str, Any]": "a mapping"}
+             "List[str]": "a list of strings", "List[float]": "a list of numbers", "Dict[str, Any]": "a mapping"}
     return names.get(str(annotation), str(annotation))
 
 
@@ -147,12 +153,19 @@ def _check_value(value: Any, annotation: str, choices: tuple, where: str) -> Any
         if value not in choices or (isinstance(value, (int, float)) and not isinstance(value, bool)):
             raise StrategyError(f"{where} must be one of ['auto', true, false], got {value!r}")
         return value
-    expected = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "Optional[str]": (str, type(None)),
-                "List[str]": (list,), "Dict[str, Any]": (dict,)}[annotation]
+    if value is None and annotation.startswith("Optional["):
+        return None
+    annotation = annotation[len("Optional["):-1] if annotation.startswith("Optional[") else annotation
+    expected = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "List[str]": (list,),
+                "List[float]": (list,), "Dict[str, Any]": (dict,)}[annotation]
     if isinstance(value, bool) and bool not in expected:
         raise StrategyError(f"{where} must be {_type_name(annotation)}, got {value!r}")
     if not isinstance(value, expected):
         raise StrategyError(f"{where} must be {_type_name(annotation)}, got {type(value).__name__} {value!r}")
+    if annotation == "List[float]":
+        if not value or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+            raise StrategyError(f"{where} must be a non-empty list of numbers, got {value!r}")
+        return [float(v) for v in value]
     if annotation == "List[str]":
         for item in value:
             if not isinstance(item, str):
@@ -210,5 +223,12 @@ def _check_combinations(s: Strategy, source: str) -> None:
         raise StrategyError(f"{source}: loader.prefetch must be >= 0 (0 turns prefetching off), got {s.loader.prefetch}")
     if s.comm.bucket_mb <= 0:
         raise StrategyError(f"{source}: comm.bucket_mb must be > 0, got {s.comm.bucket_mb}")
+    loader = s.loader
+    if (loader.mean is None) != (loader.std is None) or (loader.mean and len(loader.mean) != len(loader.std)):
+        raise StrategyError(f"{source}: loader.mean and loader.std go together, one value per channel each")
+    if loader.mean is not None and loader.prefetch == 0:
+        raise StrategyError(f"{source}: loader.mean/std need loader.prefetch >= 1 (the prefetcher normalizes)")
+    if loader.max_tokens is not None and (loader.max_tokens < 1 or not loader.balanced):
+        raise StrategyError(f"{source}: loader.max_tokens needs loader.balanced: true and a value >= 1")
     if s.loader.pin_memory and s.loader.prefetch == 0:
         raise StrategyError(f"{source}: loader.pin_memory needs loader.prefetch >= 1 (pinning happens in the prefetcher)")

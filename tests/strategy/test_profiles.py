@@ -75,6 +75,11 @@ def test_extends_cycle_is_an_error(tmp_path):
     ({"precision": {"level": "O2", "dtype": "fp16", "loss_scale": "none"}}, r"fp16 at O2 needs loss scaling"),
     ({"grad_accumulation": 0}, r"grad_accumulation must be an integer >= 1"),
     ({"loader": {"pin_memory": True}}, r"loader.pin_memory needs loader.prefetch >= 1"),
+    ({"loader": {"prefetch": 2, "mean": [0.5, 0.5, 0.5]}}, r"loader.mean and loader.std go together"),
+    ({"loader": {"prefetch": 2, "mean": [0.5], "std": ["a"]}}, r"loader.std must be a non-empty list of numbers"),
+    ({"loader": {"mean": [0.5], "std": [0.2]}}, r"loader.mean/std need loader.prefetch >= 1"),
+    ({"loader": {"max_tokens": 4096}}, r"loader.max_tokens needs loader.balanced: true"),
+    ({"loader": {"balanced": True, "max_tokens": "lots"}}, r"loader.max_tokens must be an integer"),
 ])
 def test_each_class_of_bad_input_has_its_message(spec, message):
     with pytest.raises(StrategyError, match=message):
@@ -101,6 +106,12 @@ def test_invalid_yaml_is_reported_with_its_path(tmp_path):
         load_strategy(str(path))
 
 
-def test_bf16_bf16_loss_scale_number_is_accepted_and_fp16_static_scale_parsed():
+def test_static_loss_scale_number_is_parsed():
     s = load_strategy({"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 1024}})
     assert s.precision.loss_scale == 1024.0
+
+
+def test_loader_optional_keys_parse():
+    s = load_strategy({"loader": {"prefetch": 2, "balanced": True, "max_tokens": 4096, "mean": [0.485, 0.456, 0.406],
+                                  "std": [0.229, 0.224, 0.225]}})
+    assert s.loader.max_tokens == 4096 and s.loader.mean == [0.485, 0.456, 0.406]
