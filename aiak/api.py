@@ -69,7 +69,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
             precision.master.broadcast_(src=0)
         if controller is not None:
             controller.attach_ddp(wrapped)
-    summary.add("comm", s.to_dict()["comm"], comm.describe(wrapped))
+    summary.add("comm", s.to_dict()["comm"], comm.describe(wrapped) if wrapped is not model else "single process: no DDP")
     model = wrapped
 
     # 6. torch.compile last

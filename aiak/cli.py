@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
 import platform

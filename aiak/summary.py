@@ -29,8 +29,11 @@ class Summary:
             out.append(f"  ({self.reasons['*']})")
         for knob, value, effect in self.lines:
             out.append(f"  {knob:<{width_k}}  {value:<{width_v}}  {effect}")
-            if with_reasons and knob in self.reasons:
-                out.append(f"  {'':<{width_k}}  {'':<{width_v}}  why: {self.reasons[knob]}")
+            if with_reasons:
+                for key, why in self.reasons.items():
+                    if key == knob or key.startswith(knob + "."):
+                        label = "" if key == knob else f"{key}: "
+                        out.append(f"  {'':<{width_k}}  {'':<{width_v}}  why: {label}{why}")
         return "\n".join(out)
 
 

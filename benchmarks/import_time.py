@@ -36,8 +36,10 @@ def main():
     for k in stmts:
         t = statistics.median(samples[k])
         print(f"{k:<30} {t:>8.3f} {t / base:>6.2f}")
-    ratio = statistics.median(samples["import aiak"]) / base
-    print(f"\nimport aiak / import torch = {ratio:.2f} (goal <= 1.2): {'PASS' if ratio <= 1.2 else 'FAIL'}")
+    # `import aiak` alone is lazy and loads almost nothing; the honest figure is the whole API loaded.
+    ratio = statistics.median(samples["import aiak + aiak.optimize"]) / base
+    print(f"\n(import aiak; aiak.optimize) / import torch = {ratio:.2f} (goal <= 1.2): "
+          f"{'PASS' if ratio <= 1.2 else 'FAIL'}")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,16 @@ def apply_channels_last(model: torch.nn.Module) -> str:
 
 
 def apply_compile(model: torch.nn.Module, device: torch.device) -> str:
-    """``torch.compile`` in place (``Module.compile``), so state_dict keys keep the user's names."""
+    """``torch.compile`` in place (``Module.compile``), so state_dict keys keep the user's names.
+
+    The backend is inductor unless the environment variable ``AIAK_COMPILE_BACKEND`` names another
+    (``aot_eager`` or ``eager`` help to tell a compiler problem from a model problem).
+    """
+    import os
     import shutil
 
-    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+    backend = os.environ.get("AIAK_COMPILE_BACKEND", "inductor")
+    if device.type == "cpu" and backend == "inductor" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         warnings.warn("aiak: compile requested but no C++ compiler is on PATH (inductor needs one on CPU): skipped",
                       stacklevel=3)
         return "skipped (no C++ compiler for inductor)"
@@ -60,8 +66,8 @@ def apply_compile(model: torch.nn.Module, device: torch.device) -> str:
 
     # If a graph cannot be compiled at run time, fall back to eager for it instead of failing the run.
     torch._dynamo.config.suppress_errors = True
-    model.compile()
-    return "on (torch.compile in place; graphs that fail to compile fall back to eager)"
+    model.compile(backend=backend)
+    return f"on (torch.compile in place, backend {backend}; graphs that fail to compile fall back to eager)"
 
 
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:

@@ -1,0 +1,45 @@
+"""Dynamic loss scaling schedule (apex defaults): 2**16 start, x2 after N clean steps, x0.5 on overflow, cap 2**24."""
+import torch
+
+from aiak.amp import LossScaler
+
+
+def test_defaults_follow_apex():
+    s = LossScaler()
+    assert (s.scale, s.growth_interval, s.max_scale) == (2.0 ** 16, 2000, 2.0 ** 24)
+
+
+def test_grows_after_clean_steps_halves_on_overflow_and_is_capped():
+    s = LossScaler(init_scale=2.0 ** 22, growth_interval=3)
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale == 2.0 ** 23
+    s.update(found_inf=True)
+    assert s.scale == 2.0 ** 22 and s.clean_steps == 0 and s.skipped_steps == 1
+    for _ in range(30):
+        s.update(found_inf=False)
+    assert s.scale == 2.0 ** 24
+
+
+def test_static_scale_never_changes_but_still_reports_overflow():
+    s = LossScaler(init_scale=128.0, dynamic=False)
+    grads = [torch.tensor([256.0, float("inf")])]
+    assert s.unscale_(grads) is True
+    s.update(True)
+    assert s.scale == 128.0 and s.skipped_steps == 1
+
+
+def test_unscale_divides_in_place_across_dtypes():
+    s = LossScaler(init_scale=4.0)
+    a, b = torch.tensor([8.0, 4.0]), torch.tensor([2.0], dtype=torch.float16)
+    assert s.unscale_([a, b, None]) is False
+    assert a.tolist() == [2.0, 1.0] and b.item() == 0.5
+
+
+def test_state_dict_round_trip():
+    s = LossScaler(growth_interval=5)
+    s.update(True)
+    s.update(False)
+    t = LossScaler(growth_interval=5)
+    t.load_state_dict(s.state_dict())
+    assert (t.scale, t.clean_steps, t.skipped_steps) == (s.scale, s.clean_steps, s.skipped_steps)
