@@ -69,7 +69,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
             precision.master.broadcast_(src=0)
         if controller is not None:
             controller.attach_ddp(wrapped)
-    summary.add("comm", s.to_dict()["comm"], comm.describe(wrapped) if wrapped is not model else "single process: no DDP")
+    summary.add("comm", s.to_dict()["comm"], _describe_comm(wrapped, model))
     model = wrapped
 
     # 6. torch.compile last
@@ -84,6 +84,13 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     logger.info("%s", summary.render())
     result = (model, optimizer, loader)
     return result + (scheduler,) if scheduler is not None else result
+
+
+def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:
+    if wrapped is model:
+        return "single process: no DDP"
+    state = getattr(wrapped, "aiak_comm_state", None)
+    return f"DDP, {state.describe() if state is not None else 'built-in allreduce'}"
 
 
 def last_summary() -> Optional[Summary]:

@@ -73,12 +73,27 @@ class LoaderConfig:
 
 @dataclass
 class CommConfig:
-    """Communication under DDP (only used when a process group with world size > 1 exists)."""
+    """Communication under DDP (only used when a process group with world size > 1 exists).
+
+    ``autotune`` times candidate algorithms (and, in ``comm`` perf mode, bucket sizes) during warm-up; rank 0
+    decides, every rank follows, and the result is cached per model, cluster and torch version. int8 changes
+    the numerics, so the tuner only considers it when ``tune_int8`` is true. ``deadlock_guard`` is a debug
+    mode: ranks compare fingerprints of their collectives and raise instead of hanging (``timeout_s``).
+    """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=_choices("auto", True, False))
     compression: str = field(default="none", metadata=_choices(*COMPRESSIONS))
     bucket_mb: float = 25.0
     autotune: bool = False
+    perf_mode: str = field(default="comm", metadata=_choices("comm", "step"))
+    tune_steps: int = 3
+    tune_cache: Optional[str] = None
+    tune_int8: bool = False
+    deadlock_guard: bool = False
+    timeout_s: float = 300.0
+    compress_intra: bool = False
+    int8_block: int = 2048
+    pipeline_mb: float = 2.0
 
 
 @dataclass
@@ -221,8 +236,11 @@ def _check_combinations(s: Strategy, source: str) -> None:
         raise StrategyError(f"{source}: grad_accumulation must be an integer >= 1, got {s.grad_accumulation}")
     if s.loader.prefetch < 0:
         raise StrategyError(f"{source}: loader.prefetch must be >= 0 (0 turns prefetching off), got {s.loader.prefetch}")
-    if s.comm.bucket_mb <= 0:
-        raise StrategyError(f"{source}: comm.bucket_mb must be > 0, got {s.comm.bucket_mb}")
+    for key, low, strict in (("bucket_mb", 0, True), ("timeout_s", 0, True), ("tune_steps", 1, False),
+                             ("int8_block", 1, False), ("pipeline_mb", 0, False)):
+        value = getattr(s.comm, key)
+        if value < low or (strict and value == low):
+            raise StrategyError(f"{source}: comm.{key} must be {'>' if strict else '>='} {low}, got {value}")
     loader = s.loader
     if (loader.mean is None) != (loader.std is None) or (loader.mean and len(loader.mean) != len(loader.std)):
         raise StrategyError(f"{source}: loader.mean and loader.std go together, one value per channel each")

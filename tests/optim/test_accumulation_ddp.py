@@ -1,5 +1,7 @@
 """Accumulation under DDP (2 gloo ranks): gradients are allreduced only on the last micro-step."""
+import io
 import os
+import queue
 import socket
 
 import pytest
@@ -46,25 +48,33 @@ def _worker(rank, world, port, accumulation, out):
             opt.step()
             opt.zero_grad()
     allreduces = sum(e.name == "gloo:all_reduce" for e in prof.events())
-    out.put((rank, allreduces, {k: v.clone() for k, v in model.state_dict().items()}))
+    buffer = io.BytesIO()  # bytes, not tensors: a tensor sent through a queue dies with its sender process
+    torch.save(model.state_dict(), buffer)
+    out.put((rank, allreduces, buffer.getvalue()))
     dist.destroy_process_group()
 
 
 def _launch(accumulation, world=2):
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, accumulation, out)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("a rank hung")
-        assert p.exitcode == 0, f"a rank failed with exit code {p.exitcode}"
-    return dict((r, (n, sd)) for r, n, sd in (out.get() for _ in range(world)))
+    results = {}
+    try:
+        for _ in range(world):
+            rank, n, blob = out.get(timeout=120)
+            results[rank] = (n, torch.load(io.BytesIO(blob)))
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(world)) - set(results))} produced no result within 120 s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return results
 
 
 @pytest.mark.slow

@@ -80,6 +80,9 @@ def test_extends_cycle_is_an_error(tmp_path):
     ({"loader": {"mean": [0.5], "std": [0.2]}}, r"loader.mean/std need loader.prefetch >= 1"),
     ({"loader": {"max_tokens": 4096}}, r"loader.max_tokens needs loader.balanced: true"),
     ({"loader": {"balanced": True, "max_tokens": "lots"}}, r"loader.max_tokens must be an integer"),
+    ({"comm": {"perf_mode": "fast"}}, r"comm.perf_mode must be one of \['comm', 'step'\]"),
+    ({"comm": {"bucket_mb": 0}}, r"comm.bucket_mb must be > 0"),
+    ({"comm": {"tune_steps": 0}}, r"comm.tune_steps must be >= 1"),
 ])
 def test_each_class_of_bad_input_has_its_message(spec, message):
     with pytest.raises(StrategyError, match=message):

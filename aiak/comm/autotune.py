@@ -1,0 +1,252 @@
+"""Communication autotuner: time candidate settings during warm-up, decide on rank 0, cache the result.
+
+Follows ACSpeed (tuning bucket size and allreduce algorithm during warm-up, cached per model, size and
+cluster). Two perf modes:
+
+* ``comm``: before DDP is built, time :func:`aiak.comm.hooks.average` on buffers shaped like the model's
+  real gradient buckets (parameters in reverse order, as DDP fills them), for each algorithm
+  (flat/hierarchical x none/fp16/bf16[/int8]) at the configured bucket size, then each bucket size with the
+  best algorithm. Communication only; nothing of the user's step runs.
+* ``step``: DDP is built with the configured bucket size; over the first steps the hook switches algorithm
+  every ``tune_steps`` synchronizing steps and times whole steps (bucket 0 to bucket 0). Bucket size is not
+  tuned in this mode (DDP fixes it at construction and the returned object must stay the same).
+
+Each rank measures; timings are max-reduced (a step is as slow as the slowest rank), rank 0 picks the
+fastest and broadcasts it, so every rank runs the same algorithm. Results are cached in a JSON file keyed
+by model signature (class + parameter shapes), world size, local size, device type, torch version and
+perf mode; writes are atomic (temp file + ``os.replace``); a corrupt cache is ignored with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from aiak.comm.hooks import CommState, average
+
+logger = logging.getLogger("aiak")
+PERF_MODES = ("comm", "step")
+CACHE_ENV = "AIAK_TUNE_CACHE"
+
+
+@dataclass(frozen=True)
+class CommChoice:
+    """One candidate (and, once tuned, the decision)."""
+
+    hierarchical: bool
+    compression: str
+    bucket_mb: float
+
+    def describe(self) -> str:
+        algo = "hierarchical" if self.hierarchical else "flat"
+        algo = algo if self.compression == "none" else f"{algo}+{self.compression}"
+        return f"{algo}, bucket {self.bucket_mb:g} MB"
+
+
+# -- cache -------------------------------------------------------------------------------------
+def model_signature(model: torch.nn.Module) -> str:
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    text = f"{type(model).__name__}:{shapes}"
+    return f"{type(model).__name__}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_type: str, perf_mode: str) -> str:
+    return (f"{model_signature(model)}|world={world_size}|local={local_size}|{device_type}"
+            f"|torch={torch.__version__}|{perf_mode}")
+
+
+def default_cache_path() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aiak" / "comm_tune.json"
+
+
+class TuneCache:
+    """A JSON file ``{key: {hierarchical, compression, bucket_mb, ...}}``."""
+
+    def __init__(self, path: Optional[os.PathLike] = None):
+        self.path = Path(path) if path is not None else default_cache_path()
+
+    def _read(self) -> Dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"top level is {type(data).__name__}, expected an object")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (ValueError, OSError) as e:
+            warnings.warn(f"aiak.comm: ignoring unreadable tuning cache {self.path} ({e}); it will be rewritten",
+                          stacklevel=2)
+            return {}
+
+    def get(self, key: str) -> Optional[CommChoice]:
+        entry = self._read().get(key)
+        try:
+            return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
+        except (TypeError, KeyError, ValueError):
+            if entry is not None:
+                warnings.warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {self.path}", stacklevel=2)
+            return None
+
+    def put(self, key: str, choice: CommChoice, **extra) -> None:
+        data = self._read()
+        data[key] = {**asdict(choice), **extra}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def shared_cache_lookup(cache: TuneCache, key: str, group=None) -> Optional[CommChoice]:
+    """Rank 0 reads the cache and broadcasts the entry, so all ranks agree even without a shared disk."""
+    box = [cache.get(key) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+# -- deciding on rank 0 ------------------------------------------------------------------------
+def decide(times: Sequence[float], group=None) -> int:
+    """Index of the fastest candidate by the slowest rank's time; decided on rank 0, broadcast to all."""
+    t = torch.tensor(list(times), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    choice = torch.tensor([int(torch.argmin(t))], dtype=torch.int64)
+    dist.broadcast(choice, src=0, group=group)
+    return int(choice)
+
+
+def algorithm_candidates(hierarchical_available: bool, allow_int8: bool) -> List[tuple]:
+    compressions = ["none", "fp16", "bf16"] + (["int8"] if allow_int8 else [])
+    algos = [False, True] if hierarchical_available else [False]
+    return [(h, c) for h in algos for c in compressions]
+
+
+# -- comm mode ---------------------------------------------------------------------------------
+def gradient_bucket_sizes(model: torch.nn.Module, bucket_mb: float) -> List[int]:
+    """Element counts of DDP-like buckets: parameters in reverse order, filled up to ``bucket_mb``."""
+    cap = bucket_mb * 1024 * 1024
+    sizes, current, current_bytes = [], 0, 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        current += p.numel()
+        current_bytes += p.numel() * p.element_size()
+        if current_bytes >= cap:
+            sizes.append(current)
+            current, current_bytes = 0, 0
+    if current:
+        sizes.append(current)
+    return sizes
+
+
+def time_average(state: CommState, sizes: Sequence[int], repeats: int, device=None, group=None) -> float:
+    """Median seconds to average buffers of ``sizes`` elements with ``state`` (one warm-up run first)."""
+    buffers = [torch.randn(n, device=device) for n in sizes]
+    times = []
+    for i in range(repeats + 1):
+        for b in buffers:
+            b.normal_()
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        state.reset_queues()
+        futures = [average(state, b, key=k) for k, b in enumerate(buffers)]
+        torch.futures.wait_all(futures)
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    state.feedback.reset()
+    return statistics.median(times)
+
+
+def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[float], allow_int8: bool,
+              repeats: int = 3, device=None) -> CommChoice:
+    """Comm-mode tuning (collective: every rank calls it at the same point). Leaves ``state`` on the winner."""
+    group = state.process_group
+    base_mb = bucket_mbs[0]
+    algos = algorithm_candidates(state.groups is not None, allow_int8)
+    sizes = gradient_bucket_sizes(model, base_mb)
+    times = []
+    for h, c in algos:
+        state.set_algorithm(h, c)
+        times.append(time_average(state, sizes, repeats, device, group))
+    best = algos[decide(times, group)]
+    state.set_algorithm(*best)
+    report = [f"{CommChoice(h, c, base_mb).describe()}: {t * 1e3:.1f} ms" for (h, c), t in zip(algos, times)]
+    bucket_times = [times[algos.index(best)]]
+    for mb in bucket_mbs[1:]:
+        bucket_times.append(time_average(state, gradient_bucket_sizes(model, mb), repeats, device, group))
+        report.append(f"{CommChoice(*best, mb).describe()}: {bucket_times[-1] * 1e3:.1f} ms")
+    mb = bucket_mbs[decide(bucket_times, group)]
+    choice = CommChoice(best[0], best[1], mb)
+    logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", choice.describe(), "; ".join(report))
+    return choice
+
+
+# -- step mode ---------------------------------------------------------------------------------
+class StepTuner:
+    """Times whole training steps under each algorithm; attached to ``CommState.tuner`` by the DDP wrapper.
+
+    Each candidate runs ``1 + steps`` synchronizing steps (the first is a warm-up); a step is timed from
+    one bucket-0 hook call to the next, which covers its communication, the next forward and backward.
+    """
+
+    def __init__(self, candidates: Sequence[tuple], steps: int, bucket_mb: float,
+                 on_decided: Optional[Callable[[CommChoice, List[float]], None]] = None):
+        if steps < 1:
+            raise ValueError(f"tune_steps must be >= 1, got {steps}")
+        self.candidates = list(candidates)
+        self.steps = steps
+        self.bucket_mb = bucket_mb
+        self.on_decided = on_decided
+        self.samples: List[List[float]] = [[] for _ in self.candidates]
+        self.step = 0  # synchronizing steps seen
+        self._last_start: Optional[float] = None
+        self.choice: Optional[CommChoice] = None
+
+    def _candidate_of(self, step: int) -> int:
+        return step // (self.steps + 1)
+
+    def on_bucket(self, state: CommState, bucket) -> None:
+        if bucket.index() != 0:
+            return
+        now = time.perf_counter()
+        if self._last_start is not None:
+            prev = self.step - 1
+            idx, pos = divmod(prev, self.steps + 1)
+            if pos > 0:  # not the warm-up step of its candidate
+                self.samples[idx].append(now - self._last_start)
+        self._last_start = now
+        idx = self._candidate_of(self.step)
+        if idx >= len(self.candidates):
+            self._finish(state)
+            return
+        state.set_algorithm(*self.candidates[idx])
+        self.step += 1
+
+    def _finish(self, state: CommState) -> None:
+        times = [statistics.median(s) for s in self.samples]
+        best = self.candidates[decide(times, state.process_group)]
+        state.set_algorithm(*best)
+        state.tuner = None
+        self.choice = CommChoice(best[0], best[1], self.bucket_mb)
+        report = "; ".join(f"{CommChoice(h, c, self.bucket_mb).describe()}: {t * 1e3:.1f} ms/step"
+                           for (h, c), t in zip(self.candidates, times))
+        logger.info("aiak.comm autotune (step mode) chose %s; measured: %s", self.choice.describe(), report)
+        if self.on_decided is not None:
+            self.on_decided(self.choice, times)

@@ -1,0 +1,219 @@
+"""``wrap_distributed``: DDP wrapping + the communication hook from the strategy's ``comm:`` section.
+
+What ``aiak.optimize`` calls in its step 5 (distributed wrapping). Without an initialized process group
+of more than one rank, the model is returned unchanged. Otherwise the model is wrapped in
+:class:`~torch.nn.parallel.DistributedDataParallel` with ``bucket_cap_mb`` from the strategy, the
+:func:`aiak.comm.hooks.comm_hook` is registered with the chosen algorithm (or the comm autotuner picks it,
+see :mod:`aiak.comm.autotune`), and ``state_dict()`` / ``load_state_dict()`` of the returned DDP object
+use the user's own keys (no ``module.`` prefix; ``module.``-prefixed checkpoints still load).
+Gradient-accumulation micro-steps are the caller's: toggle ``ddp.require_backward_grad_sync``.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from aiak.comm.autotune import (PERF_MODES, StepTuner, TuneCache, algorithm_candidates, cache_key,
+                                shared_cache_lookup, tune_comm)
+from aiak.comm.compression import check_compression
+from aiak.comm.hooks import CommState, comm_hook
+from aiak.comm.topology import build_groups, detect_topology
+
+logger = logging.getLogger("aiak")
+PREFIX = "module."
+
+
+# -- state-dict keys without "module." ----------------------------------------------------------
+def _strip_module_prefix(module, state_dict, prefix, local_metadata):
+    inner = prefix + PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # per-module version info, keyed like the modules
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[prefix[:-1] if key == inner[:-1] else prefix + key[len(inner):]] = metadata.pop(key)
+    return state_dict
+
+
+def _add_module_prefix(module, state_dict, prefix, *args):
+    inner = prefix + PREFIX
+    for key in list(state_dict.keys()):
+        if key.startswith(prefix) and not key.startswith(inner):
+            state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def use_plain_state_dict_keys(ddp: torch.nn.Module) -> None:
+    """Make ``ddp.state_dict()`` return the wrapped model's keys and ``load_state_dict`` accept them."""
+    ddp._register_state_dict_hook(_strip_module_prefix)
+    if hasattr(ddp, "register_load_state_dict_pre_hook"):  # torch >= 2.5: hook(module, state_dict, prefix, ...)
+        ddp.register_load_state_dict_pre_hook(_add_module_prefix)
+    else:
+        ddp._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
+
+
+# -- the wrapper -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CommOptions:
+    """The ``comm:`` settings ``wrap_distributed`` uses, validated (schema fields + the keys it lacks yet)."""
+
+    hierarchical: Union[str, bool] = "auto"
+    compression: str = "none"
+    bucket_mb: float = 25.0
+    autotune: bool = False
+    perf_mode: str = "comm"
+    tune_steps: int = 3
+    tune_cache: Optional[str] = None
+    tune_int8: bool = False
+    deadlock_guard: bool = False
+    timeout_s: float = 300.0
+    compress_intra: bool = False
+    int8_block: int = 2048
+    pipeline_mb: float = 2.0
+
+    def __post_init__(self):
+        check_compression(self.compression, "comm.compression")
+        if self.hierarchical not in ("auto", True, False):
+            raise ValueError(f"comm.hierarchical must be one of ['auto', true, false], got {self.hierarchical!r}")
+        if self.perf_mode not in PERF_MODES:
+            raise ValueError(f"comm.perf_mode must be one of {list(PERF_MODES)}, got {self.perf_mode!r}")
+        for name, low in (("bucket_mb", 0), ("timeout_s", 0)):
+            if not getattr(self, name) > low:
+                raise ValueError(f"comm.{name} must be > {low}, got {getattr(self, name)!r}")
+        for name, low in (("tune_steps", 1), ("int8_block", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"comm.{name} must be an integer >= {low}, got {getattr(self, name)!r}")
+        if self.pipeline_mb < 0:
+            raise ValueError(f"comm.pipeline_mb must be >= 0 (0 = no pipelining), got {self.pipeline_mb!r}")
+
+    @classmethod
+    def resolve(cls, cfg: Any, **overrides: Any) -> "CommOptions":
+        """Explicit (non-None) keyword > field of ``cfg`` with the same name > default."""
+        values = {}
+        for f in fields(cls):
+            value = overrides.get(f.name)
+            if value is None and cfg is not None:
+                value = getattr(cfg, f.name, None)
+            if value is not None:
+                values[f.name] = value
+        return cls(**values)
+
+    @property
+    def knobs_set(self) -> bool:
+        return self.compression != "none" or self.hierarchical is True or self.autotune or self.deadlock_guard
+
+
+def _device_ids(model: torch.nn.Module, device) -> Optional[list]:
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        return [device.index if device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, process_group=None,
+                     **options: Any) -> torch.nn.Module:
+    """Wrap ``model`` in DDP with the communication settings of ``cfg`` (a ``CommConfig``).
+
+    ``options`` are the ``comm:`` keys the schema lacks yet (see :class:`CommOptions`): ``perf_mode``
+    (``comm`` | ``step``), ``tune_steps`` (timed runs or steps per candidate, default 3), ``tune_cache``
+    (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/comm_tune.json``), ``tune_int8`` (let the tuner
+    pick int8, default False: it changes numerics), ``deadlock_guard`` (default False), ``timeout_s`` (guard
+    timeout, default 300), ``compress_intra`` (default False), ``int8_block`` (2048), ``pipeline_mb``
+    (hierarchical pipeline chunk, default 2; 0 = whole buckets). An explicit option beats a ``cfg`` field.
+    Collective: every rank must call it at the same point. Returns the model unchanged without a process
+    group of more than one rank.
+    """
+    unknown = set(options) - {f.name for f in fields(CommOptions)}
+    if unknown:
+        raise TypeError(f"wrap_distributed got unknown option(s) {sorted(unknown)}; valid: "
+                        f"{[f.name for f in fields(CommOptions)]}")
+    opts = CommOptions.resolve(cfg, **options)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
+        if opts.knobs_set:
+            logger.info("aiak.comm: comm settings given but no process group with more than one rank exists; "
+                        "the model is not wrapped in DDP")
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, DDP):
+        warnings.warn("aiak.comm: the model is already a DistributedDataParallel; leaving it (and its hook) as is",
+                      stacklevel=2)
+        return model
+
+    topology = detect_topology(process_group)
+    want_groups = opts.hierarchical is True or (opts.hierarchical == "auto" or opts.autotune) \
+        and topology.hierarchical_useful
+    if process_group is not None and process_group is not dist.group.WORLD:
+        if opts.hierarchical is True:
+            warnings.warn("aiak.comm: hierarchical allreduce is built on the default (world) group; with a custom "
+                          "process_group it is off and allreduce is flat", stacklevel=2)
+        want_groups = False
+    elif opts.hierarchical is True and not topology.hierarchical_useful:
+        warnings.warn(f"aiak.comm: comm.hierarchical=true needs >1 node with >1 rank each and equal nodes; "
+                      f"topology is {topology.describe()}; using flat allreduce", stacklevel=2)
+        want_groups = False
+    groups = build_groups(topology) if want_groups else None
+    state = CommState(process_group, groups, hierarchical=groups is not None and opts.hierarchical is not False,
+                      compression=opts.compression, compress_intra=opts.compress_intra, int8_block=opts.int8_block,
+                      pipeline_mb=opts.pipeline_mb)
+    device_ids = _device_ids(model, device)
+    bucket_mb, tuner = opts.bucket_mb, None
+    if opts.autotune:
+        bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group)
+
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group)
+    default_path = not opts.autotune and not opts.deadlock_guard and not state.hierarchical \
+        and state.compression == "none"
+    if not default_path:  # DDP's built-in C++ allreduce is the fastest flat fp32 path
+        state.tuner = tuner
+        ddp.register_comm_hook(state, comm_hook)
+    ddp.aiak_comm_state = state
+    use_plain_state_dict_keys(ddp)
+    if opts.deadlock_guard:
+        from aiak.comm.deadlock import enable_deadlock_guard
+
+        enable_deadlock_guard(timeout_s=opts.timeout_s)
+    logger.info("aiak.comm: DDP over %s, bucket %g MB, %s%s", topology.describe(), bucket_mb,
+                "autotuning (step mode)" if tuner else state.describe(),
+                ", deadlock guard on" if opts.deadlock_guard else "")
+    return ddp
+
+
+def _autotune(model, state: CommState, opts: CommOptions, topology, device_ids, process_group):
+    """Cache lookup (rank 0 reads, broadcasts), else comm-mode tuning now or a step-mode tuner.
+
+    Returns ``(bucket_mb, tuner or None)`` and leaves ``state`` on the chosen (or cached) algorithm.
+    """
+    allow_int8 = opts.tune_int8 or opts.compression == "int8"
+    cache = TuneCache(opts.tune_cache)
+    key = cache_key(model, topology.world_size, topology.local_size, "cuda" if device_ids else "cpu", opts.perf_mode)
+    cached = shared_cache_lookup(cache, key, process_group)
+    if cached is not None and cached.hierarchical and state.groups is None:
+        cached = None  # cannot apply with this topology: tune again
+    is_rank0 = dist.get_rank(process_group) == 0
+    if cached is not None:
+        logger.info("aiak.comm autotune: cache hit in %s for %s -> %s (tuning skipped)", cache.path, key,
+                    cached.describe())
+        state.set_algorithm(cached.hierarchical, cached.compression)
+        return cached.bucket_mb, None
+    if opts.perf_mode == "comm":
+        device = torch.device("cuda", device_ids[0]) if device_ids else None
+        choice = tune_comm(model, state, list(dict.fromkeys([opts.bucket_mb, 5.0, 50.0])), allow_int8,
+                           repeats=opts.tune_steps, device=device)
+        if is_rank0:
+            cache.put(key, choice, perf_mode=opts.perf_mode)
+        return choice.bucket_mb, None
+
+    def remember(choice, times):
+        if is_rank0:
+            cache.put(key, choice, perf_mode=opts.perf_mode)
+
+    candidates = algorithm_candidates(state.groups is not None, allow_int8)
+    return opts.bucket_mb, StepTuner(candidates, opts.tune_steps, opts.bucket_mb, remember)

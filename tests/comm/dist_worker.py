@@ -1,0 +1,259 @@
+"""One rank of a multi-process comm test (launched by conftest.launch with torchrun's environment).
+
+``python dist_worker.py <scenario> <outdir>``: runs the scenario and ``torch.save``s its result to
+``<outdir>/rank<r>.pt``; the test process makes the assertions.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aiak.comm import CollectiveMismatchError, detect_topology, wrap_distributed
+from aiak.comm.deadlock import deadlock_guard, disable_deadlock_guard
+from aiak.strategy.schema import CommConfig
+
+ALGORITHMS = [(h, c) for h in (False, True) for c in ("none", "fp16", "bf16", "int8")]
+
+
+class LogRecorder(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 7))
+
+
+def small_model(seed=0):
+    """1.1 MB of odd-sized parameters: several 0.25 MB buckets after DDP's 1 MB first one; shards need padding."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(13, 511), nn.Tanh(), nn.Linear(511, 521), nn.Tanh(),
+                         nn.Linear(521, 7, bias=False))  # buckets of 270399 (odd) and 7154 values
+
+
+def rank_data(rank, n=8, step=0):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 13, generator=g), torch.randn(n, 7, generator=g)
+
+
+def grads_of(ddp, step):
+    ddp.zero_grad(set_to_none=True)
+    x, y = rank_data(dist.get_rank(), step=step)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    return [p.grad.detach().clone() for p in ddp.parameters()]
+
+
+class CollectiveRecorder:
+    """Records (op, group ranks, numel, dtype) of the collectives the hooks issue."""
+
+    OPS = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+           "all_gather_into_tensor", "all_to_all_single")
+
+    def __init__(self):
+        self.calls, self._originals = [], {}
+
+    def __enter__(self):
+        for name in self.OPS:
+            if hasattr(dist, name):
+                original = self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def _wrap(self, name, original):
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
+                     else tuple(range(dist.get_world_size())))
+            tensor = args[1] if name != "all_reduce" else args[0]  # the input
+            self.calls.append((name.split("_single")[0].replace("_tensor", "").replace("_into", ""), ranks,
+                               tensor.numel(), str(tensor.dtype)))
+            return original(*args, **kwargs)
+        return recorded
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def scenario_equivalence(rank):
+    out = {"topology": detect_topology().nodes}
+    base = wrap_distributed(small_model(), CommConfig(hierarchical=False, bucket_mb=0.25))
+    out["baseline_is_default_ddp"] = base._comm_hooks == [] if hasattr(base, "_comm_hooks") else None
+    out["baseline"] = [grads_of(base, s) for s in range(2)]
+    for h, c in ALGORITHMS:
+        ddp = wrap_distributed(small_model(), CommConfig(hierarchical=h, compression=c, bucket_mb=0.25))
+        grads = [grads_of(ddp, 0)]
+        with CollectiveRecorder() as rec:
+            grads.append(grads_of(ddp, 1))  # buckets rebuilt to 0.001 MB after the first iteration
+        out[(h, c)] = {"grads": grads, "calls": rec.calls, "state": ddp.aiak_comm_state.describe()}
+    # the hierarchical pipeline cut into ~11 chunks per 1 MB bucket
+    for c in ("none", "int8"):
+        ddp = wrap_distributed(small_model(), CommConfig(hierarchical=True, compression=c, bucket_mb=0.25),
+                               pipeline_mb=0.1)
+        grads = [grads_of(ddp, 0)]
+        with CollectiveRecorder() as rec:
+            grads.append(grads_of(ddp, 1))
+        out[("pipelined", c)] = {"grads": grads, "calls": rec.calls}
+    # accumulation: the lead's step controller toggles require_backward_grad_sync on micro-steps
+    accum = {}
+    for name, cfg in (("default", CommConfig(hierarchical=False)), ("hier", CommConfig(hierarchical=True))):
+        ddp = wrap_distributed(small_model(), cfg)
+        ddp.zero_grad()
+        for micro in range(3):
+            ddp.require_backward_grad_sync = micro == 2
+            x, y = rank_data(rank, step=10 + micro)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        accum[name] = [p.grad.clone() for p in ddp.parameters()]
+    out["accum"] = accum
+    # state_dict keys are the user's, and loading them round-trips
+    ddp = wrap_distributed(small_model(), CommConfig(hierarchical=True))
+    sd = ddp.state_dict()
+    out["state_dict_keys"] = (list(sd.keys()), list(small_model().state_dict().keys()))
+    other = wrap_distributed(small_model(seed=5), CommConfig(hierarchical=True))
+    other.load_state_dict(sd)
+    prefixed = {f"module.{k}": v for k, v in sd.items()}
+    third = wrap_distributed(small_model(seed=6), CommConfig(hierarchical=True))
+    third.load_state_dict(prefixed)
+    out["state_dict_roundtrip"] = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), sd.values())) \
+        and all(torch.equal(a, b) for a, b in zip(third.state_dict().values(), sd.values()))
+    return out
+
+
+def teacher_problem(rank, n=64, dim=16):
+    g = torch.Generator().manual_seed(7)
+    w_true = torch.randn(dim, 1, generator=g)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(n, dim, generator=g) * torch.logspace(0, -2, dim)  # feature scales 1 .. 0.01
+    return x, x @ w_true
+
+
+def train(ddp, rank, steps=80, lr=0.2):
+    x, y = teacher_problem(rank)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def scenario_training(rank):
+    """Gradient equivalence of every algorithm, then int8 training against fp32 (one launch for both)."""
+    out = scenario_equivalence(rank)
+
+    def model():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    for name, cfg in (("fp32", CommConfig(hierarchical=False)),
+                                ("hier_int8", CommConfig(hierarchical=True, compression="int8")),
+                                ("flat_int8", CommConfig(hierarchical=False, compression="int8"))):
+        ddp = wrap_distributed(model(), cfg)
+        losses = train(ddp, rank)
+        out[name] = {"losses": losses, "weights": [p.detach().clone() for p in ddp.parameters()]}
+    return out
+
+
+def scenario_autotune(rank):
+    rec = LogRecorder()
+    logging.getLogger("aiak").addHandler(rec)
+    logging.getLogger("aiak").setLevel(logging.INFO)
+    out = {}
+    ddp = wrap_distributed(tiny_model(), CommConfig(autotune=True, bucket_mb=0.001), tune_steps=1, tune_int8=True)
+    grads_of(ddp, 0)
+    out["comm"] = {"choice": ddp.aiak_comm_state.describe(), "bucket_mb": ddp.bucket_bytes_cap / 2**20}
+    ddp = wrap_distributed(tiny_model(), CommConfig(autotune=True, bucket_mb=0.001), tune_steps=1, perf_mode="step")
+    state = ddp.aiak_comm_state
+    steps = 0
+    while state.tuner is not None and steps < 30:
+        grads_of(ddp, steps)
+        steps += 1
+    tuned_at = steps
+    out["step"] = {"choice": state.describe(), "tuned_at": tuned_at, "final_grads": grads_of(ddp, 99)}
+    out["logs"] = rec.messages
+    out["cache"] = open(os.environ["AIAK_TUNE_CACHE"]).read() if rank == 0 else None
+    return out
+
+
+def scenario_deadlock(rank):
+    out = {}
+    # no false positives: guarded DDP steps (async chained collectives) give the unguarded gradients
+    base = wrap_distributed(tiny_model(), CommConfig(hierarchical=False, bucket_mb=0.001))
+    expected = grads_of(base, 0)
+    guarded = wrap_distributed(tiny_model(), CommConfig(hierarchical=True, compression="fp16", bucket_mb=0.001),
+                               deadlock_guard=True, timeout_s=20)
+    out["guarded_grads"] = (grads_of(guarded, 0), expected)
+    disable_deadlock_guard()
+    node = int(os.environ["GROUP_RANK"])
+    timeout = 4.0
+    t = torch.ones(10)
+    with deadlock_guard(timeout_s=timeout):  # node 0 reduces then broadcasts, node 1 the other way round
+        start = time.monotonic()
+        try:
+            for op in ((dist.all_reduce, dist.broadcast) if node == 0 else (dist.broadcast, dist.all_reduce)):
+                op(t) if op is dist.all_reduce else op(t, src=0)
+            out["misordered"] = ("no error", time.monotonic() - start)
+        except CollectiveMismatchError as e:
+            out["misordered"] = (str(e), time.monotonic() - start)
+    with deadlock_guard(timeout_s=timeout):  # rank 3 arrives after the timeout
+        start = time.monotonic()
+        try:
+            if rank == 3:
+                time.sleep(timeout + 2)
+            dist.all_reduce(t)
+            out["late"] = ("no error", time.monotonic() - start)
+        except CollectiveMismatchError as e:
+            out["late"] = (str(e), time.monotonic() - start)
+    return out
+
+
+def scenario_uneven(rank):
+    out = {"topology": detect_topology()}
+    base = wrap_distributed(tiny_model(), CommConfig(hierarchical=False, bucket_mb=0.001))
+    expected = grads_of(base, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = wrap_distributed(tiny_model(), CommConfig(hierarchical=True, compression="fp16", bucket_mb=0.001))
+    out["warnings"] = [str(w.message) for w in caught]
+    out["state"] = ddp.aiak_comm_state.describe()
+    out["grads"] = (grads_of(ddp, 0), expected)
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        os.environ.pop(name, None)
+    out["hostname_topology"] = detect_topology()
+    return out
+
+
+def main():
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        result = globals()[f"scenario_{scenario}"](rank)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()  # rank 0 hosts the store: keep it up until every rank is done
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Autotuner: cache file behaviour (single process) and rank agreement + cache hit on 4 gloo ranks."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from aiak.comm.autotune import CommChoice, TuneCache, cache_key, default_cache_path, gradient_bucket_sizes
+
+
+def test_cache_roundtrip_and_atomic_merge(tmp_path):
+    cache = TuneCache(tmp_path / "sub" / "tune.json")
+    assert cache.get("k") is None
+    cache.put("k", CommChoice(True, "fp16", 25.0), perf_mode="comm")
+    cache.put("other", CommChoice(False, "none", 5.0))
+    assert cache.get("k") == CommChoice(True, "fp16", 25.0)
+    assert set(json.loads(cache.path.read_text())) == {"k", "other"}
+    assert [p.name for p in cache.path.parent.iterdir()] == ["tune.json"]  # no temp files left behind
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
+    path = tmp_path / "tune.json"
+    path.write_text("{not json")
+    cache = TuneCache(path)
+    with pytest.warns(UserWarning, match="ignoring unreadable tuning cache"):
+        assert cache.get("k") is None
+    with pytest.warns(UserWarning):
+        cache.put("k", CommChoice(False, "bf16", 25.0))
+    assert cache.get("k") == CommChoice(False, "bf16", 25.0)
+    path.write_text(json.dumps({"k": {"hierarchical": True}}))
+    with pytest.warns(UserWarning, match="malformed"):
+        assert cache.get("k") is None
+
+
+def test_cache_location_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("AIAK_TUNE_CACHE", str(tmp_path / "x.json"))
+    assert default_cache_path() == tmp_path / "x.json"
+
+
+def test_cache_key_changes_with_shapes_class_world_and_device():
+    a, b = nn.Linear(4, 5), nn.Linear(4, 6)
+    keys = {cache_key(a, 4, 2, "cpu", "comm"), cache_key(b, 4, 2, "cpu", "comm"), cache_key(a, 8, 2, "cpu", "comm"),
+            cache_key(a, 4, 4, "cpu", "comm"), cache_key(a, 4, 2, "cuda", "comm"),
+            cache_key(nn.Sequential(nn.Linear(4, 5)), 4, 2, "cpu", "comm")}
+    assert len(keys) == 6
+    assert torch.__version__ in cache_key(a, 4, 2, "cpu", "comm")
+
+
+def test_gradient_bucket_sizes_follow_ddp_order():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))  # 65792 params (257 KB) per layer
+    assert gradient_bucket_sizes(model, 0.25) == [65792, 65792]  # each layer alone reaches 0.25 MB
+    assert gradient_bucket_sizes(model, 100) == [2 * 65792]
+    assert gradient_bucket_sizes(model, 0.3) == [2 * 65792]
+
+
+@pytest.mark.slow
+def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
+    env = {"AIAK_TUNE_CACHE": str(tmp_path / "tune.json")}
+    first = launch_ranks("autotune", env=env, timeout=150)
+    for mode in ("comm", "step"):
+        assert len({str(r[mode]["choice"]) for r in first}) == 1, f"ranks disagree in {mode} mode"
+    assert len({r["comm"]["bucket_mb"] for r in first}) == 1
+    assert first[0]["step"]["tuned_at"] == 6 * 2 + 1  # 6 candidates x (warm-up + 1 timed step), decided at the next
+    for r in first:
+        assert not any("cache hit" in m for m in r["logs"])
+        assert sum("autotune (comm mode) chose" in m for m in r["logs"]) == 1
+        assert sum("autotune (step mode) chose" in m for m in r["logs"]) == 1
+    cached = json.loads(first[0]["cache"])
+    assert {k.rsplit("|", 1)[1] for k in cached} == {"comm", "step"}
+
+    second = launch_ranks("autotune", env=env, timeout=150)
+    for r in second:
+        assert sum("cache hit" in m for m in r["logs"]) == 2
+        assert not any("chose" in m for m in r["logs"])
+        assert r["step"]["tuned_at"] == 0  # no tuning steps
+    assert second[0]["comm"] == first[0]["comm"]
+    assert second[0]["step"]["choice"] == first[0]["step"]["choice"]

@@ -1,0 +1,62 @@
+"""wrap_distributed without a process group, and argument validation."""
+import logging
+
+import pytest
+import torch.distributed as dist
+import torch.nn as nn
+
+from aiak.comm import CommState, wrap_distributed
+from aiak.strategy.schema import CommConfig
+
+
+def test_without_a_process_group_the_model_is_returned_unchanged(caplog):
+    assert not dist.is_initialized()
+    model = nn.Linear(2, 2)
+    with caplog.at_level(logging.INFO, logger="aiak"):
+        assert wrap_distributed(model, CommConfig(compression="fp16")) is model
+    assert "no process group" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="aiak"):
+        assert wrap_distributed(model, CommConfig()) is model
+    assert caplog.text == ""  # nothing asked for, nothing to say
+
+
+def test_comm_state_validates_with_an_explanation(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="needs groups"):
+            CommState(hierarchical=True)
+        with pytest.raises(ValueError, match=r"must be one of \['none', 'fp16', 'bf16', 'int8'\]"):
+            CommState(compression="int4")
+        model = nn.Linear(2, 2)
+        assert wrap_distributed(model, CommConfig(compression="fp16")) is model  # world size 1
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"perf_mode": "x"}, r"comm.perf_mode must be one of \['comm', 'step'\], got 'x'"),
+    ({"tune_steps": 0}, r"comm.tune_steps must be an integer >= 1"),
+    ({"timeout_s": 0}, r"comm.timeout_s must be > 0"),
+    ({"pipeline_mb": -1}, r"comm.pipeline_mb must be >= 0"),
+])
+def test_bad_options_name_the_key_and_choices(options, message):
+    with pytest.raises(ValueError, match=message):
+        wrap_distributed(nn.Linear(2, 2), CommConfig(), **options)
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(TypeError, match="unknown option.*'tune_stepz'.*valid"):
+        wrap_distributed(nn.Linear(2, 2), CommConfig(), tune_stepz=3)
+
+
+def test_options_resolve_argument_then_cfg_then_default():
+    from aiak.comm.ddp import CommOptions
+
+    class Cfg(CommConfig):
+        tune_steps = 7
+
+    assert CommOptions.resolve(Cfg(compression="bf16")).tune_steps == 7
+    assert CommOptions.resolve(Cfg(), tune_steps=2).tune_steps == 2
+    assert CommOptions.resolve(CommConfig()).tune_steps == 3
+    assert CommOptions.resolve(CommConfig(compression="bf16")).compression == "bf16"
