@@ -45,7 +45,9 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         summary.add("fused_ops", s.fused_ops, "none")
 
     # 4. optimizer swap, memory format, precision; the step controller owns optimizer.step()
-    optimizer = optim.swap_optimizer(model, optimizer, s.optimizer)
+    user_optimizer, optimizer = optimizer, optim.swap_optimizer(model, optimizer, s.optimizer)
+    if scheduler is not None and optimizer is not user_optimizer:
+        optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     summary.add("channels_last", s.channels_last, amp.apply_channels_last(model) if s.channels_last else "off")
     precision = amp.apply_precision(model, optimizer, s.precision, dev.type)

@@ -1,0 +1,16 @@
+"""aiak.optim: layer-wise large-batch optimizers and the optimizer swap used by ``aiak.optimize``.
+
+* :class:`Lamb` (You et al. 2019) and :class:`Lars` (You et al. 2017): ``torch.optim.Optimizer``
+  subclasses with a single-tensor and a bucketed multi-tensor (``torch._foreach_*``) path.
+* :func:`layerwise_param_groups`: biases and normalization weights out of decay and adaptation.
+* :func:`create` (by name) and :func:`swap_optimizer` (apply a strategy's ``optimizer:`` section).
+"""
+from aiak.optim.factory import HYPERPARAMETERS, OPTIMIZERS, create, swap_optimizer
+from aiak.optim.lamb import Lamb, lamb
+from aiak.optim.lars import Lars, lars
+from aiak.optim.scheduler import rebind_scheduler
+from aiak.optim.param_groups import excluded_parameters, is_norm_module, layerwise_param_groups, split_param_groups
+
+__all__ = ["Lamb", "Lars", "lamb", "lars", "create", "swap_optimizer", "layerwise_param_groups", "split_param_groups",
+           "excluded_parameters", "is_norm_module", "OPTIMIZERS", "HYPERPARAMETERS",
+           "rebind_scheduler"]

@@ -1,0 +1,346 @@
+"""Shared machinery of the layer-wise optimizers (LAMB, LARS): bucketing, fp32 state, validation.
+
+Layer-wise optimizers need one norm per parameter *before* they can update it, so a plain
+``torch._foreach_*`` sweep over every tensor of the model would run each elementwise op over the whole
+model (hundreds of MB on a ResNet-50) and stream every temporary through DRAM. Here the multi-tensor
+path works on **buckets** of at most ``bucket_elems`` elements instead (the idea of apex's
+``multi_tensor_apply`` chunks, applied on the host side): whole small tensors are packed together, and a
+tensor larger than a bucket is cut into flat pieces. A bucket's temporaries then stay in cache, and a
+whole tensor is updated right after its norms are known. Temporaries live in scratch memory kept
+between steps (:class:`BucketPlan`), so the hot loop allocates nothing. Pieces of a cut tensor need
+the norm of the whole tensor, so they take two sweeps: the first accumulates the piece norms, the
+second updates with the finished trust ratio.
+
+On CUDA the default is one bucket per (device, dtype) group: every foreach op is then one or a few
+kernel launches over all tensors, which is what makes foreach fast there.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+# A bucket is a list of (tensor index, start, stop) in flat element coordinates; (i, 0, numel) is whole.
+Piece = Tuple[int, int, int]
+
+# CPU default: 1 Mi elements per bucket. A bucket's ~6 live fp32 arrays (24 MB) then stay in a server
+# L3, and ops stay large enough to split across threads (benchmarks/optimizers.py --bucket-elems: on
+# the 2-core EPYC here 256 Ki - 1 Mi were equal within noise, whole-list foreach ~2x slower).
+DEFAULT_CPU_BUCKET_ELEMS = 1 << 20
+
+
+def default_bucket_elems(device: torch.device) -> Optional[int]:
+    """Bucket size used when the optimizer is given ``bucket_elems=None``: cache-sized on CPU, unbounded on GPU."""
+    return DEFAULT_CPU_BUCKET_ELEMS if device.type == "cpu" else None
+
+
+def plan_buckets(tensors: Sequence[torch.Tensor], bucket_elems: Optional[int], *extra: Sequence[torch.Tensor]
+                 ) -> Tuple[List[List[Piece]], List[bool]]:
+    """Split ``tensors`` into buckets of at most ``bucket_elems`` elements.
+
+    A tensor is cut into flat pieces only when it is larger than a bucket and it and its companions in
+    ``extra`` (grads, state) are all contiguous, so the same flat slice means the same elements in each.
+    Returns the buckets and, per tensor, whether it was cut.
+    """
+    cut = [False] * len(tensors)
+    if bucket_elems is None:
+        return [[(i, 0, t.numel()) for i, t in enumerate(tensors)]], cut
+    buckets: List[List[Piece]] = []
+    current: List[Piece] = []
+    filled = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n > bucket_elems and t.is_contiguous() and all(e[i].is_contiguous() for e in extra):
+            cut[i] = True
+            for start in range(0, n, bucket_elems):
+                buckets.append([(i, start, min(n, start + bucket_elems))])
+            continue
+        if current and filled + n > bucket_elems:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append((i, 0, n))
+        filled += n
+    if current:
+        buckets.append(current)
+    return buckets, cut
+
+
+def take(tensors: Sequence[torch.Tensor], bucket: Sequence[Piece], cut: Sequence[bool]) -> List[torch.Tensor]:
+    """The views of ``tensors`` that ``bucket`` covers (whole tensors, or flat slices of cut ones)."""
+    return [tensors[i].view(-1)[start:stop] if cut[i] else tensors[i] for i, start, stop in bucket]
+
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the update is computed (and state kept) in: fp32 for half/bfloat16, else the dtype itself."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+class BucketPlan:
+    """The buckets of one list of parameters, with views and scratch memory cached between steps.
+
+    ``persistent`` are lists that live across steps (parameters, then their state tensors): their bucket
+    views are built once. Gradients may be new tensors every step and are cut per call (:meth:`take`).
+    Scratch (:meth:`scratch`) is one flat buffer per slot, sized to the largest bucket, so the hot loop
+    allocates nothing; with ``bucket_elems=None`` (one bucket, GPU) it is allocated per call instead and
+    the caching allocator serves it.
+    """
+
+    def __init__(self, persistent: Sequence[Sequence[torch.Tensor]], bucket_elems: Optional[int]):
+        self.buckets, self.cut = plan_buckets(persistent[0], bucket_elems, *persistent[1:])
+        self.views = [[take(t, b, self.cut) for t in persistent] for b in self.buckets]
+        self.cached_scratch = bucket_elems is not None
+        self._flat: Dict[tuple, torch.Tensor] = {}
+        self._scratch: Dict[tuple, List[torch.Tensor]] = {}
+        # buckets holding the pieces of each cut tensor, in order
+        self.pieces_of: Dict[int, List[int]] = {}
+        for k, bucket in enumerate(self.buckets):
+            if self.cut[bucket[0][0]]:
+                self.pieces_of.setdefault(bucket[0][0], []).append(k)
+
+    def is_last_piece(self, k: int) -> bool:
+        """Bucket ``k`` is the last piece of a cut tensor (its whole-tensor norms are complete after it)."""
+        return self.pieces_of[self.buckets[k][0][0]][-1] == k
+
+    def whole_tensor_scratch(self, k: int, dtype: torch.dtype) -> List[torch.Tensor]:
+        """For a piece of a cut tensor: its slice of a buffer as large as the largest cut tensor.
+
+        Lets an update computed piece by piece wait, in cache, for the norm of the whole tensor.
+        """
+        i, start, stop = self.buckets[k][0]
+        key = ("whole", dtype)
+        if key not in self._flat:
+            largest = max(self.buckets[ks[-1]][0][2] for ks in self.pieces_of.values())  # stop of a last piece
+            self._flat[key] = torch.empty(largest, device=self.views[k][0][0].device, dtype=dtype)
+        return [self._flat[key][start:stop]]
+
+    def take(self, k: int, grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Bucket ``k`` of ``grads``; a non-contiguous gradient of a cut parameter is read in logical order."""
+        return [grads[i].reshape(-1)[start:stop] if self.cut[i] else grads[i] for i, start, stop in self.buckets[k]]
+
+    def scratch(self, k: int, slot: int, dtype: torch.dtype) -> List[torch.Tensor]:
+        """Uninitialised tensors shaped like bucket ``k``'s parameter views (``slot`` names the temporary)."""
+        like = self.views[k][0]
+        if not self.cached_scratch:
+            return [torch.empty(t.shape, device=t.device, dtype=dtype) for t in like]
+        views = self._scratch.get((k, slot, dtype))
+        if views is None:
+            key = (slot, dtype)
+            if key not in self._flat:
+                largest = max(sum(t.numel() for t in v[0]) for v in self.views)
+                self._flat[key] = torch.empty(largest, device=like[0].device, dtype=dtype)
+            sizes = [t.numel() for t in like]
+            pieces = torch.split(self._flat[key][:sum(sizes)], sizes)
+            views = self._scratch[(k, slot, dtype)] = [p.view(t.shape) for p, t in zip(pieces, like)]
+        return views
+
+
+class PlanCache:
+    """The optimizer's :class:`BucketPlan` per list of tensors, rebuilt when any tensor was replaced.
+
+    Plans not used during a step are dropped by :meth:`prune` (their views would otherwise keep replaced
+    parameters or state alive).
+    """
+
+    def __init__(self) -> None:
+        self._plans: Dict[tuple, BucketPlan] = {}
+        self._used: set = set()
+
+    def get(self, persistent: Sequence[Sequence[torch.Tensor]], bucket_elems: Optional[int]) -> BucketPlan:
+        # the cached views keep their tensors alive, so an id in the key cannot be reused by another tensor
+        key = (bucket_elems, tuple(id(t) for ts in persistent for t in ts))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = BucketPlan(persistent, bucket_elems)
+        self._used.add(key)
+        return plan
+
+    def prune(self) -> None:
+        for key in [k for k in self._plans if k not in self._used]:
+            del self._plans[key]
+        self._used = set()
+
+
+def cached_plan(cache: Optional[PlanCache], persistent: Sequence[Sequence[torch.Tensor]],
+                bucket_elems: Optional[int]) -> BucketPlan:
+    """``cache.get(...)``, or a throw-away plan without a cache (functional use)."""
+    return BucketPlan(persistent, bucket_elems) if cache is None else cache.get(persistent, bucket_elems)
+
+
+def working_copies(plan, k, p, g, grad_scale):
+    """Bucket ``k``'s weights and gradients in the math dtype: fp32 copies of half tensors, scaled gradients."""
+    dtype = math_dtype(p[0].dtype)
+    w = p
+    if dtype != p[0].dtype:
+        w = plan.scratch(k, 2, dtype)
+        torch._foreach_copy_(w, p)
+    if g is not None and (g[0].dtype != dtype or grad_scale != 1.0):
+        g32 = plan.scratch(k, 3, dtype)
+        torch._foreach_copy_(g32, g)
+        if grad_scale != 1.0:
+            torch._foreach_mul_(g32, grad_scale)
+        g = g32
+    return w, g
+
+
+def write_back(params: List[torch.Tensor], fp32_copies: List[torch.Tensor]) -> None:
+    """Copy fp32 working copies back into half/bfloat16 parameters (no-op for fp32 parameters)."""
+    pairs = [(p, w) for p, w in zip(params, fp32_copies) if p is not w]
+    if pairs:
+        torch._foreach_copy_([p for p, _ in pairs], [w for _, w in pairs])
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each tensor, as one 1-D tensor.
+
+    On CPU the squares are BLAS dot products of the flat tensors: ``linalg.vector_norm``'s CPU kernel
+    ran single-threaded and ~1.4x slower than ``dot`` here (1 Mi fp32 elements: 111 us vs 78 us on one
+    thread, 43 us on two). Elsewhere ``torch._foreach_norm`` (a single multi-tensor kernel).
+    """
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(list(tensors)))
+    squares = [torch.dot(t.view(-1), t.view(-1)) if t.is_contiguous() else torch.linalg.vector_norm(t).square()
+               for t in tensors]
+    return torch.stack(squares).sqrt()
+
+
+# Tests set this to run the accelerator form of per-tensor scalars (host floats) on the CPU.
+FORCE_HOST_SCALARS = False
+
+
+def per_tensor_scalars(values: torch.Tensor, via_host: Optional[bool] = None) -> list:
+    """One scalar per tensor for a foreach op, from a 1-D tensor of ``values``.
+
+    On CPU: 0-dim tensors (no copy). Elsewhere the values go to the host once (one sync per call) and
+    come back as Python floats, which keeps foreach on its fused multi-tensor kernels (a list of 0-dim
+    device tensors sends it down the per-tensor slow path). ``via_host`` forces either form.
+    """
+    if via_host is None:
+        via_host = FORCE_HOST_SCALARS or values.device.type != "cpu"
+    return values.tolist() if via_host else list(values.unbind())
+
+
+def add_scaled_(targets: List[torch.Tensor], sources: List[torch.Tensor], scales: torch.Tensor, alpha: float,
+                via_host: Optional[bool] = None) -> None:
+    """``targets[i] += alpha * scales[i] * sources[i]`` (``scales``: 1-D, one value per tensor).
+
+    On CPU one ``addcmul_`` pass with 0-dim scales; elsewhere see :func:`per_tensor_scalars`.
+    """
+    if via_host is None:
+        via_host = FORCE_HOST_SCALARS or scales.device.type != "cpu"
+    if via_host:
+        torch._foreach_add_(targets, torch._foreach_mul(sources, (scales * alpha).tolist()))
+    else:
+        torch._foreach_addcmul_(targets, sources, list(scales.unbind()), alpha)
+
+
+def group_by_device_dtype_step(params: List[torch.Tensor], steps: List[int]) -> Dict[tuple, List[int]]:
+    """Indices of ``params`` grouped by (device, dtype, step): tensors of one group share every scalar."""
+    groups: Dict[tuple, List[int]] = {}
+    for i, (p, s) in enumerate(zip(params, steps)):
+        groups.setdefault((p.device, p.dtype, s), []).append(i)
+    return groups
+
+
+def global_grad_norm(param_groups: Iterable[dict]) -> Optional[torch.Tensor]:
+    """fp32 L2 norm of every gradient of every group (one number, as apex's ``max_grad_norm`` uses)."""
+    grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return None
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    squares = []
+    for device_grads in by_device.values():
+        norms = torch._foreach_norm(device_grads, 2.0, dtype=torch.float32)
+        squares.append(torch.stack(norms).square().sum().cpu())
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_coefficient(param_groups: Iterable[dict], max_grad_norm: Optional[float]) -> float:
+    """``min(1, max_grad_norm / ||g||)`` over all gradients, or 1.0 when clipping is off."""
+    if not max_grad_norm:
+        return 1.0
+    norm = global_grad_norm(param_groups)
+    if norm is None:
+        return 1.0
+    norm = float(norm)
+    if not math.isfinite(norm):
+        return 1.0  # leave inf/nan gradients alone: the loss scaler skips such steps
+    return max_grad_norm / norm if norm > max_grad_norm else 1.0
+
+
+def check_range(name: str, value, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = False) -> None:
+    """Raise one ValueError naming the hyper-parameter and the valid interval."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+
+
+def check_betas(betas) -> Tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
+    check_range("betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    check_range("betas[1]", betas[1], 0.0, 1.0, high_open=True)
+    return float(betas[0]), float(betas[1])
+
+
+class LayerwiseOptimizer(Optimizer):
+    """Base of :class:`~aiak.optim.Lamb` and :class:`~aiak.optim.Lars`: fp32 state kept fp32 on reload.
+
+    ``Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype; for half
+    parameters that would silently turn the fp32 moments into fp16. This restores them in fp32.
+    """
+
+    _fp32_state_keys: Tuple[str, ...] = ()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        for group, saved_group in zip(self.param_groups, saved_groups):
+            for p, pid in zip(group["params"], saved_group["params"]):
+                if pid not in saved_state or p.dtype not in HALF_DTYPES:
+                    continue
+                for key in self._fp32_state_keys:
+                    value = saved_state[pid].get(key)
+                    if isinstance(value, torch.Tensor):
+                        self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
+    def _check_dense_grads(self) -> None:
+        """Refuse sparse gradients before anything is modified (layer-wise norms need dense tensors)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; use a dense "
+                                       f"embedding (sparse=False) or torch.optim.SparseAdam for those parameters")
+
+    def _gather(self, group: dict, state_keys: Sequence[str]):
+        """Params with a gradient, their grads and state; initialises state on first use."""
+        params, grads, steps = [], [], []
+        states: Dict[str, List[torch.Tensor]] = {k: [] for k in state_keys}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                self._init_state(p, state)
+            state["step"] += 1
+            params.append(p)
+            grads.append(p.grad)
+            steps.append(int(state["step"].item()))
+            for k in state_keys:
+                states[k].append(state.get(k))
+        return params, grads, steps, states
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        raise NotImplementedError

@@ -1,0 +1,217 @@
+"""LARS: layer-wise adaptive rate scaling for large-batch SGD.
+
+Follows Algorithm 1 of You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks"
+(arXiv:1708.03888), with the optional clipping of NVIDIA's LARC (apex ``apex.parallel.LARC``)::
+
+    local = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)   (1 when a norm is 0)
+    local = min(local / lr, 1)                                                   (clip=True, LARC)
+    d     = local * (g + weight_decay * w)
+    buf   = momentum * buf + d                                                   (buf starts at 0)
+    w    -= lr * (d + momentum * buf if nesterov else buf)
+
+The global learning rate multiplies the momentum buffer on the way out, as in ``torch.optim.SGD`` and
+LARC; the paper folds it into ``buf``, which is the same update while ``lr`` is constant. Groups with
+``adapt=False`` (biases, normalization weights; see :mod:`aiak.optim.param_groups`) take plain SGD
+momentum steps (``local = 1``).
+
+The class only gathers parameters and state; :func:`lars` runs the math, in a single-tensor loop or the
+bucketed multi-tensor (``torch._foreach_*``) path of :mod:`aiak.optim._multi_tensor` (the default). The
+momentum buffer is fp32 and the update is computed in fp32 for fp16/bf16 parameters.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, List, Optional
+
+import torch
+
+from aiak.optim._multi_tensor import (LayerwiseOptimizer, PlanCache, add_scaled_, cached_plan, check_range,
+                                      default_bucket_elems, group_by_device_dtype_step, math_dtype, norms,
+                                      per_tensor_scalars, working_copies, write_back)
+
+__all__ = ["Lars", "lars"]
+
+
+class Lars(LayerwiseOptimizer):
+    """LARS (You et al. 2017), with LARC clipping and Nesterov momentum as options.
+
+    Args:
+        params: parameters or parameter groups; a group may set ``adapt=False`` for plain SGD momentum.
+        lr: global learning rate. momentum: heavy-ball momentum (0 disables the buffer).
+        weight_decay: L2 decay added to the gradient (and to the trust-ratio denominator).
+        trust_coefficient: the paper's eta. eps: guards the trust-ratio denominator.
+        nesterov: Nesterov momentum (needs momentum > 0). clip: LARC clipping ``min(local / lr, 1)``.
+        adapt: default of the per-group layer-wise switch.
+        foreach / bucket_elems / fused: as in :class:`aiak.optim.Lamb`.
+    """
+
+    _fp32_state_keys = ("momentum_buffer",)
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 0.001, eps: float = 1e-8, *, nesterov: bool = False,
+                 clip: bool = False, adapt: bool = True, foreach: Optional[bool] = None,
+                 bucket_elems: Optional[int] = None, fused: Optional[bool] = None):
+        if bucket_elems is not None and (not isinstance(bucket_elems, int) or bucket_elems < 0):
+            raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
+                             f"got {bucket_elems!r}")
+        if fused:
+            warnings.warn("Lars(fused=True): no fused LARS kernel in this build; using the multi-tensor "
+                          "(foreach) path", stacklevel=2)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                        eps=eps, nesterov=nesterov, clip=clip, adapt=adapt, foreach=foreach)
+        _check_group(defaults)
+        super().__init__(params, defaults)
+        self.bucket_elems = bucket_elems
+        self._plans = PlanCache()
+        for group in self.param_groups:
+            _check_group(group)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        pass  # the momentum buffer is created in step(), where the group's momentum is known
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_dense_grads()
+        for group in self.param_groups:
+            params, grads, _, _ = self._gather(group, ())
+            if not params:
+                continue
+            buffers = None
+            if group["momentum"]:
+                buffers = []
+                for p in params:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p, dtype=math_dtype(p.dtype),
+                                                                    memory_format=torch.preserve_format)
+                    buffers.append(state["momentum_buffer"])
+            lars(params, grads, buffers, lr=group["lr"], momentum=group["momentum"],
+                 weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
+                 nesterov=group["nesterov"], clip=group["clip"], adapt=group["adapt"],
+                 foreach=group["foreach"] is not False, bucket_elems=self.bucket_elems, plans=self._plans)
+        self._plans.prune()
+        return loss
+
+
+def _check_group(group: dict) -> None:
+    check_range("lr", group["lr"], 0.0)
+    check_range("momentum", group["momentum"], 0.0, 1.0, high_open=True)
+    check_range("weight_decay", group["weight_decay"], 0.0)
+    check_range("trust_coefficient", group["trust_coefficient"], 0.0, low_open=True)
+    check_range("eps", group["eps"], 0.0)
+    if group["nesterov"] and not group["momentum"]:
+        raise ValueError("nesterov=True needs momentum > 0")
+
+
+def lars_trust_ratio(w_norm: torch.Tensor, g_norm: torch.Tensor, *, lr: float, trust_coefficient: float,
+                     weight_decay: float, eps: float, clip: bool) -> torch.Tensor:
+    """Local learning rate multiplier over stacked norms; 1 where either norm is 0."""
+    local = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)
+    if clip:
+        local = (local / lr).clamp(max=1.0) if lr > 0 else torch.ones_like(local)
+    return torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
+
+
+def lars(params: List[torch.Tensor], grads: List[torch.Tensor], momentum_buffers: Optional[List[torch.Tensor]], *,
+         lr: float, momentum: float, weight_decay: float, trust_coefficient: float, eps: float,
+         nesterov: bool = False, clip: bool = False, adapt: bool = True, foreach: bool = True,
+         bucket_elems: Optional[int] = None, plans: Optional[PlanCache] = None) -> None:
+    """One LARS step over lists of tensors; ``momentum_buffers`` (fp32, zero at start) when momentum > 0.
+
+    ``plans``: as in :func:`aiak.optim.lamb.lamb`.
+    """
+    kw = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, adapt=adapt,
+              ratio=dict(lr=lr, trust_coefficient=trust_coefficient, weight_decay=weight_decay, eps=eps, clip=clip))
+    if foreach:
+        _multi_tensor_lars(params, grads, momentum_buffers, bucket_elems=bucket_elems, plans=plans, **kw)
+    else:
+        _single_tensor_lars(params, grads, momentum_buffers, **kw)
+
+
+def _single_tensor_lars(params, grads, momentum_buffers, *, lr, momentum, weight_decay, ratio, nesterov, adapt):
+    for i, (p, g) in enumerate(zip(params, grads)):
+        w = p.to(math_dtype(p.dtype))
+        g = g.to(w.dtype)
+        d = g.add(w, alpha=weight_decay) if weight_decay else g
+        if adapt:
+            d = d * lars_trust_ratio(torch.linalg.vector_norm(w), torch.linalg.vector_norm(g), **ratio)
+        if momentum_buffers is not None:
+            buf = momentum_buffers[i].mul_(momentum).add_(d)
+            d = d.add(buf, alpha=momentum) if nesterov else buf
+        w.add_(d, alpha=-lr)
+        if w is not p:
+            p.copy_(w)
+
+
+def _foreach_update(w, g, bufs, ratios, *, lr, momentum, weight_decay, nesterov):
+    """``w -= lr * momentum_step(r * (g + weight_decay * w))`` over lists, without temporaries on CPU.
+
+    ``ratios`` is a 1-D tensor (one ratio per tensor) or None for ``r = 1``. The decayed gradient is
+    never materialised: ``buf = momentum * buf + r * g + r * weight_decay * w`` and the direct term of a
+    Nesterov or momentum-free step is applied as ``w *= 1 - lr * r * weight_decay; w -= lr * r * g``.
+    """
+    def add_r_times(target, source, factor):  # target += factor * r * source
+        if ratios is None:
+            torch._foreach_add_(target, source, alpha=factor)
+        else:
+            add_scaled_(target, source, ratios, factor)
+
+    if bufs is not None:
+        torch._foreach_mul_(bufs, momentum)
+        add_r_times(bufs, g, 1.0)
+        if weight_decay:
+            add_r_times(bufs, w, weight_decay)
+        if not nesterov:
+            torch._foreach_add_(w, bufs, alpha=-lr)
+            return
+    # direct term r * (g + wd * w), using w before it changes
+    if weight_decay:
+        shrink = 1.0 - lr * weight_decay
+        torch._foreach_mul_(w, shrink if ratios is None else per_tensor_scalars(1.0 - lr * weight_decay * ratios))
+    add_r_times(w, g, -lr)
+    if bufs is not None:  # nesterov: + momentum * buf
+        torch._foreach_add_(w, bufs, alpha=-lr * momentum)
+
+
+def _multi_tensor_lars(params, grads, momentum_buffers, *, lr, momentum, weight_decay, ratio, nesterov, adapt,
+                       bucket_elems, plans=None):
+    update = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    for (device, _, _), idx in group_by_device_dtype_step(params, [0] * len(params)).items():
+        G = [grads[i] for i in idx]
+        size = default_bucket_elems(device) if bucket_elems is None else (bucket_elems or None)
+        persistent = [[params[i] for i in idx]]
+        if momentum_buffers is not None:
+            persistent.append([momentum_buffers[i] for i in idx])
+        plan = cached_plan(plans, persistent, size)
+        piece_norms: List[torch.Tensor] = []
+        for k, (bucket, views) in enumerate(zip(plan.buckets, plan.views)):
+            p, bufs = views[0], (views[1] if momentum_buffers is not None else None)
+            w, g = working_copies(plan, k, p, plan.take(k, G), 1.0)
+            if adapt and plan.cut[bucket[0][0]]:
+                # A piece of a cut tensor: the whole-tensor norms come first; right after the last piece
+                # (its pieces still in cache) sweep the pieces again to update them.
+                piece_norms.append(norms([w[0], g[0]]))
+                if plan.is_last_piece(k):
+                    w_norm, g_norm = torch.stack(piece_norms).square().sum(0).sqrt().unbind()
+                    piece_norms = []
+                    ratios = lars_trust_ratio(w_norm, g_norm, **ratio).reshape(1)
+                    for kk in plan.pieces_of[bucket[0][0]]:
+                        p_piece = plan.views[kk][0]
+                        bufs_piece = plan.views[kk][1] if momentum_buffers is not None else None
+                        w_piece, g_piece = working_copies(plan, kk, p_piece, plan.take(kk, G), 1.0)
+                        _foreach_update(w_piece, g_piece, bufs_piece, ratios, **update)
+                        write_back(p_piece, w_piece)
+                continue
+            ratios = None
+            if adapt:
+                ratios = lars_trust_ratio(norms(w), norms(g), **ratio)
+            _foreach_update(w, g, bufs, ratios, **update)
+            write_back(p, w)

@@ -1,0 +1,86 @@
+"""Parameter groups that exclude biases and normalization weights from weight decay and adaptation.
+
+Layer-wise trust ratios were designed for weight matrices and convolution kernels. The large-batch
+recipes that made LARS and LAMB work (Goyal et al. 2017 for decay on BN; You et al. 2019 for BERT;
+MLPerf ResNet-50 LARS) leave biases and normalization scales/shifts out of both weight decay and the
+trust ratio. Which parameters those are is decided here **by module type first** (every parameter owned
+by a normalization layer, whatever it is called), then by name (``bias``) and shape (1-D tensors such as
+layer-scale gammas), so a model with custom-named norm layers is still handled.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["NORM_TYPES", "is_norm_module", "excluded_parameters", "layerwise_param_groups", "split_param_groups"]
+
+# The normalization layers of torch.nn (BatchNorm*/InstanceNorm*/SyncBatchNorm share _NormBase).
+NORM_TYPES: Tuple[type, ...] = tuple(t for t in (
+    nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+    getattr(nn, "RMSNorm", None),
+) if t is not None)
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """True for torch.nn normalization layers and for classes named like one (``LlamaRMSNorm``, ``LayerNorm2d``).
+
+    The name rule catches the norm layers of other libraries (transformers, timm) that do not subclass
+    the torch.nn ones; it looks at the class name, not at the attribute name the user gave the module.
+    """
+    if isinstance(module, NORM_TYPES):
+        return True
+    name = type(module).__name__
+    return name.endswith("Norm") or "Norm1d" in name or "Norm2d" in name or "Norm3d" in name
+
+
+def excluded_parameters(model: nn.Module) -> Set[int]:
+    """``id()`` of every parameter that should get neither weight decay nor a trust ratio.
+
+    Excluded: parameters owned directly by a normalization module (by type), parameters named ``bias``,
+    and any parameter with fewer than 2 dimensions (scales, gains, layer-scale vectors).
+    """
+    excluded: Set[int] = set()
+    for module in model.modules():
+        norm = is_norm_module(module)
+        for name, p in module.named_parameters(recurse=False):
+            if norm or name == "bias" or name.endswith("_bias") or p.ndim < 2:
+                excluded.add(id(p))
+    return excluded
+
+
+def split_param_groups(groups: Sequence[Dict[str, Any]], excluded: Set[int]) -> List[Dict[str, Any]]:
+    """Split each group in two: the parameters to adapt, and the excluded ones (``weight_decay=0``, ``adapt=False``).
+
+    Every other key of a group (its ``lr``, user keys) is kept in both halves; empty halves are dropped,
+    and the order of parameters inside each half follows the original group.
+    """
+    out: List[Dict[str, Any]] = []
+    for group in groups:
+        params = list(group["params"])
+        rest = {k: v for k, v in group.items() if k != "params"}
+        kept = [p for p in params if id(p) not in excluded]
+        dropped = [p for p in params if id(p) in excluded]
+        if kept:
+            out.append({**rest, "params": kept})
+        if dropped:
+            out.append({**rest, "params": dropped, "weight_decay": 0.0, "adapt": False})
+    return out
+
+
+def layerwise_param_groups(model: nn.Module, weight_decay: Optional[float] = None,
+                           params: Optional[Iterable[torch.Tensor]] = None) -> List[Dict[str, Any]]:
+    """Two parameter groups for ``model``: decayed and adapted weights, then excluded biases / norm weights.
+
+    Args:
+        model: where module types and parameter names are looked up.
+        weight_decay: put on the first group when given (the excluded group always gets 0).
+        params: restrict to these parameters (default: every parameter of ``model`` that requires grad).
+    """
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    group: Dict[str, Any] = {"params": list(params)}
+    if weight_decay is not None:
+        group["weight_decay"] = weight_decay
+    return split_param_groups([group], excluded_parameters(model))
