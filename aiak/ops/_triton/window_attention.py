@@ -1,0 +1,131 @@
+"""Launchers for the window-attention Triton kernels: check inputs, allocate outputs, pick the grid.
+
+Imported only when the Triton backend runs (a CUDA call, or a test under ``TRITON_INTERPRET=1``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from aiak.ops._triton.window_attention_kernels import _bwd_kernel, _fwd_kernel
+
+__all__ = ["window_attention_forward", "window_attention_backward"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _block_sizes(n: int, d: int):
+    # tl.dot needs every dimension >= 16.
+    return max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(d))
+
+
+def _allow_tf32(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+
+
+def _token_major(windows, heads, n, d, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A [B*nW, H, N, D] tensor laid out as [B*nW, N, H, D]: every Swin module follows the attention with
+    ``out.transpose(1, 2).reshape(B*nW, N, C)``, which is then free (no copy)."""
+    return torch.empty((windows, n, heads, d), device=like.device, dtype=dtype or like.dtype).transpose(1, 2)
+
+
+def _dummy(ref: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, device=ref.device, dtype=torch.float32)
+
+
+def _check(q, k, v, bias, mask):
+    assert q.dim() == 4 and q.shape == k.shape == v.shape, "q, k, v must be [B*nW, H, N, D] of one shape"
+    assert q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype, f"q/k/v dtype must be one of {_DTYPES}"
+    assert q.device == k.device == v.device
+    windows, heads, n, _ = q.shape
+    if bias is not None:
+        assert tuple(bias.shape) == (heads, n, n) and bias.device == q.device
+    if mask is not None:
+        assert mask.dim() == 3 and tuple(mask.shape[1:]) == (n, n) and windows % mask.shape[0] == 0
+        assert mask.device == q.device
+
+
+def window_attention_forward(q, k, v, bias, mask, scale):
+    """Returns (out [B*nW, H, N, D] in q's dtype, token-major (see _token_major), lse [B*nW, H, N] fp32)."""
+    _check(q, k, v, bias, mask)
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    windows, heads, n, d = q.shape
+    block_n, block_d = _block_sizes(n, d)
+    bias_c = bias.contiguous() if bias is not None else _dummy(q)
+    mask_c = mask.contiguous() if mask is not None else _dummy(q)
+    out = _token_major(windows, heads, n, d, q)
+    lse = torch.empty((windows, heads, n), device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (windows * heads, triton.cdiv(n, meta["BLOCK_M"]))
+
+    _fwd_kernel[grid](
+        q, k, v, bias_c, mask_c, out, lse,
+        scale, heads, mask.shape[0] if mask is not None else 1,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        n, d,
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, ALLOW_TF32=_allow_tf32(q.dtype),
+        BLOCK_N=block_n, BLOCK_D=block_d,
+    )
+    return out, lse
+
+
+def _bwd_block_m(block_n: int) -> int:
+    # Whole window in one query block up to 64 rows; beyond that 32-row blocks keep the
+    # [BLOCK_M, BLOCK_N] fp32 tiles (scores, P, dP, dS) within registers.
+    return block_n if block_n <= 64 else 32
+
+
+def window_attention_backward(grad_out, q, k, v, bias, mask, out, lse, scale, need_bias_grad):
+    """Returns (dq, dk, dv, dbias or None); dbias is summed over windows, in bias's dtype.
+
+    dq, dk, dv share the forward output's token-major layout (``out`` as returned by the forward)."""
+    _check(q, k, v, bias, mask)
+    q, k, v, grad_out = (_unit_last_stride(t) for t in (q, k, v, grad_out))
+    assert out.shape == grad_out.shape == q.shape and out.stride(-1) == 1
+    windows, heads, n, d = q.shape
+    block_n, block_d = _block_sizes(n, d)
+    block_m = _bwd_block_m(block_n)
+    single_block = block_m >= block_n
+
+    dq = torch.empty_like(out)
+    if single_block:
+        dk, dv = torch.empty_like(out), torch.empty_like(out)
+        dk_acc = dv_acc = _dummy(q)
+    else:
+        dk = dv = dq  # unused by the kernel in this mode
+        dk_acc = torch.zeros_like(out, dtype=torch.float32)
+        dv_acc = torch.zeros_like(out, dtype=torch.float32)
+    assert dq.stride() == out.stride() and (single_block or dk_acc.stride() == out.stride())
+    has_dbias = bool(need_bias_grad and bias is not None)
+    dbias = torch.zeros((heads, n, n), device=q.device, dtype=torch.float32) if has_dbias else _dummy(q)
+    bias_c = bias.contiguous() if bias is not None else _dummy(q)
+    mask_c = mask.contiguous() if mask is not None else _dummy(q)
+
+    def grid(meta):
+        return (triton.cdiv(windows, meta["WINDOWS_PER_PROGRAM"]), heads)
+
+    _bwd_kernel[grid](
+        q, k, v, bias_c, mask_c, out, grad_out, lse,
+        dq, dk, dv, dk_acc, dv_acc, dbias,
+        scale, heads, windows, mask.shape[0] if mask is not None else 1,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        n, d,
+        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_DBIAS=has_dbias,
+        ALLOW_TF32=_allow_tf32(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    )
+    if not single_block:
+        dk, dv = dk_acc.to(q.dtype), dv_acc.to(q.dtype)
+    return dq, dk, dv, (dbias.to(bias.dtype) if has_dbias else None)

@@ -1,0 +1,207 @@
+"""Triton kernels for Swin window attention ``softmax(Q K^T * scale + B + M) V``.
+
+A Swin window is small (N = 49, 64, 144 tokens), so unlike FlashAttention (Dao et al., 2022,
+Algorithm 1) a whole score row fits in one tile: the forward needs no online softmax, just one
+``[BLOCK_M, BLOCK_N]`` tile per (window, head, query block) with ``BLOCK_N = next_pow2(N)``; columns and
+rows past N are masked inside the kernel. The forward stores the output and the row log-sum-exp.
+
+The backward follows FlashAttention-2 (Dao, 2023, Algorithm 2) with one change for Swin: the bias ``B``
+is a parameter shared by every window, so ``dB[h] = sum_w dS[w, h]``. One program owns one head and a
+group of ``WINDOWS_PER_PROGRAM`` windows; it accumulates ``dB`` for its group in registers and adds it
+to the global fp32 buffer with one atomic add per query block, which keeps the whole backward in a
+single launch. When a window spans several query blocks (N > BLOCK_M), the partial dK/dV of each block
+are added atomically into fp32 buffers (owned by this program only, so there is no contention).
+
+Autotune configs are keyed on (N, D) and the argument dtypes (Triton appends those to the key).
+Nothing here touches a device at import; under ``TRITON_INTERPRET=1`` only the first config runs.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def _interpret_prune(configs, named_args, **kwargs):
+    # The interpreter cannot time configs (no device); any one config is correct.
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return configs[:1]
+    return configs
+
+
+@triton.jit
+def _tile_ptrs(base, win, head, rows, cols, stride_b, stride_h, stride_n):
+    """Pointers to the [rows, cols] tile of (window, head) in a [B*nW, H, N, D] tensor with unit D stride."""
+    return base + win * stride_b + head * stride_h + rows[:, None] * stride_n + cols[None, :]
+
+
+def _fwd_configs():
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=1)
+            for bm, w in ((16, 2), (32, 4), (64, 4), (32, 8), (64, 8))]
+
+
+def _fwd_prune(configs, named_args, **kwargs):
+    configs = _interpret_prune(configs, named_args, **kwargs)
+    # A query block taller than the padded window only adds masked rows.
+    n_pad = max(16, triton.next_power_of_2(named_args["N_CTX"]))
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= n_pad]
+    return kept or configs[:1]
+
+
+@triton.autotune(configs=_fwd_configs(), key=["N_CTX", "HEAD_DIM"],
+                 prune_configs_by={"early_config_prune": _fwd_prune})
+@triton.jit
+def _fwd_kernel(
+    Q, K, V,            # [B*nW, H, N, D], unit stride on D
+    Bias,               # [H, N, N] contiguous (unused unless HAS_BIAS)
+    Mask,               # [nW, N, N] contiguous (unused unless HAS_MASK)
+    Out,                # [B*nW, H, N, D] (any strides, unit on D), written
+    Lse,                # [B*nW, H, N] fp32 contiguous, written: log-sum-exp of each score row
+    sm_scale, num_heads, num_mask_windows,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    N_CTX, HEAD_DIM,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, ALLOW_TF32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)  # windows * heads on axis 0: axis 1 is limited to 65535 on CUDA
+    pid_m = tl.program_id(1)
+    win = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < N_CTX
+    col_ok = offs_n < N_CTX
+    d_ok = offs_d < HEAD_DIM
+
+    md_ok = row_ok[:, None] & d_ok[None, :]
+    nd_ok = col_ok[:, None] & d_ok[None, :]
+    q = tl.load(_tile_ptrs(Q, win, head, offs_m, offs_d, stride_qb, stride_qh, stride_qn), mask=md_ok, other=0.0)
+    k = tl.load(_tile_ptrs(K, win, head, offs_n, offs_d, stride_kb, stride_kh, stride_kn), mask=nd_ok, other=0.0)
+    v = tl.load(_tile_ptrs(V, win, head, offs_n, offs_d, stride_vb, stride_vh, stride_vn), mask=nd_ok, other=0.0)
+
+    scores = tl.dot(q, tl.trans(k), input_precision="tf32" if ALLOW_TF32 else "ieee") * sm_scale
+    tile = offs_m[:, None] * N_CTX + offs_n[None, :]
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if HAS_BIAS:
+        scores += tl.load(Bias + head * N_CTX * N_CTX + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        mask_win = win % num_mask_windows
+        scores += tl.load(Mask + mask_win * N_CTX * N_CTX + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    scores = tl.where(col_ok[None, :], scores, float("-inf"))
+
+    row_max = tl.max(scores, axis=1)
+    p = tl.exp(scores - row_max[:, None])
+    row_sum = tl.sum(p, axis=1)
+    p = p / row_sum[:, None]
+    out = tl.dot(p.to(v.dtype), v, input_precision="tf32" if ALLOW_TF32 else "ieee")
+
+    tl.store(_tile_ptrs(Out, win, head, offs_m, offs_d, stride_ob, stride_oh, stride_on),
+             out.to(Out.dtype.element_ty), mask=md_ok)
+    tl.store(Lse + (win * num_heads + head) * N_CTX + offs_m, row_max + tl.log(row_sum), mask=row_ok)
+
+
+def _bwd_configs():
+    # Few configs on purpose: each one is a compile on first use. ptxas (sm_90, fp16, N=49) reports
+    # ~1 KB of spills at 4 warps and ~160 B at 8 for the 64x64 backward tile; 4 warps stays for small N.
+    return [triton.Config({"WINDOWS_PER_PROGRAM": wpp}, num_warps=w, num_stages=1)
+            for wpp in (8, 32) for w in (4, 8)]
+
+
+def _bwd_prune(configs, named_args, **kwargs):
+    configs = _interpret_prune(configs, named_args, **kwargs)
+    if named_args["N_CTX"] > 32:
+        configs = [c for c in configs if c.num_warps >= 8] or configs
+    return configs
+
+
+@triton.autotune(configs=_bwd_configs(), key=["N_CTX", "HEAD_DIM"],
+                 prune_configs_by={"early_config_prune": _bwd_prune},
+                 reset_to_zero=["DBias", "DKAcc", "DVAcc"])
+@triton.jit
+def _bwd_kernel(
+    Q, K, V,            # [B*nW, H, N, D], unit stride on D
+    Bias, Mask,         # as in _fwd_kernel
+    Out,                # [B*nW, H, N, D] from the forward; DQ, DK, DV, DKAcc, DVAcc share its strides
+    DOut,               # [B*nW, H, N, D] incoming gradient (own strides)
+    Lse,                # [B*nW, H, N] fp32 contiguous, from the forward
+    DQ, DK, DV,         # written (DK/DV only when SINGLE_BLOCK)
+    DKAcc, DVAcc,       # fp32 zeroed accumulators (used only when not SINGLE_BLOCK)
+    DBias,              # fp32 [H, N, N] contiguous, zeroed, accumulated (used only when HAS_DBIAS)
+    sm_scale, num_heads, num_windows, num_mask_windows,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_gb, stride_gh, stride_gn,
+    N_CTX, HEAD_DIM,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DBIAS: tl.constexpr, ALLOW_TF32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WINDOWS_PER_PROGRAM: tl.constexpr,
+):
+    SINGLE_BLOCK: tl.constexpr = BLOCK_M >= BLOCK_N
+    PRECISION: tl.constexpr = "tf32" if ALLOW_TF32 else "ieee"
+    group = tl.program_id(0)
+    head = tl.program_id(1)
+    win_start = group * WINDOWS_PER_PROGRAM
+    win_end = tl.minimum(win_start + WINDOWS_PER_PROGRAM, num_windows)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < N_CTX
+    d_ok = offs_d < HEAD_DIM
+    kv_ok = col_ok[:, None] & d_ok[None, :]
+
+    for m_start in range(0, N_CTX, BLOCK_M):
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < N_CTX
+        md_ok = row_ok[:, None] & d_ok[None, :]
+        tile = offs_m[:, None] * N_CTX + offs_n[None, :]
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        dbias = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for win in range(win_start, win_end):
+            q = tl.load(_tile_ptrs(Q, win, head, offs_m, offs_d, stride_qb, stride_qh, stride_qn),
+                        mask=md_ok, other=0.0)
+            k = tl.load(_tile_ptrs(K, win, head, offs_n, offs_d, stride_kb, stride_kh, stride_kn),
+                        mask=kv_ok, other=0.0)
+            v = tl.load(_tile_ptrs(V, win, head, offs_n, offs_d, stride_vb, stride_vh, stride_vn),
+                        mask=kv_ok, other=0.0)
+            do = tl.load(_tile_ptrs(DOut, win, head, offs_m, offs_d, stride_gb, stride_gh, stride_gn),
+                         mask=md_ok, other=0.0)
+            o_offs = win * stride_ob + head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+            o = tl.load(Out + o_offs, mask=md_ok, other=0.0)
+            lse = tl.load(Lse + (win * num_heads + head) * N_CTX + offs_m, mask=row_ok, other=0.0)
+
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+            if HAS_BIAS:  # re-read per window (cache-resident) rather than pinning a tile of registers
+                scores += tl.load(Bias + head * N_CTX * N_CTX + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            if HAS_MASK:
+                mask_win = win % num_mask_windows
+                scores += tl.load(Mask + mask_win * N_CTX * N_CTX + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            p = tl.exp(scores - lse[:, None])
+            p = tl.where(col_ok[None, :], p, 0.0)
+
+            # dS = P * (dO V^T - rowsum(dO * O)); padded rows have dO = O = 0, so dS = 0 there.
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+            ds = p * (dp - delta[:, None])
+            if HAS_DBIAS:
+                dbias += ds
+
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * sm_scale
+            tl.store(DQ + o_offs, dq.to(DQ.dtype.element_ty), mask=md_ok)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * sm_scale
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            nd_offs = win * stride_ob + head * stride_oh + offs_n[:, None] * stride_on + offs_d[None, :]
+            if SINGLE_BLOCK:
+                tl.store(DK + nd_offs, dk.to(DK.dtype.element_ty), mask=kv_ok)
+                tl.store(DV + nd_offs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+            else:
+                tl.atomic_add(DKAcc + nd_offs, dk, mask=kv_ok)
+                tl.atomic_add(DVAcc + nd_offs, dv, mask=kv_ok)
+        if HAS_DBIAS:
+            tl.atomic_add(DBias + head * N_CTX * N_CTX + tile, dbias, mask=tile_ok)

@@ -1,0 +1,244 @@
+"""Module surgery: put fused window attention into existing Swin models, in place.
+
+Policies in the style of Composer's module surgery: each policy recognises one implementation by class
+name and structure (never by importing its library) and names the fused forward that replaces it
+(:mod:`aiak.ops.swin_fused`). The swap changes only the module's class, to ``Fused<Name>``, a subclass
+of the original with the fused ``forward`` in front: parameters (the same ``nn.Parameter`` objects),
+buffers and ``state_dict`` keys are untouched, so an optimizer created before surgery still holds the
+right tensors. Surgery refuses models already wrapped (DDP, DataParallel, torch.compile) and warns, via
+the ``"aiak"`` logger, about variants it cannot fuse exactly (SwinV2 cosine attention) and about
+modules whose attention dropout makes training fall back to the original forward.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional
+
+from torch import nn
+
+from aiak.ops import swin_fused
+
+__all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops"]
+
+logger = logging.getLogger("aiak")
+
+FUSED_OPS = ("window_attention",)
+
+
+@dataclass(frozen=True)
+class _Policy:
+    name: str                                   # said in logs
+    matches: Callable[[nn.Module], bool]
+    fused: type                                 # the mixin put in front of the original class
+    dropout: Callable[[nn.Module], float]       # attention dropout probability (fused only when 0 or eval)
+    always_falls_back: bool = False             # dropout > 0 runs the original forward in every mode
+
+
+def _has(module: nn.Module, *names: str) -> bool:
+    return all(hasattr(module, n) for n in names)
+
+
+def _is_linear(module: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def _is_cosine_attention(module: nn.Module) -> bool:
+    # SwinV2 (all implementations): cosine similarity with a learned logit scale, bias from an MLP.
+    return any(hasattr(module, name) for name in ("logit_scale", "cpb_mlp", "continuous_position_bias_mlp"))
+
+
+def _is_plain_window_bias(module: nn.Module) -> bool:
+    """Swin's bias: an [N, N] index into a [(2Wh-1)(2Ww-1), H] table, and nothing else added to q/k/v.
+
+    Rejects look-alikes such as BEiT attention (class-token rows in the table, separate q/v biases)."""
+    if hasattr(module, "q_bias") or hasattr(module, "v_bias"):
+        return False
+    window = getattr(module, "window_size", None)
+    if isinstance(window, int):
+        window = (window, window)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        return False
+    wh, ww = int(window[0]), int(window[1])
+    table, index = module.relative_position_bias_table, module.relative_position_index
+    return (index.numel() == (wh * ww) ** 2 and table.dim() == 2
+            and table.shape[0] == (2 * wh - 1) * (2 * ww - 1)
+            and table.shape[1] == getattr(module, "num_heads", getattr(module, "num_attention_heads", None)))
+
+
+def _dropout_p(module: Optional[nn.Module]) -> float:
+    return module.p if isinstance(module, nn.Dropout) else 0.0
+
+
+_POLICIES = (
+    _Policy(
+        "Hugging Face transformers 5.x SwinAttention",
+        lambda m: (_is_linear(m, "q_proj", "k_proj", "v_proj", "o_proj") and _has(m, "head_dim", "scaling")
+                   and _has(getattr(m, "relative_position_bias", None), "relative_position_bias_table",
+                            "relative_position_index")),
+        swin_fused.FusedHFSwinAttention,
+        lambda m: float(getattr(m, "attention_dropout", 0.0) or 0.0),
+    ),
+    _Policy(
+        "Hugging Face transformers 4.x SwinSelfAttention",
+        lambda m: (_is_linear(m, "query", "key", "value")
+                   and _has(m, "relative_position_bias_table", "relative_position_index",
+                            "num_attention_heads", "attention_head_size", "all_head_size")
+                   and _is_plain_window_bias(m)),
+        swin_fused.FusedHFSwinSelfAttention,
+        lambda m: _dropout_p(getattr(m, "dropout", None)),
+    ),
+    _Policy(
+        "torchvision ShiftedWindowAttention",
+        lambda m: (type(m).__name__ == "ShiftedWindowAttention" and _is_linear(m, "qkv", "proj")
+                   and _has(m, "window_size", "shift_size", "num_heads", "get_relative_position_bias")),
+        swin_fused.FusedTorchvisionShiftedWindowAttention,
+        lambda m: max(float(getattr(m, "attention_dropout", 0.0)), float(getattr(m, "dropout", 0.0))),
+        always_falls_back=True,
+    ),
+    _Policy(
+        "Swin WindowAttention (original Swin-Transformer code / timm)",
+        lambda m: (_is_linear(m, "qkv", "proj") and _has(m, "relative_position_bias_table",
+                                                          "relative_position_index", "num_heads")
+                   and not hasattr(m, "shift_size") and _is_plain_window_bias(m)),
+        swin_fused.FusedQKVWindowAttention,
+        lambda m: _dropout_p(getattr(m, "attn_drop", None)),
+    ),
+)
+
+_FUSED_CLASSES: Dict[str, type] = {}
+
+
+def _fused_qualname(original: type, mixin: type) -> str:
+    # Encodes everything needed to rebuild the class, without dots (pickle splits qualnames on dots).
+    return ":".join(("Fused", mixin.__name__, original.__module__.replace(".", "/"),
+                     original.__qualname__.replace(".", "/")))
+
+
+def _fused_class(original: type, mixin: type) -> type:
+    """``Fused<Name>``: the mixin in front of the original class. Registered under an encoded qualname in
+    this module so that pickling a whole fused model (``torch.save(model)``) works, also in a new process."""
+    qualname = _fused_qualname(original, mixin)
+    if qualname not in _FUSED_CLASSES:
+        cls = type(f"Fused{original.__name__}", (mixin, original),
+                   {"_aiak_original_class": original, "__doc__": original.__doc__})
+        cls.__module__, cls.__qualname__ = __name__, qualname
+        _FUSED_CLASSES[qualname] = cls
+    return _FUSED_CLASSES[qualname]
+
+
+def __getattr__(name: str):
+    """Rebuilds a fused class by its encoded qualname (unpickling in a process that has not run surgery)."""
+    if name.startswith("Fused:"):
+        import importlib
+
+        _, mixin_name, module_path, qualname = name.split(":")
+        original = importlib.import_module(module_path.replace("/", "."))
+        for part in qualname.split("/"):
+            original = getattr(original, part)
+        return _fused_class(original, getattr(swin_fused, mixin_name))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _looks_like_window_attention(module: nn.Module) -> bool:
+    return ("relative_position_bias_table" in dict(module.named_parameters(recurse=False))
+            or hasattr(module, "relative_position_bias") and "Attention" in type(module).__name__
+            or _is_cosine_attention(module) and "Attention" in type(module).__name__)
+
+
+def _check_bare(model: nn.Module, what: str) -> None:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise TypeError(f"{what}: the model is already wrapped in {type(model).__name__}; module surgery must run "
+                        "on the bare model before any wrapping (aiak.optimize() does this in the right order)")
+    if hasattr(model, "_orig_mod"):
+        raise TypeError(f"{what}: the model is already compiled (torch.compile); run surgery on the bare model first")
+
+
+def replace_window_attention(model: nn.Module) -> int:
+    """Swap every known Swin window-attention module in ``model`` for its fused form; returns how many.
+
+    Recognised: Hugging Face transformers ``SwinAttention`` (5.x) and ``SwinSelfAttention`` (4.x), timm
+    and the original Swin-Transformer ``WindowAttention`` (by structure: ``qkv``, ``relative_position_bias_table``,
+    ``relative_position_index``, ``proj``), torchvision ``ShiftedWindowAttention``. SwinV2 cosine
+    attention and unknown look-alikes are left alone with a warning naming them. Already fused modules
+    are not counted again.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replace_window_attention: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_bare(model, "replace_window_attention")
+    replaced, skipped, eval_only = 0, [], []
+    handled = []  # prefixes of modules fused or skipped: their children are part of them
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") or (prefix == "" and name) for prefix in handled):
+            continue
+        if hasattr(type(module), "_aiak_original_class"):
+            handled.append(name)
+            continue
+        label = f"{name or '<root>'} ({type(module).__name__})"
+        if _is_cosine_attention(module) and _looks_like_window_attention(module):
+            skipped.append(f"{label}: SwinV2 cosine attention with a learned logit scale")
+            handled.append(name)
+            continue
+        policy = next((p for p in _POLICIES if p.matches(module)), None)
+        if policy is None:
+            if _looks_like_window_attention(module):
+                skipped.append(f"{label}: unrecognised window-attention structure")
+                handled.append(name)
+            continue
+        if policy.dropout(module) > 0:
+            if policy.always_falls_back:
+                skipped.append(f"{label}: dropout p={policy.dropout(module)}")
+                handled.append(name)
+                continue
+            eval_only.append(f"{label} p={policy.dropout(module)}")
+        module.__class__ = _fused_class(type(module), policy.fused)
+        handled.append(name)
+        replaced += 1
+        logger.debug("fused window attention: %s as %s", label, policy.name)
+    if skipped:
+        logger.warning("window_attention: left %d module(s) unfused because they cannot be fused exactly: %s",
+                       len(skipped), "; ".join(skipped))
+    if eval_only:
+        logger.warning("window_attention: %d module(s) use attention dropout, so they run fused only in eval mode "
+                       "and fall back to their original forward while training: %s",
+                       len(eval_only), ", ".join(eval_only))
+    return replaced
+
+
+def restore_window_attention(model: nn.Module) -> int:
+    """Undo :func:`replace_window_attention` in place; returns how many modules were restored."""
+    restored = 0
+    for module in model.modules():
+        original = getattr(type(module), "_aiak_original_class", None)
+        if original is not None:
+            module.__class__ = original
+            restored += 1
+    return restored
+
+
+_APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_window_attention}
+
+
+def apply_fused_ops(model: nn.Module, names: Iterable[str]) -> Dict[str, int]:
+    """Apply the strategy's ``fused_ops`` to the bare ``model``; returns ``{name: modules replaced}``.
+
+    A name that replaced nothing logs a warning on the ``"aiak"`` logger and is skipped; an unknown
+    name raises ``ValueError`` listing the valid choices; a model wrapped in DistributedDataParallel
+    (or DataParallel / torch.compile) raises ``TypeError``.
+    """
+    if isinstance(names, str):
+        names = [names]
+    names = list(names)
+    unknown = [n for n in names if n not in _APPLIERS]
+    if unknown:
+        raise ValueError(f"fused_ops: unknown op(s) {unknown}; valid choices: {list(FUSED_OPS)}")
+    _check_bare(model, "apply_fused_ops")
+    counts = {}
+    for name in dict.fromkeys(names):
+        counts[name] = _APPLIERS[name](model)
+        if counts[name] == 0:
+            logger.warning("fused_ops: %s replaced nothing in %s (no known module to fuse); skipped",
+                           name, type(model).__name__)
+    return counts
