@@ -53,10 +53,7 @@ def test_unknown_option_lists_the_valid_ones():
 def test_options_resolve_argument_then_cfg_then_default():
     from aiak.comm.ddp import CommOptions
 
-    class Cfg(CommConfig):
-        tune_steps = 7
-
-    assert CommOptions.resolve(Cfg(compression="bf16")).tune_steps == 7
-    assert CommOptions.resolve(Cfg(), tune_steps=2).tune_steps == 2
+    assert CommOptions.resolve(CommConfig(compression="bf16", tune_steps=7)).tune_steps == 7
+    assert CommOptions.resolve(CommConfig(tune_steps=7), tune_steps=2).tune_steps == 2
     assert CommOptions.resolve(CommConfig()).tune_steps == 3
     assert CommOptions.resolve(CommConfig(compression="bf16")).compression == "bf16"
