@@ -9,7 +9,7 @@ from torch import nn
 from aiak import amp, comm, loaders, ops, optim
 from aiak.optim.accumulation import StepController
 from aiak.strategy.select import model_device, resolve_strategy
-from aiak.summary import Summary
+from aiak.summary import Summary, compact
 
 logger = logging.getLogger("aiak")
 _last_summary: Optional[Summary] = None
@@ -51,7 +51,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     summary.add("channels_last", s.channels_last, amp.apply_channels_last(model) if s.channels_last else "off")
     precision = amp.apply_precision(model, optimizer, s.precision, dev.type)
-    summary.add("precision", s.to_dict()["precision"], precision.describe())
+    summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     controller = None
     if optimizer is not None and (precision.master or precision.scaler or s.grad_accumulation > 1):
         controller = StepController(optimizer, s.grad_accumulation, precision.scaler, precision.master)
@@ -71,7 +71,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
             precision.master.broadcast_(src=0)
         if controller is not None:
             controller.attach_ddp(wrapped)
-    summary.add("comm", s.to_dict()["comm"], _describe_comm(wrapped, model))
+    summary.add("comm", compact(s.comm, ("hierarchical", "compression", "bucket_mb")), _describe_comm(wrapped, model))
     model = wrapped
 
     # 6. torch.compile last
@@ -80,7 +80,8 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     # 7. loader
     if loader is not None:
         loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last)
-    summary.add("loader", s.to_dict()["loader"], type(loader).__name__ if loader is not None else "no loader")
+    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
+                type(loader).__name__ if loader is not None else "no loader")
 
     _last_summary = summary
     logger.info("%s", summary.render())

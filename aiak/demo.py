@@ -85,7 +85,7 @@ def train(model, optimizer, loader, epochs: int = 1, name: str = "", progress: O
             if progress is not None:
                 progress(name, steps, total, loss)
     seconds = time.perf_counter() - start
-    return RunResult(name, steps, samples, seconds, float(loss))
+    return RunResult(name, steps, samples, seconds, float(loss.detach()))
 
 
 def progress_bar(name: str, step: int, total: int, loss: torch.Tensor, width: int = 30, stream=sys.stderr) -> None:

@@ -37,6 +37,15 @@ class Summary:
         return "\n".join(out)
 
 
+def compact(section: object, always: Tuple[str, ...]) -> Dict[str, object]:
+    """A config section as a dict of the ``always`` keys plus every key that differs from its default."""
+    import dataclasses
+
+    defaults = type(section)()
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+            if f.name in always or getattr(section, f.name) != getattr(defaults, f.name)}
+
+
 def _fmt(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

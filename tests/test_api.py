@@ -94,3 +94,22 @@ def test_import_aiak_imports_no_optional_dependency_and_never_touches_cuda():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_auto_keeps_the_math_within_float_rounding():
+    """auto may change layouts and prefetching, never the function: a few steps match plain PyTorch."""
+    def setup():
+        torch.manual_seed(0)
+        model = DemoNet(width=8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = DataLoader(synthetic_dataset(64, image_size=8), batch_size=16, shuffle=True,
+                            generator=torch.Generator().manual_seed(0))
+        return model, opt, loader
+
+    plain = _loop(*setup())
+    model, opt, loader = aiak.optimize(*setup())  # strategy="auto"
+    assert aiak.api.last_summary().effect("channels_last").startswith("on")
+    assert type(loader).__name__ == "PrefetchLoader"
+    trained = _loop(model, opt, loader)
+    for (k, a), b in zip(plain.state_dict().items(), trained.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)

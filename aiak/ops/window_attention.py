@@ -42,6 +42,11 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The Triton kernels keep a whole window row ([BLOCK_M, next_pow2(N)] scores) in registers.
 TRITON_MAX_N = 256
 TRITON_MAX_D = 128
+# On CPU, training through the SDPA path (whose backward recomputes the probabilities) beats eager only on
+# large batches of windows: benchmarks/window_attention.py, fwd+bwd, Swin-T/S/B at batch 64, 2 threads:
+# windows x heads >= 6144 (stages 1-2) 1.19-1.44x eager, <= 4096 (stages 3-4) 0.85-1.06x. Below this
+# size, "auto" trains with the eager formula (the forward alone is faster through SDPA at every stage).
+CPU_TRAINING_SDPA_MIN_WINDOW_HEADS = 6000
 
 
 def _check_inputs(q, k, v, bias, mask) -> None:
@@ -248,7 +253,14 @@ def window_attention(q, k, v, bias=None, mask=None, scale=None, *, backend: str 
         use_triton = False
     if use_triton:
         return TritonWindowAttention.apply(q, k, v, bias, mask, scale)
+    if backend == "auto" and not q.is_cuda and _needs_grad(q, k, v, bias) \
+            and q.shape[0] * q.shape[1] < CPU_TRAINING_SDPA_MIN_WINDOW_HEADS:
+        return reference_window_attention(q, k, v, bias, mask, scale)
     return torch_window_attention(q, k, v, bias, mask, scale)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 _TRITON_AVAILABLE: Optional[bool] = None

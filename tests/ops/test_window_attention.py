@@ -142,3 +142,18 @@ def test_frozen_bias_uses_sdpa_backward_and_still_matches():
     want = torch.autograd.grad(reference_window_attention(*ref_leaves, bias, mask), ref_leaves, grad)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+def test_auto_on_cpu_trains_small_window_batches_with_eager_and_large_ones_with_sdpa():
+    from aiak.ops.window_attention import CPU_TRAINING_SDPA_MIN_WINDOW_HEADS as limit
+
+    def grad_fn_name(windows, heads):
+        q = torch.randn(windows, heads, 4, 8, requires_grad=True)
+        bias = torch.zeros(heads, 4, 4, requires_grad=True)
+        return type(window_attention(q, q, q, bias).grad_fn).__name__
+
+    assert "SDPAWithBiasGrad" in grad_fn_name(limit // 2 + 1, 2)   # large: the recomputing SDPA path
+    assert "SDPAWithBiasGrad" not in grad_fn_name(limit // 4, 2)   # small: the eager formula
+    with torch.no_grad():  # inference always takes SDPA
+        q = torch.randn(4, 2, 4, 8)
+        torch.testing.assert_close(window_attention(q, q, q), reference_window_attention(q, q, q))
