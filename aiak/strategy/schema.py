@@ -79,6 +79,9 @@ class CommConfig:
     decides, every rank follows, and the result is cached per model, cluster and torch version. int8 changes
     the numerics, so the tuner only considers it when ``tune_int8`` is true. ``deadlock_guard`` is a debug
     mode: ranks compare fingerprints of their collectives and raise instead of hanging (``timeout_s``).
+    ``pipeline_mb`` cuts hierarchical buckets into chunks that overlap the intra- and inter-node steps (MB of
+    fp32 values; int8 chunks hold twice as many values; 0 = whole buckets); ``compress_intra`` also compresses
+    the intra-node steps (fp16/bf16); ``int8_block`` is the number of values sharing one min/scale.
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=_choices("auto", True, False))

@@ -240,6 +240,31 @@ def scenario_uneven(rank):
     return out
 
 
+def scenario_optimize(rank):
+    """The whole stack under torchrun: O2 bf16 master weights + accumulation 2 + hierarchical fp16 DDP.
+
+    Each rank starts from different weights (seeded by rank): optimize() must make every rank start from
+    rank 0's exact fp32 weights (masters broadcast, not re-widened bf16) and keep them identical."""
+    import aiak
+
+    model = tiny_model(seed=100 + rank)
+    rank0_weights = {k: v.clone() for k, v in tiny_model(seed=100).state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    strategy = {"precision": {"level": "O2", "dtype": "bf16"}, "grad_accumulation": 2,
+                "comm": {"hierarchical": True, "compression": "fp16", "bucket_mb": 0.001}}
+    ddp, opt, _ = aiak.optimize(model, opt, strategy=strategy)
+    out = {"start": {k: v.clone() for k, v in ddp.state_dict().items()}, "rank0_start": rank0_weights,
+           "describe": aiak.api.last_summary().effect("comm"), "type": type(ddp).__name__}
+    for step in range(6):
+        x, y = rank_data(rank, step=step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["end"] = {k: v.clone() for k, v in ddp.state_dict().items()}
+    out["masters"] = [m.detach().clone() for _, m in opt._aiak_steps.master.pairs]
+    return out
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
