@@ -82,4 +82,15 @@ def resolve_strategy(spec: Any, model=None, optimizer=None, loader=None, *, devi
     if isinstance(spec, str) and spec == "auto":
         return select_strategy(model, optimizer, loader, device=device)
     strategy = load_strategy(spec)
-    return strategy, {"*": f"strategy {strategy.name!r} given explicitly"}
+    reasons: Reasons = {"*": f"strategy {strategy.name!r} given explicitly"
+                             + (f": {strategy.description}" if strategy.description else "")}
+    chosen, default = strategy.to_dict(), load_strategy("default").to_dict()
+    for key, value in chosen.items():
+        if key in ("name", "extends", "description", "match"):
+            continue
+        pairs = ([(f"{key}.{k}", v, default[key].get(k)) for k, v in value.items()] if isinstance(value, dict)
+                 else [(key, value, default.get(key))])
+        for path, new, old in pairs:
+            if new != old:
+                reasons[path] = f"set by strategy {strategy.name!r} (default: {old})"
+    return strategy, reasons
