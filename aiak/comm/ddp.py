@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from dataclasses import fields, replace
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from aiak.comm.autotune import (PERF_MODES, StepTuner, TuneCache, algorithm_candidates, cache_key,
+from aiak.comm.autotune import (StepTuner, TuneCache, algorithm_candidates, cache_key,
                                 shared_cache_lookup, tune_comm)
-from aiak.comm.compression import check_compression
 from aiak.comm.hooks import CommState, comm_hook
 from aiak.comm.topology import build_groups, detect_topology
+from aiak.strategy.schema import CommConfig, check_comm
 
 logger = logging.getLogger("aiak")
 PREFIX = "module."
@@ -57,54 +57,20 @@ def use_plain_state_dict_keys(ddp: torch.nn.Module) -> None:
 
 
 # -- the wrapper -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CommOptions:
-    """The ``comm:`` settings ``wrap_distributed`` uses, validated (schema fields + the keys it lacks yet)."""
+def resolve_options(cfg: Optional[CommConfig] = None, **overrides: Any) -> CommConfig:
+    """The settings ``wrap_distributed`` uses: explicit (non-None) keyword > field of ``cfg`` > default,
+    validated like the YAML (one error naming ``comm.<key>`` and its valid choices)."""
+    unknown = set(overrides) - {f.name for f in fields(CommConfig)}
+    if unknown:
+        raise TypeError(f"wrap_distributed got unknown option(s) {sorted(unknown)}; valid: "
+                        f"{[f.name for f in fields(CommConfig)]}")
+    opts = replace(cfg if cfg is not None else CommConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    check_comm(opts, "wrap_distributed")
+    return opts
 
-    hierarchical: Union[str, bool] = "auto"
-    compression: str = "none"
-    bucket_mb: float = 25.0
-    autotune: bool = False
-    perf_mode: str = "comm"
-    tune_steps: int = 3
-    tune_cache: Optional[str] = None
-    tune_int8: bool = False
-    deadlock_guard: bool = False
-    timeout_s: float = 300.0
-    compress_intra: bool = False
-    int8_block: int = 2048
-    pipeline_mb: float = 2.0
 
-    def __post_init__(self):
-        check_compression(self.compression, "comm.compression")
-        if self.hierarchical not in ("auto", True, False):
-            raise ValueError(f"comm.hierarchical must be one of ['auto', true, false], got {self.hierarchical!r}")
-        if self.perf_mode not in PERF_MODES:
-            raise ValueError(f"comm.perf_mode must be one of {list(PERF_MODES)}, got {self.perf_mode!r}")
-        for name, low in (("bucket_mb", 0), ("timeout_s", 0)):
-            if not getattr(self, name) > low:
-                raise ValueError(f"comm.{name} must be > {low}, got {getattr(self, name)!r}")
-        for name, low in (("tune_steps", 1), ("int8_block", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"comm.{name} must be an integer >= {low}, got {getattr(self, name)!r}")
-        if self.pipeline_mb < 0:
-            raise ValueError(f"comm.pipeline_mb must be >= 0 (0 = no pipelining), got {self.pipeline_mb!r}")
-
-    @classmethod
-    def resolve(cls, cfg: Any, **overrides: Any) -> "CommOptions":
-        """Explicit (non-None) keyword > field of ``cfg`` with the same name > default."""
-        values = {}
-        for f in fields(cls):
-            value = overrides.get(f.name)
-            if value is None and cfg is not None:
-                value = getattr(cfg, f.name, None)
-            if value is not None:
-                values[f.name] = value
-        return cls(**values)
-
-    @property
-    def knobs_set(self) -> bool:
-        return self.compression != "none" or self.hierarchical is True or self.autotune or self.deadlock_guard
+def _knobs_set(opts: CommConfig) -> bool:
+    return opts.compression != "none" or opts.hierarchical is True or opts.autotune or opts.deadlock_guard
 
 
 def _device_ids(model: torch.nn.Module, device) -> Optional[list]:
@@ -121,7 +87,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                      **options: Any) -> torch.nn.Module:
     """Wrap ``model`` in DDP with the communication settings of ``cfg`` (a ``CommConfig``).
 
-    ``options`` are the ``comm:`` keys the schema lacks yet (see :class:`CommOptions`): ``perf_mode``
+    ``options`` are the ``comm:`` keys the schema lacks yet (fields of :class:`~aiak.strategy.schema.CommConfig`): ``perf_mode``
     (``comm`` | ``step``), ``tune_steps`` (timed runs or steps per candidate, default 3), ``tune_cache``
     (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/comm_tune.json``), ``tune_int8`` (let the tuner
     pick int8, default False: it changes numerics), ``deadlock_guard`` (default False), ``timeout_s`` (guard
@@ -130,13 +96,9 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     Collective: every rank must call it at the same point. Returns the model unchanged without a process
     group of more than one rank.
     """
-    unknown = set(options) - {f.name for f in fields(CommOptions)}
-    if unknown:
-        raise TypeError(f"wrap_distributed got unknown option(s) {sorted(unknown)}; valid: "
-                        f"{[f.name for f in fields(CommOptions)]}")
-    opts = CommOptions.resolve(cfg, **options)
+    opts = resolve_options(cfg, **options)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
-        if opts.knobs_set:
+        if _knobs_set(opts):
             logger.info("aiak.comm: comm settings given but no process group with more than one rank exists; "
                         "the model is not wrapped in DDP")
         return model
@@ -186,7 +148,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     return ddp
 
 
-def _autotune(model, state: CommState, opts: CommOptions, topology, device_ids, process_group):
+def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, process_group):
     """Cache lookup (rank 0 reads, broadcasts), else comm-mode tuning now or a step-mode tuner.
 
     Returns ``(bucket_mb, tuner or None)`` and leaves ``state`` on the chosen (or cached) algorithm.

@@ -228,6 +228,17 @@ def _build(cls: type, data: Any, source: str, path: str) -> Any:
     return cls(**kwargs)
 
 
+def check_comm(comm: CommConfig, source: str) -> None:
+    """Types, choices and ranges of a ``CommConfig``, also one built in code rather than from YAML."""
+    for f in dataclasses.fields(comm):
+        _check_value(getattr(comm, f.name), str(f.type), f.metadata.get("choices", ()), f"{source}: comm.{f.name}")
+    for key, low, strict in (("bucket_mb", 0, True), ("timeout_s", 0, True), ("tune_steps", 1, False),
+                             ("int8_block", 1, False), ("pipeline_mb", 0, False)):
+        value = getattr(comm, key)
+        if value < low or (strict and value == low):
+            raise StrategyError(f"{source}: comm.{key} must be {'>' if strict else '>='} {low}, got {value}")
+
+
 def _check_combinations(s: Strategy, source: str) -> None:
     """Impossible combinations, each with the key path that must change."""
     p = s.precision
@@ -239,11 +250,7 @@ def _check_combinations(s: Strategy, source: str) -> None:
         raise StrategyError(f"{source}: grad_accumulation must be an integer >= 1, got {s.grad_accumulation}")
     if s.loader.prefetch < 0:
         raise StrategyError(f"{source}: loader.prefetch must be >= 0 (0 turns prefetching off), got {s.loader.prefetch}")
-    for key, low, strict in (("bucket_mb", 0, True), ("timeout_s", 0, True), ("tune_steps", 1, False),
-                             ("int8_block", 1, False), ("pipeline_mb", 0, False)):
-        value = getattr(s.comm, key)
-        if value < low or (strict and value == low):
-            raise StrategyError(f"{source}: comm.{key} must be {'>' if strict else '>='} {low}, got {value}")
+    check_comm(s.comm, source)
     loader = s.loader
     if (loader.mean is None) != (loader.std is None) or (loader.mean and len(loader.mean) != len(loader.std)):
         raise StrategyError(f"{source}: loader.mean and loader.std go together, one value per channel each")
