@@ -126,24 +126,14 @@ def test_state_dict_resume_equals_uninterrupted(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("foreach, bucket_elems", [(True, None), (True, 100), (False, None)])
-def test_half_parameters_use_fp32_math(dtype, foreach, bucket_elems):
+def test_half_parameters_use_fp32_math(dtype, foreach, bucket_elems, rounded_fp32_reference):
     params64, grads = make_problem(seed=3)
     kw = CONFIGS["decay"]
     half, opt = run_lars(params64, grads, MIXED, dtype=dtype, steps=5, foreach=foreach, bucket_elems=bucket_elems,
                           **kw)
     assert all(s["momentum_buffer"].dtype == torch.float32 for s in opt.state.values())
-    fp32 = [torch.nn.Parameter(p.to(dtype).float()) for p in params64]
-    groups = [{"params": [p for p, a in zip(fp32, MIXED) if a], "weight_decay": kw["weight_decay"]},
-              {"params": [p for p, a in zip(fp32, MIXED) if not a], "weight_decay": 0.0, "adapt": False}]
-    ref = Lars(groups, **{k: v for k, v in kw.items() if k != "weight_decay"}, foreach=foreach,
-               bucket_elems=bucket_elems)
-    for step_grads in grads[:5]:
-        for p, g in zip(fp32, step_grads):
-            p.grad = g.to(dtype).float()
-        ref.step()
-        with torch.no_grad():
-            for p in fp32:
-                p.copy_(p.to(dtype).float())
+    fp32 = rounded_fp32_reference(Lars, params64, grads, MIXED, kw, dtype, 5, foreach=foreach,
+                                  bucket_elems=bucket_elems)
     for h, f in zip(half, fp32):
         assert h.dtype == dtype
         torch.testing.assert_close(h.float(), f, rtol=0, atol=0)

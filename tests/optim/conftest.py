@@ -1,0 +1,25 @@
+"""Shared pieces of the LAMB and LARS tests."""
+import pytest
+import torch
+
+
+def _rounded_fp32_reference(optimizer_cls, params64, grads, adapt_mask, kw, dtype, steps, **opt_kw):
+    """An fp32 optimizer over fp32 weights rounded to ``dtype`` after every step: what a half-parameter
+    optimizer with fp32 math must reproduce exactly. Returns the fp32 parameters."""
+    fp32 = [torch.nn.Parameter(p.to(dtype).float()) for p in params64]
+    groups = [{"params": [p for p, a in zip(fp32, adapt_mask) if a], "weight_decay": kw["weight_decay"]},
+              {"params": [p for p, a in zip(fp32, adapt_mask) if not a], "weight_decay": 0.0, "adapt": False}]
+    ref = optimizer_cls(groups, **{k: v for k, v in kw.items() if k != "weight_decay"}, **opt_kw)
+    for step_grads in grads[:steps]:
+        for p, g in zip(fp32, step_grads):
+            p.grad = g.to(dtype).float()
+        ref.step()
+        with torch.no_grad():
+            for p in fp32:
+                p.copy_(p.to(dtype).float())
+    return fp32
+
+
+@pytest.fixture
+def rounded_fp32_reference():
+    return _rounded_fp32_reference
