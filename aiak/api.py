@@ -25,6 +25,9 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     (default: where its parameters already are).
     """
     global _last_summary
+    if getattr(getattr(model, "module", model), "_aiak_optimized", False):
+        raise RuntimeError("this model was already passed through aiak.optimize() (its hooks and casts would apply "
+                           "twice); optimize a freshly built model, loading the state_dict into it if needed")
     # 1. resolve and validate the strategy
     s, reasons = resolve_strategy(strategy, model, optimizer, loader, device=device)
     dev = model_device(model, device)
@@ -63,6 +66,9 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
                 f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
     if scheduler is not None and controller is not None:
         controller.attach_scheduler(scheduler)
+
+    if model is not None:
+        model._aiak_optimized = True
 
     # 5. distributed wrapping and communication hook
     wrapped = comm.wrap_distributed(model, s.comm, dev)

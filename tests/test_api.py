@@ -113,3 +113,10 @@ def test_auto_keeps_the_math_within_float_rounding():
     trained = _loop(model, opt, loader)
     for (k, a), b in zip(plain.state_dict().items(), trained.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_optimizing_the_same_model_twice_is_refused():
+    model = DemoNet(width=8)
+    aiak.optimize(model, strategy={"precision": {"level": "O2", "dtype": "bf16"}})
+    with pytest.raises(RuntimeError, match="already passed through aiak.optimize"):
+        aiak.optimize(model, strategy="default")
