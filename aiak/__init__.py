@@ -18,6 +18,7 @@ _LAZY = {
     "StrategyError": ("aiak.strategy.schema", "StrategyError"),
     "load_strategy": ("aiak.strategy.profiles", "load_strategy"),
     "select_strategy": ("aiak.strategy.select", "select_strategy"),
+    "clip_grad_norm_": ("aiak.optim.accumulation", "clip_grad_norm_"),
 }
 _SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "cli")
 

@@ -10,7 +10,9 @@ checks and schedulers built earlier keep working). Its ``step()`` then:
    an overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
 3. runs the real optimizer step, copies masters back to the model, and clears the gradients.
 
-``zero_grad()`` is a no-op inside an accumulation window. ``state_dict()`` carries the master weights, the
+``zero_grad()`` is a no-op inside an accumulation window. Gradient clipping goes through
+:func:`clip_grad_norm_` (or ``optimizer._aiak_steps.clip_grad_norm_``), which clips the true, unscaled
+gradient of the real step and does nothing on micro-steps. ``state_dict()`` carries the master weights, the
 loss-scaler state and the micro-step counter, so a resumed run continues bit-identically.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ class StepController:
         optimizer.register_load_state_dict_pre_hook(self._take_extra)
         optimizer.register_load_state_dict_post_hook(self._restore_extra)
         self._pending_extra: Optional[Dict[str, Any]] = None
+        self._prepared: Optional[bool] = None  # gradients already moved/unscaled for the coming step (inf found?)
 
     # -- what the output hook multiplies incoming gradients by -------------------------------
     def grad_factor(self) -> float:
@@ -98,10 +101,9 @@ class StepController:
         self._set_sync()
         self.step_events += 1
 
-        if self.master is not None:
-            self.master.grads_to_master()
+        found_inf = self._prepare_grads()
+        self._prepared = None
         if self.scaler is not None:
-            found_inf = self.scaler.unscale_(p.grad for g in self.optimizer.param_groups for p in g["params"])
             self.scaler.update(found_inf)
             if found_inf:
                 logger.info("aiak: inf/NaN gradients, step skipped; loss scale now %g", self.scaler.scale)
@@ -113,12 +115,39 @@ class StepController:
         self._clear_grads()
         return loss
 
+    def _prepare_grads(self) -> bool:
+        """Half gradients to the fp32 masters, then unscaled; True if any is inf/NaN. Once per real step."""
+        if self._prepared is None:
+            if self.master is not None:
+                self.master.grads_to_master()
+            found_inf = False
+            if self.scaler is not None:
+                found_inf = self.scaler.unscale_(p.grad for g in self.optimizer.param_groups for p in g["params"])
+            self._prepared = found_inf
+        return self._prepared
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """Clip the gradients the coming real step will use (fp32 masters, unscaled); None on micro-steps.
+
+        Call it where plain PyTorch clips, between ``backward()`` and ``step()``: on accumulation micro-steps
+        it does nothing (the gradient is still a partial sum); before a real step it moves and unscales the
+        gradients first, so the norm is the true one. An inf/NaN norm is left to ``step()``, which skips.
+        """
+        if self.micro_step + 1 < self.accumulation:
+            return None
+        found_inf = self._prepare_grads()
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if found_inf:
+            return torch.tensor(float("inf"))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.micro_step != 0:
             return  # inside an accumulation window: the gradients are being summed
         self._clear_grads(set_to_none)
 
     def _clear_grads(self, set_to_none: bool = True) -> None:
+        self._prepared = None
         self._inner_zero_grad(set_to_none=set_to_none)
         if self.master is not None:
             self.master.clear_model_grads()
@@ -178,3 +207,17 @@ class StepController:
                     m.copy_(value)
             self.master.master_to_model()
         self._set_sync()
+
+
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0):
+    """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters that is right under aiak.
+
+    With loss scaling the model's gradients are scaled, with O2 the step uses fp32 master copies, with
+    accumulation they are partial sums until the last micro-step: this clips what the real step will use
+    and returns its norm (None on a micro-step). On an optimizer aiak did not patch it is the plain clip.
+    """
+    controller = getattr(optimizer, "_aiak_steps", None)
+    if controller is not None:
+        return controller.clip_grad_norm_(max_norm, norm_type)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)

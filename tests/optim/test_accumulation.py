@@ -117,3 +117,48 @@ def test_optimizing_the_same_optimizer_twice_is_an_error():
     aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
     with pytest.raises(RuntimeError, match="already passed through aiak.optimize"):
         aiak.optimize(_model(), opt, strategy={"grad_accumulation": 2})
+
+
+def test_clip_grad_norm_clips_the_real_step_with_accumulation():
+    """aiak.clip_grad_norm_ in the usual place (every step() call): no-op on micro-steps, true norm before the
+    real step, same weights as clipping the big batch in plain PyTorch."""
+    n, micro, max_norm = 4, 8, 0.05
+    big_model = _model()
+    big_opt = torch.optim.SGD(big_model.parameters(), lr=0.5)
+    acc_model = copy.deepcopy(big_model)
+    acc_opt = torch.optim.SGD(acc_model.parameters(), lr=0.5)
+    acc_model, acc_opt, _ = aiak.optimize(acc_model, acc_opt, strategy={"grad_accumulation": n})
+    for x, y in _batches(3, n * micro):
+        nn.functional.cross_entropy(big_model(x), y).backward()
+        big_norm = torch.nn.utils.clip_grad_norm_(big_model.parameters(), max_norm)
+        big_opt.step()
+        big_opt.zero_grad()
+        norms = []
+        for xs, ys in zip(x.split(micro), y.split(micro)):
+            nn.functional.cross_entropy(acc_model(xs), ys).backward()
+            norms.append(aiak.clip_grad_norm_(acc_opt, max_norm))
+            acc_opt.step()
+            acc_opt.zero_grad()
+        assert norms[:-1] == [None] * (n - 1)
+        torch.testing.assert_close(norms[-1], big_norm, rtol=1e-5, atol=1e-7)
+        assert big_norm > max_norm  # the clip really bites
+    for a, b in zip(acc_model.parameters(), big_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_grad_norm_sees_unscaled_gradients_under_fp16_loss_scaling():
+    torch.manual_seed(0)
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": "O2", "dtype": "fp16"}})
+    x, y = _batches(1, 16)[0]
+    nn.functional.cross_entropy(ref(x), y).backward()
+    true_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    nn.functional.cross_entropy(model(x), y).backward()
+    norm = aiak.clip_grad_norm_(opt, 1e-3)
+    assert opt._aiak_steps.scaler.scale == 2.0 ** 16          # the model's gradients were scaled 65536x
+    torch.testing.assert_close(norm, true_norm, rtol=2e-2, atol=1e-4)  # but the norm is the true one
+    opt.step()
+    masters = torch.cat([m.detach().flatten() for _, m in opt._aiak_steps.master.pairs])
+    assert torch.isfinite(masters).all()
