@@ -120,3 +120,9 @@ def test_optimizing_the_same_model_twice_is_refused():
     aiak.optimize(model, strategy={"precision": {"level": "O2", "dtype": "bf16"}})
     with pytest.raises(RuntimeError, match="already passed through aiak.optimize"):
         aiak.optimize(model, strategy="default")
+
+
+def test_a_knob_that_is_not_built_yet_warns_and_is_skipped():
+    with pytest.warns(UserWarning, match="tune: true is not implemented yet"):
+        aiak.optimize(nn.Linear(2, 2), strategy={"tune": True})
+    assert aiak.api.last_summary().effect("tune").startswith("skipped")
