@@ -17,6 +17,7 @@ kernel launches over all tensors, which is what makes foreach fast there.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -301,6 +302,26 @@ class LayerwiseOptimizer(Optimizer):
     """
 
     _fp32_state_keys: Tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict, bucket_elems: Optional[int], fused: Optional[bool]):
+        if bucket_elems is not None and (not isinstance(bucket_elems, int) or bucket_elems < 0):
+            raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
+                             f"got {bucket_elems!r}")
+        if fused:
+            warnings.warn(f"{type(self).__name__}(fused=True): no fused kernel in this build; using the "
+                          "multi-tensor (foreach) path", stacklevel=3)
+        self._check_group(defaults)
+        super().__init__(params, defaults)  # calls add_param_group, which checks every group
+        self.bucket_elems = bucket_elems
+        self._plans = PlanCache()
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
+
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        """Validate one param group's hyper-parameters (subclasses say which)."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

@@ -21,7 +21,6 @@ Moments are fp32 and the update is computed in fp32 for fp16/bf16 parameters.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -58,32 +57,16 @@ class Lamb(LayerwiseOptimizer):
                  weight_decay: float = 0.0, *, bias_correction: bool = True, adapt: bool = True,
                  trust_clip: Optional[float] = None, max_grad_norm: Optional[float] = None,
                  foreach: Optional[bool] = None, bucket_elems: Optional[int] = None, fused: Optional[bool] = None):
-        check_range("lr", lr, 0.0)
-        betas = check_betas(betas)
-        check_range("eps", eps, 0.0)
-        check_range("weight_decay", weight_decay, 0.0)
-        if trust_clip is not None:
-            check_range("trust_clip", trust_clip, 0.0, low_open=True)
         if max_grad_norm is not None:
             check_range("max_grad_norm", max_grad_norm, 0.0, low_open=True)
-        if bucket_elems is not None and (not isinstance(bucket_elems, int) or bucket_elems < 0):
-            raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
-                             f"got {bucket_elems!r}")
-        if fused:
-            warnings.warn("Lamb(fused=True): no fused LAMB kernel in this build; using the multi-tensor "
-                          "(foreach) path", stacklevel=2)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         adapt=adapt, trust_clip=trust_clip, foreach=foreach)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, bucket_elems, fused)
         self.max_grad_norm = max_grad_norm
-        self.bucket_elems = bucket_elems
-        self._plans = PlanCache()
-        for group in self.param_groups:
-            _check_group(group)
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        _check_group(group)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["exp_avg"] = torch.zeros_like(p, dtype=math_dtype(p.dtype), memory_format=torch.preserve_format)

@@ -20,7 +20,6 @@ momentum buffer is fp32 and the update is computed in fp32 for fp16/bf16 paramet
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -51,24 +50,13 @@ class Lars(LayerwiseOptimizer):
                  trust_coefficient: float = 0.001, eps: float = 1e-8, *, nesterov: bool = False,
                  clip: bool = False, adapt: bool = True, foreach: Optional[bool] = None,
                  bucket_elems: Optional[int] = None, fused: Optional[bool] = None):
-        if bucket_elems is not None and (not isinstance(bucket_elems, int) or bucket_elems < 0):
-            raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
-                             f"got {bucket_elems!r}")
-        if fused:
-            warnings.warn("Lars(fused=True): no fused LARS kernel in this build; using the multi-tensor "
-                          "(foreach) path", stacklevel=2)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
                         eps=eps, nesterov=nesterov, clip=clip, adapt=adapt, foreach=foreach)
-        _check_group(defaults)
-        super().__init__(params, defaults)
-        self.bucket_elems = bucket_elems
-        self._plans = PlanCache()
-        for group in self.param_groups:
-            _check_group(group)
+        super().__init__(params, defaults, bucket_elems, fused)
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+    @staticmethod
+    def _check_group(group: dict) -> None:
+        _check_group(group)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         pass  # the momentum buffer is created in step(), where the group's momentum is known
