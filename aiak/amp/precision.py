@@ -102,7 +102,6 @@ class MasterWeights:
                 else:
                     new_params.append(p)
             group["params"] = new_params
-        self.master_of = {id(p): m for p, m in self.pairs}
 
     def grads_to_master(self) -> None:
         for p, master in self.pairs:
@@ -139,10 +138,8 @@ class MasterWeights:
 class PrecisionState:
     """Everything precision attaches to a model/optimizer pair; kept on ``model._aiak_precision``."""
 
-    def __init__(self, config: Precision, dtype: Optional[torch.dtype], scaler: Optional[LossScaler],
-                 master: Optional[MasterWeights]):
+    def __init__(self, config: Precision, scaler: Optional[LossScaler], master: Optional[MasterWeights]):
         self.config = config
-        self.dtype = dtype
         self.scaler = scaler
         self.master = master
 
@@ -178,12 +175,12 @@ def apply_precision(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     accumulation shares it.
     """
     if config.level == "O0":
-        return PrecisionState(config, None, None, None)
+        return PrecisionState(config, None, None)
     dtype = DTYPES[config.dtype]
     scaler = make_scaler(config)
     if config.level == "O1":
         _patch_forward_autocast(model, device_type, dtype)
-        return PrecisionState(config, dtype, scaler, None)
+        return PrecisionState(config, scaler, None)
 
     # O2: remember exact fp32 values, cast, keep norms fp32, cast inputs at the model's entry.
     fp32_values = {id(p): p.detach().clone().float() for p in model.parameters() if p.is_floating_point()}
@@ -195,7 +192,7 @@ def apply_precision(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                 install_input_cast(module, torch.float32, output_dtype=dtype)
     install_input_cast(model, dtype)
     master = MasterWeights(optimizer, fp32_values) if optimizer is not None else None
-    state = PrecisionState(config, dtype, scaler, master)
+    state = PrecisionState(config, scaler, master)
     if master is not None:
         _install_fp32_state_dict(model, master)
     return state
