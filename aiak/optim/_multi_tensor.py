@@ -336,6 +336,15 @@ class LayerwiseOptimizer(Optimizer):
                     if isinstance(value, torch.Tensor):
                         self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
+    def _begin_step(self, closure):
+        """What every ``step`` starts with: evaluate the closure (with grad) and refuse sparse gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_dense_grads()
+        return loss
+
     def _check_dense_grads(self) -> None:
         """Refuse sparse gradients before anything is modified (layer-wise norms need dense tensors)."""
         for group in self.param_groups:

@@ -74,11 +74,7 @@ class Lamb(LayerwiseOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_dense_grads()
+        loss = self._begin_step(closure)
         grad_scale = clip_coefficient(self.param_groups, self.max_grad_norm)
         for group in self.param_groups:
             params, grads, steps, state = self._gather(group, ("exp_avg", "exp_avg_sq"))

@@ -63,11 +63,7 @@ class Lars(LayerwiseOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_dense_grads()
+        loss = self._begin_step(closure)
         for group in self.param_groups:
             params, grads, _, _ = self._gather(group, ())
             if not params:

@@ -23,3 +23,17 @@ def _rounded_fp32_reference(optimizer_cls, params64, grads, adapt_mask, kw, dtyp
 @pytest.fixture
 def rounded_fp32_reference():
     return _rounded_fp32_reference
+
+
+def _assert_matches_reference(got, expected, initial, zero_param):
+    """1e-5 relative, elementwise, with the absolute floor at 1e-5 of each tensor's scale; and the reference
+    moved the zero-norm parameter too, so a no-op optimizer fails here."""
+    for i, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g.detach().double(), e, rtol=1e-5, atol=1e-5 * float(e.abs().max()),
+                                   msg=f"parameter {i}")
+    assert not torch.equal(got[zero_param].detach().double(), initial[zero_param])
+
+
+@pytest.fixture
+def assert_matches_reference():
+    return _assert_matches_reference
