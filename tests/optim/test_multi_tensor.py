@@ -43,3 +43,24 @@ def test_host_scalar_form_equals_the_cpu_form(monkeypatch, cls, kw, bucket_elems
 
     for a, b in zip(run(False), run(True)):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6 * a.detach().abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_step_with_a_closure_computes_the_loss_with_grad_and_steps(name):
+    from aiak.optim import create
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    before = model.weight.detach().clone()
+    opt = create(name, model, lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()  # needs grad enabled inside the (no_grad) step
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and loss.requires_grad
+    assert not torch.equal(model.weight, before)
