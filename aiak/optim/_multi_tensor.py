@@ -95,6 +95,7 @@ class BucketPlan:
         self.buckets, self.cut = plan_buckets(persistent[0], bucket_elems, *persistent[1:])
         self.views = [[take(t, b, self.cut) for t in persistent] for b in self.buckets]
         self.cached_scratch = bucket_elems is not None
+        self._fusable: Dict[int, bool] = {}
         self._flat: Dict[tuple, torch.Tensor] = {}
         self._scratch: Dict[tuple, List[torch.Tensor]] = {}
         # buckets holding the pieces of each cut tensor, in order
@@ -119,6 +120,16 @@ class BucketPlan:
             self._flat[key] = torch.empty(largest, device=self.views[k][0][0].device, dtype=dtype)
         return [self._flat[key][start:stop]]
 
+    def fusable(self, k: int, grads: Sequence[torch.Tensor]) -> bool:
+        """Bucket ``k``'s tensors, their state and ``grads`` share one dense layout each (:func:`same_layout`).
+
+        The parameters' and state's part is checked once per plan; the gradients, which may be new
+        tensors every step, on every call.
+        """
+        if k not in self._fusable:
+            self._fusable[k] = same_layout(*self.views[k])
+        return self._fusable[k] and all(g.stride() == p.stride() for g, p in zip(grads, self.views[k][0]))
+
     def take(self, k: int, grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Bucket ``k`` of ``grads``; a non-contiguous gradient of a cut parameter is read in logical order."""
         return [grads[i].reshape(-1)[start:stop] if self.cut[i] else grads[i] for i, start, stop in self.buckets[k]]
@@ -127,7 +138,7 @@ class BucketPlan:
         """Uninitialised tensors shaped like bucket ``k``'s parameter views (``slot`` names the temporary)."""
         like = self.views[k][0]
         if not self.cached_scratch:
-            return [torch.empty(t.shape, device=t.device, dtype=dtype) for t in like]
+            return [torch.empty_strided(t.shape, dense_strides(t), device=t.device, dtype=dtype) for t in like]
         views = self._scratch.get((k, slot, dtype))
         if views is None:
             key = (slot, dtype)
@@ -136,8 +147,45 @@ class BucketPlan:
                 self._flat[key] = torch.empty(largest, device=like[0].device, dtype=dtype)
             sizes = [t.numel() for t in like]
             pieces = torch.split(self._flat[key][:sum(sizes)], sizes)
-            views = self._scratch[(k, slot, dtype)] = [p.view(t.shape) for p, t in zip(pieces, like)]
+            views = self._scratch[(k, slot, dtype)] = [p.as_strided(t.shape, dense_strides(t))
+                                                       for p, t in zip(pieces, like)]
         return views
+
+
+def dense_strides(t: torch.Tensor) -> Tuple[int, ...]:
+    """``t``'s strides if it covers its memory without gaps or overlap (contiguous, channels_last or any other
+    permutation of dimensions), else contiguous strides: the layout to give a scratch tensor shaped like ``t``.
+
+    A scratch tensor with the parameter's own layout can then go through a fused kernel beside the
+    parameter's gradient and state, which walk memory in the same order (see :func:`same_layout`).
+    """
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != expected:
+            return contiguous_strides(t.shape)
+        expected *= size
+    return t.stride()
+
+
+def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def same_layout(*lists: Sequence[torch.Tensor]) -> bool:
+    """Each tensor of the first list, and its peers at the same index in the others, share one dense layout.
+
+    What a fused multi-tensor kernel that walks raw memory needs (torch's CPU ``_fused_adam_`` silently
+    pairs the wrong elements otherwise: a channels_last gradient beside contiguous moments, for example).
+    """
+    for peers in zip(*lists):
+        stride = peers[0].stride()
+        if dense_strides(peers[0]) != stride or any(t.stride() != stride for t in peers[1:]):
+            return False
+    return True
 
 
 class PlanCache:
@@ -308,8 +356,8 @@ class LayerwiseOptimizer(Optimizer):
             raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
                              f"got {bucket_elems!r}")
         if fused:
-            warnings.warn(f"{type(self).__name__}(fused=True): no fused kernel in this build; using the "
-                          "multi-tensor (foreach) path", stacklevel=3)
+            warnings.warn(f"{type(self).__name__}(fused=True): no apex or Triton kernel ships in this build; "
+                          "using the default multi-tensor path", stacklevel=3)
         self._check_group(defaults)
         super().__init__(params, defaults)  # calls add_param_group, which checks every group
         self.bucket_elems = bucket_elems
@@ -355,7 +403,7 @@ class LayerwiseOptimizer(Optimizer):
 
     def _gather(self, group: dict, state_keys: Sequence[str]):
         """Params with a gradient, their grads and state; initialises state on first use."""
-        params, grads, steps = [], [], []
+        params, grads, step_counts = [], [], []
         states: Dict[str, List[torch.Tensor]] = {k: [] for k in state_keys}
         for p in group["params"]:
             if p.grad is None:
@@ -364,12 +412,15 @@ class LayerwiseOptimizer(Optimizer):
             if not state:
                 state["step"] = torch.tensor(0.0)
                 self._init_state(p, state)
-            state["step"] += 1
             params.append(p)
             grads.append(p.grad)
-            steps.append(int(state["step"].item()))
+            step_counts.append(state["step"])
             for k in state_keys:
                 states[k].append(state.get(k))
+        steps: List[int] = []
+        if step_counts:  # one increment and one read for the whole group, not two small ops per tensor
+            torch._foreach_add_(step_counts, 1.0)
+            steps = [int(s) for s in torch.stack(step_counts).tolist()]
         return params, grads, steps, states
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:

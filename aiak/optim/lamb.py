@@ -15,8 +15,11 @@ apex's ``FusedLAMB`` instead skips it for parameters with zero weight decay; her
 moments (apex's ``max_grad_norm``), ``bias_correction=False`` drops the ``1 - beta^t`` terms.
 
 The class only gathers parameters and state; :func:`lamb` runs the math, in a single-tensor loop or the
-bucketed multi-tensor (``torch._foreach_*``) path of :mod:`aiak.optim._multi_tensor` (the default).
-Moments are fp32 and the update is computed in fp32 for fp16/bf16 parameters.
+bucketed multi-tensor path of :mod:`aiak.optim._multi_tensor` (the default). There, the moments and
+``u_t`` of a bucket come from one pass of torch's fused Adam kernel (the one ``Adam(fused=True)`` runs,
+on CPU and CUDA; see :func:`_moments_and_update`), the two norms per tensor are taken while the bucket
+is in cache, and one more pass applies the step: 7 x 4 bytes of memory traffic per fp32 parameter, the
+minimum. Moments are fp32 and the update is computed in fp32 for fp16/bf16 parameters.
 """
 from __future__ import annotations
 
@@ -47,8 +50,8 @@ class Lamb(LayerwiseOptimizer):
         foreach: multi-tensor path (default) or the per-tensor loop.
         bucket_elems: elements per multi-tensor bucket; ``None`` picks a cache-sized bucket on CPU and one
             bucket on GPU, ``0`` forces one bucket.
-        fused: accepted for API parity; no fused kernel ships in this build, so ``True`` warns and the
-            multi-tensor path runs.
+        fused: accepted for API parity; no apex or Triton LAMB kernel ships in this build, so ``True`` warns
+            and the default multi-tensor path runs (which already uses torch's fused Adam kernel).
     """
 
     _fp32_state_keys = ("exp_avg", "exp_avg_sq")
@@ -201,6 +204,46 @@ def _foreach_direction(plan, k, w, m, v, eps_hat, step_size, weight_decay, out=N
     return scale, torch._foreach_div(m, denom)
 
 
+def _fused_adam_step(device: torch.device, step: int, bias_correction: bool) -> Optional[torch.Tensor]:
+    """The step count as the 0-dim fp32 tensor torch's fused Adam kernel reads (``Adam(fused=True)``'s, on
+    CPU and CUDA), or ``None`` where that kernel cannot serve: no bias correction (it always applies
+    it), another device, or a torch without it."""
+    if not bias_correction or device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_adam_"):
+        return None
+    return torch.full((), float(step), dtype=torch.float32, device=device)
+
+
+def _moments_and_update(plan, k, w, g, m, v, fused_step, *, beta1, beta2, eps, weight_decay, bias_correction,
+                        step, out=None):
+    """Advance bucket ``k``'s moments in place and return its update as ``(scale, u')``, ``u = scale * u'``.
+
+    Fast path, one pass over ``g, m, v``: torch's fused Adam kernel run on a scratch tensor that holds
+    ``weight_decay * w``. An Adam step with ``lr = -1`` and no decay of its own adds ``r_t`` (the
+    bias-corrected ``m_hat / (sqrt(v_hat) + eps)``) to it, which leaves exactly ``u_t = r_t + weight_decay * w``
+    and the new moments. It needs each tensor, its gradient and state in one dense layout
+    (:meth:`~aiak.optim._multi_tensor.BucketPlan.fusable`); otherwise, or without ``fused_step``, the
+    same maths runs as foreach ops (four more passes).
+    """
+    if fused_step is not None and plan.fusable(k, g):
+        if out is None and not plan.cached_scratch:
+            u = torch._foreach_mul(w, weight_decay) if weight_decay else [torch.zeros_like(t) for t in w]
+        else:
+            u = plan.scratch(k, 1, m[0].dtype) if out is None else out
+            if weight_decay:
+                for wi, ui in zip(w, u):
+                    torch.mul(wi, weight_decay, out=ui)
+            else:
+                torch._foreach_zero_(u)
+        torch._fused_adam_(u, g, m, v, [], [fused_step] * len(u), lr=-1.0, beta1=beta1, beta2=beta2,
+                           weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+        return 1.0, u
+    torch._foreach_lerp_(m, g, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, 1.0 - beta2)
+    eps_hat, step_size = _step_scalars(step, beta1, beta2, eps, bias_correction)
+    return _foreach_direction(plan, k, w, m, v, eps_hat, step_size, weight_decay, out=out)
+
+
 def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
                        bias_correction, adapt, trust_clip, grad_scale, bucket_elems, plans=None):
     for (device, _, step), idx in group_by_device_dtype_step(params, steps).items():
@@ -208,19 +251,17 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1
         size = default_bucket_elems(device) if bucket_elems is None else (bucket_elems or None)
         plan = cached_plan(plans, [[params[i] for i in idx], [exp_avgs[i] for i in idx],
                                    [exp_avg_sqs[i] for i in idx]], size)
-        eps_hat, step_size = _step_scalars(step, beta1, beta2, eps, bias_correction)
-        scalars = (eps_hat, step_size, weight_decay)
+        fused_step = _fused_adam_step(device, step, bias_correction)
+        moments = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                       bias_correction=bias_correction, step=step)
         piece_norms: List[torch.Tensor] = []
         for k, (bucket, (p, m, v)) in enumerate(zip(plan.buckets, plan.views)):
             w, g = working_copies(plan, k, p, plan.take(k, G), grad_scale)
-            torch._foreach_lerp_(m, g, 1.0 - beta1)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, 1.0 - beta2)
             if adapt and plan.cut[bucket[0][0]]:
                 # A piece of a cut tensor: keep its update until the whole tensor's norms are known, then
                 # (right after the last piece, while the updates are still in cache) apply the ratio.
-                scale, update = _foreach_direction(plan, k, w, m, v, *scalars,
-                                                   out=plan.whole_tensor_scratch(k, m[0].dtype))
+                scale, update = _moments_and_update(plan, k, w, g, m, v, fused_step, **moments,
+                                                    out=plan.whole_tensor_scratch(k, m[0].dtype))
                 piece_norms.append(norms([w[0], update[0]]))
                 if plan.is_last_piece(k):
                     w_norm, u_norm = torch.stack(piece_norms).square().sum(0).sqrt().unbind()
@@ -233,7 +274,7 @@ def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1
                                     -lr * scale)
                         write_back(p_piece, w_piece)
                 continue
-            scale, update = _foreach_direction(plan, k, w, m, v, *scalars)
+            scale, update = _moments_and_update(plan, k, w, g, m, v, fused_step, **moments)
             if adapt:
                 ratios = trust_ratio(norms(w), norms(update) * scale, trust_clip)
                 add_scaled_(w, update, ratios, -lr * scale)

@@ -249,3 +249,52 @@ def test_replaced_parameters_get_a_new_plan_and_old_ones_are_released():
     assert all(torch.equal(a, b) for a, b in zip(params, before))  # the old tensors are no longer touched
     assert all(not torch.equal(m, b) for m, b in zip(masters, before) if m.abs().sum() > 0)
     assert len(opt._plans._plans) == 1  # the plan of the replaced tensors was dropped
+
+
+def _count_fused_adam_calls(opt) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_fused_adam_")
+
+
+@pytest.mark.parametrize("bucket_elems", [None, 100])
+def test_default_path_runs_torchs_fused_adam_kernel_and_no_bias_correction_does_not(bucket_elems):
+    """The fast path (moments and update in one fused pass) is what runs by default on CPU; the
+    float64-reference tests above then check its result for every config that takes it."""
+    params64, grads = make_problem()
+    _, opt = run_lamb(params64, grads, MIXED, steps=1, bucket_elems=bucket_elems, **CONFIGS["decay"])
+    assert _count_fused_adam_calls(opt) > 0
+    _, opt = run_lamb(params64, grads, MIXED, steps=1, bucket_elems=bucket_elems,
+                      **CONFIGS["no-bias-correction"])
+    assert _count_fused_adam_calls(opt) == 0
+
+
+def test_mixed_layouts_of_weight_grad_and_state_stay_exact():
+    """A fused kernel that walks raw memory must not pair a channels_last weight with contiguous moments (a
+    checkpoint saved before ``channels_last``) or with a contiguous gradient: such buckets take the
+    layout-aware foreach ops. Multi-tensor must equal the per-tensor loop, which has no such pitfall."""
+    gen = torch.Generator().manual_seed(8)
+    conv0 = torch.randn(8, 6, 3, 3, generator=gen)
+    mat0 = torch.randn(20, 30, generator=gen)
+    grads = [(torch.randn(8, 6, 3, 3, generator=gen), torch.randn(20, 30, generator=gen)) for _ in range(6)]
+
+    def run(foreach):
+        conv, mat = torch.nn.Parameter(conv0.clone()), torch.nn.Parameter(mat0.clone())
+        opt = Lamb([conv, mat], lr=0.01, weight_decay=0.1, foreach=foreach, bucket_elems=1000)
+        for gc, gm in grads[:3]:  # contiguous weights, grads and moments
+            conv.grad, mat.grad = gc.clone(), gm.clone()
+            opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        with torch.no_grad():  # the model goes channels_last after the checkpoint
+            conv.data = conv.data.contiguous(memory_format=torch.channels_last)
+        opt = Lamb([conv, mat], lr=1.0, foreach=foreach, bucket_elems=1000)
+        opt.load_state_dict(saved)
+        assert opt.state[conv]["exp_avg"].is_contiguous()  # the moments kept the checkpoint's layout
+        for i, (gc, gm) in enumerate(grads[3:]):
+            conv.grad = gc.clone() if i % 2 else gc.contiguous(memory_format=torch.channels_last)
+            mat.grad = gm.clone() if i % 2 else gm.t().contiguous().t()  # column-major gradient
+            opt.step()
+        return conv.detach(), mat.detach()
+
+    for multi, single in zip(run(True), run(False)):
+        torch.testing.assert_close(multi, single, rtol=1e-6, atol=1e-6 * single.abs().max().item())

@@ -64,3 +64,16 @@ def test_step_with_a_closure_computes_the_loss_with_grad_and_steps(name):
     loss = opt.step(closure)
     assert torch.is_tensor(loss) and loss.requires_grad
     assert not torch.equal(model.weight, before)
+
+
+def test_dense_strides_and_same_layout():
+    """Scratch follows a dense parameter's own layout; a gapped view gets contiguous strides."""
+    cl = torch.zeros(4, 3, 5, 5).to(memory_format=torch.channels_last)
+    assert mt.dense_strides(cl) == cl.stride()
+    permuted = torch.zeros(3, 4, 5).permute(2, 0, 1)
+    assert mt.dense_strides(permuted) == permuted.stride()
+    gapped = torch.zeros(6, 8)[:, :5]
+    assert mt.dense_strides(gapped) == (5, 1)
+    assert mt.same_layout([cl], [torch.zeros_like(cl)])
+    assert not mt.same_layout([cl], [torch.zeros(4, 3, 5, 5)])
+    assert not mt.same_layout([gapped], [gapped])  # not dense: a raw-memory kernel would touch the gaps
