@@ -168,6 +168,7 @@ def dense_strides(t: torch.Tensor) -> Tuple[int, ...]:
 
 
 def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Row-major strides of ``shape`` (what ``torch.empty(shape).stride()`` gives, without allocating)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

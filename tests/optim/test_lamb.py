@@ -53,7 +53,7 @@ def reference_lamb(params, grads, groups, *, lr, betas, eps, weight_decay, bias_
     return w
 
 
-def run_lamb(params64, grads, adapt_mask, dtype=torch.float32, steps=STEPS, optimizer=None, **kw):
+def run_lamb(params64, grads, adapt_mask, dtype=torch.float32, steps=STEPS, **kw):
     params = [torch.nn.Parameter(p.to(dtype)) for p in params64]
     decay = kw.pop("weight_decay", 0.0)
     groups = [{"params": [p for p, a in zip(params, adapt_mask) if a], "weight_decay": decay},
@@ -110,24 +110,10 @@ def test_multi_tensor_equals_single_tensor(bucket_elems, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_dict_resume_equals_uninterrupted(dtype):
+def test_state_dict_resume_equals_uninterrupted(dtype, assert_resume_equals_uninterrupted):
     params64, grads = make_problem(seed=2)
-    kw = dict(CONFIGS["decay"], bucket_elems=100)
-    straight, _ = run_lamb(params64, grads, MIXED, dtype=dtype, **kw)
-    first, opt = run_lamb(params64, grads, MIXED, dtype=dtype, steps=10, **kw)
-    saved = copy.deepcopy(opt.state_dict())
-    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in first]
-    groups = [{"params": [p for p, a in zip(resumed_params, MIXED) if a], "weight_decay": 0.1},
-              {"params": [p for p, a in zip(resumed_params, MIXED) if not a], "weight_decay": 0.0, "adapt": False}]
-    resumed = Lamb(groups, lr=1.0, bucket_elems=100)  # lr etc. come back from the state_dict
-    resumed.load_state_dict(saved)
-    assert all(s["exp_avg"].dtype == torch.float32 for s in resumed.state.values())
-    for step_grads in grads[10:]:
-        for p, g in zip(resumed_params, step_grads):
-            p.grad = g.to(dtype)
-        resumed.step()
-    for a, b in zip(straight, resumed_params):
-        assert torch.equal(a, b)
+    assert_resume_equals_uninterrupted(run_lamb, Lamb, params64, grads, MIXED, dtype, "exp_avg",
+                                       **CONFIGS["decay"], bucket_elems=100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

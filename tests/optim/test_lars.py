@@ -1,6 +1,4 @@
 """LARS against a float64 transcription of Algorithm 1 of You et al. 2017 (+ LARC clipping), written here."""
-import copy
-
 import pytest
 import torch
 
@@ -100,24 +98,10 @@ def test_multi_tensor_equals_single_tensor(bucket_elems, config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_state_dict_resume_equals_uninterrupted(dtype):
+def test_state_dict_resume_equals_uninterrupted(dtype, assert_resume_equals_uninterrupted):
     params64, grads = make_problem(seed=2)
-    kw = dict(CONFIGS["nesterov"], bucket_elems=100)
-    straight, _ = run_lars(params64, grads, MIXED, dtype=dtype, **kw)
-    first, opt = run_lars(params64, grads, MIXED, dtype=dtype, steps=10, **kw)
-    saved = copy.deepcopy(opt.state_dict())
-    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in first]
-    groups = [{"params": [p for p, a in zip(resumed_params, MIXED) if a]},
-              {"params": [p for p, a in zip(resumed_params, MIXED) if not a], "adapt": False}]
-    resumed = Lars(groups, lr=1.0, bucket_elems=100)
-    resumed.load_state_dict(saved)
-    assert all(s["momentum_buffer"].dtype == torch.float32 for s in resumed.state.values())
-    for step_grads in grads[10:]:
-        for p, g in zip(resumed_params, step_grads):
-            p.grad = g.to(dtype)
-        resumed.step()
-    for a, b in zip(straight, resumed_params):
-        assert torch.equal(a, b)
+    assert_resume_equals_uninterrupted(run_lars, Lars, params64, grads, MIXED, dtype, "momentum_buffer", **CONFIGS["nesterov"],
+                                       bucket_elems=100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
