@@ -46,7 +46,8 @@ def _rounded_fp32_reference(optimizer_cls, params64, grads, adapt_mask, kw, dtyp
     """An fp32 optimizer over fp32 weights rounded to ``dtype`` after every step: what a half-parameter
     optimizer with fp32 math must reproduce exactly. Returns the fp32 parameters."""
     fp32 = [torch.nn.Parameter(p.to(dtype).float()) for p in params64]
-    ref = optimizer_cls(layerwise_groups(fp32, adapt_mask, kw["weight_decay"]), **{k: v for k, v in kw.items() if k != "weight_decay"}, **opt_kw)
+    hyper = {k: v for k, v in kw.items() if k != "weight_decay"}
+    ref = optimizer_cls(layerwise_groups(fp32, adapt_mask, kw["weight_decay"]), **hyper, **opt_kw)
     for step_grads in grads[:steps]:
         for p, g in zip(fp32, step_grads):
             p.grad = g.to(dtype).float()

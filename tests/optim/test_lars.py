@@ -100,8 +100,8 @@ def test_multi_tensor_equals_single_tensor(bucket_elems, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_state_dict_resume_equals_uninterrupted(dtype, assert_resume_equals_uninterrupted):
     params64, grads = make_problem(seed=2)
-    assert_resume_equals_uninterrupted(run_lars, Lars, params64, grads, MIXED, dtype, "momentum_buffer", **CONFIGS["nesterov"],
-                                       bucket_elems=100)
+    assert_resume_equals_uninterrupted(run_lars, Lars, params64, grads, MIXED, dtype, "momentum_buffer",
+                                       **CONFIGS["nesterov"], bucket_elems=100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
