@@ -20,6 +20,7 @@ Mapping applied by :func:`swap_optimizer` (the strategy's ``optimizer: {name: la
 """
 from __future__ import annotations
 
+import difflib
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
@@ -30,7 +31,7 @@ from aiak.optim.lamb import Lamb
 from aiak.optim.lars import Lars
 from aiak.optim.param_groups import excluded_parameters, split_param_groups
 
-__all__ = ["OPTIMIZERS", "HYPERPARAMETERS", "create", "swap_optimizer"]
+__all__ = ["OPTIMIZERS", "HYPERPARAMETERS", "create", "swap_optimizer", "hyperparameter_problems"]
 
 OPTIMIZERS = {"lamb": Lamb, "lars": Lars}
 
@@ -56,29 +57,48 @@ def _check_name(name: Any, where: str) -> str:
     return name.lower()
 
 
-def _validated(name: str, hyperparameters: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
-    """Check every key and value; one ValueError names ``<prefix><key>`` and the valid keys or range."""
+def hyperparameter_problems(name: str, hyperparameters: Mapping[str, Any], prefix: str) -> List[str]:
+    """Every problem with ``hyperparameters`` for optimizer ``name``, each naming ``<prefix><key>``.
+
+    Unknown keys get a "did you mean" and the valid keys; values are checked by type and by the optimizer
+    constructor's own range checks, one key at a time. Used at strategy load time (``aiak.strategy.schema``)
+    and again by :func:`create` / :func:`swap_optimizer`, so there is one list of rules.
+    """
     valid = HYPERPARAMETERS[name]
-    out: Dict[str, Any] = {}
+    problems = []
     for key, value in hyperparameters.items():
         if key not in valid:
-            raise ValueError(f"{prefix}{key}: unknown hyper-parameter for {name}; valid keys: {list(valid)}")
-        if key in _BOOLEAN_KEYS and not isinstance(value, bool):
-            raise ValueError(f"{prefix}{key} must be true or false, got {value!r}")
-        if key in _OPTIONAL_BOOLEAN_KEYS and value is not None and not isinstance(value, bool):
-            raise ValueError(f"{prefix}{key} must be true, false or null, got {value!r}")
-        if key == "betas" and isinstance(value, list):
-            value = tuple(value)
-        if key not in _BOOLEAN_KEYS + _OPTIONAL_BOOLEAN_KEYS and key != "exclude_bias_and_norm":
-            probe = {"lr": 1.0, key: value}  # the constructor's own range checks, one key at a time
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    OPTIMIZERS[name]([torch.zeros(1)], **probe)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{prefix}{key}: {e}") from None
-        out[key] = value
-    return out
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{prefix}{key}: unknown hyper-parameter for {name}{hint}; valid keys: {list(valid)}")
+            continue
+        problem = _hyperparameter_problem(name, key, value)
+        if problem is not None:
+            problems.append(f"{prefix}{key}{problem}")
+    return problems
+
+
+def _hyperparameter_problem(name: str, key: str, value: Any) -> Optional[str]:
+    """What is wrong with one value (the text that follows the key), or None."""
+    if key in _BOOLEAN_KEYS:
+        return None if isinstance(value, bool) else f" must be true or false, got {value!r}"
+    if key in _OPTIONAL_BOOLEAN_KEYS:
+        return None if value is None or isinstance(value, bool) else f" must be true, false or null, got {value!r}"
+    try:
+        with warnings.catch_warnings():  # the constructor's own range checks
+            warnings.simplefilter("ignore")
+            OPTIMIZERS[name]([torch.zeros(1)], **{"lr": 1.0, key: tuple(value) if isinstance(value, list) else value})
+    except (ValueError, TypeError) as e:
+        return f": {e}"
+    return None
+
+
+def _validated(name: str, hyperparameters: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
+    """``hyperparameters`` checked by :func:`hyperparameter_problems` (one ValueError listing every problem)."""
+    problems = hyperparameter_problems(name, hyperparameters, prefix)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyperparameters.items()}
 
 
 def create(name: str, model_or_params: Union[nn.Module, Iterable], **hyperparameters: Any) -> torch.optim.Optimizer:

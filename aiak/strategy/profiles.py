@@ -6,6 +6,7 @@ the parent is loaded (recursively), then the child's keys override it section by
 """
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
@@ -26,12 +27,32 @@ def list_profiles() -> List[str]:
     return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
 
 
+def _yaml_loader():
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does.
+
+    PyYAML follows YAML 1.1, where ``1e4`` and ``1e-3`` (no dot) are *strings*: ``loss_scale: 1e4`` or
+    ``lr: 1e-3`` would be rejected as "not a number". This loader resolves them as floats.
+    """
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"))
+    return Loader
+
+
 def _read_yaml(path: Path) -> Dict[str, Any]:
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_yaml_loader())
     except yaml.YAMLError as e:
         raise StrategyError(f"{path}: not valid YAML: {e}") from None
     if data is None:
@@ -41,8 +62,17 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
     return data
 
 
-def _locate(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
-    """A built-in profile name, or a YAML path (relative paths also tried beside the extending file)."""
+def _did_you_mean(given: str, names: List[str]) -> str:
+    by_lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *, top_level: bool = True) -> Path:
+    """A built-in profile name, or a YAML path (relative paths also tried beside the extending file).
+
+    ``where`` says who asked (``strategy`` or ``<file>: extends``), so the error names it; ``top_level`` is
+    False for an ``extends`` (where "auto", which is no file, cannot be named)."""
     if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
         candidates = [Path(name_or_path)]
         if relative_to is not None and not Path(name_or_path).is_absolute():
@@ -50,59 +80,110 @@ def _locate(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
         for c in candidates:
             if c.is_file():
                 return c
-        raise StrategyError(f"strategy file {name_or_path!r} not found")
+        raise StrategyError(f"{where}: strategy file {name_or_path!r} not found "
+                            f"(looked at {', '.join(str(c) for c in candidates)})")
     path = profiles_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
-        import difflib
-
         names = list_profiles()
-        close = difflib.get_close_matches(name_or_path, names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise StrategyError(f"strategy: unknown profile {name_or_path!r}{hint}; built-in profiles: {names}, "
-                            f"or give a path to a .yaml file or a dict")
+        choices = ["auto"] + names if top_level else names
+        raise StrategyError(f"{where}: unknown profile {name_or_path!r}{_did_you_mean(name_or_path, choices)}; "
+                            f"choices: {choices}, or a path to a .yaml file" + (" or a dict" if top_level else ""))
     return path
 
 
 def _merge(parent: Mapping[str, Any], child: Mapping[str, Any]) -> Dict[str, Any]:
-    """Child over parent; mapping sections merge key by key, everything else is replaced."""
+    """Child over parent; mapping sections merge key by key, everything else is replaced.
+
+    Exception: an ``optimizer`` section naming a different optimizer replaces the parent's section (a
+    parent's LAMB hyper-parameters mean nothing to LARS or to ``keep``).
+    """
     out = dict(parent)
     for key, value in child.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(out[key], value)
+        old = out.get(key)
+        if key == "optimizer" and isinstance(value, Mapping) and isinstance(old, Mapping) \
+                and "name" in value and value["name"] != old.get("name"):
+            out[key] = dict(value)
+        elif isinstance(value, Mapping) and isinstance(old, Mapping):
+            out[key] = _merge(old, value)
         else:
             out[key] = value
     return out
 
 
-def _resolve_extends(data: Mapping[str, Any], source: str, path: Optional[Path], seen: List[str]) -> Dict[str, Any]:
-    parent_ref = data.get("extends")
-    if parent_ref is None:
-        return dict(data)
-    if not isinstance(parent_ref, str):
-        raise StrategyError(f"{source}: extends must be a profile name or a YAML path, got {parent_ref!r}")
-    parent_path = _locate(parent_ref, relative_to=path)
-    key = str(parent_path.resolve())
-    if key in seen:
-        raise StrategyError(f"{source}: extends: cycle through {parent_ref!r}")
-    parent = _resolve_extends(_read_yaml(parent_path), str(parent_path), parent_path, seen + [key])
-    parent.pop("name", None)
-    parent.pop("description", None)
-    parent.pop("match", None)  # match conditions are the profile's own, never inherited
-    return _merge(parent, data)
+def _key_paths(data: Mapping[str, Any], prefix: str = "") -> List[str]:
+    """Dotted paths of every key (sections and the keys inside them)."""
+    paths = []
+    for key, value in data.items():
+        paths.append(f"{prefix}{key}")
+        if isinstance(value, Mapping):
+            paths.extend(_key_paths(value, f"{prefix}{key}."))
+    return paths
+
+
+class _Chain:
+    """An ``extends`` chain merged into one mapping, remembering which file set each key; problems found
+    on the way (an unknown parent, a cycle) are collected, not raised, so every mistake is reported at once."""
+
+    def __init__(self):
+        self.origins: Dict[str, str] = {}
+        self.problems: List[str] = []
+
+    def resolve(self, data: Mapping[str, Any], source: str, path: Optional[Path], seen: List[str]) -> Dict[str, Any]:
+        parent: Dict[str, Any] = {}
+        ref = data.get("extends")
+        if ref is not None:
+            parent = self._parent(ref, source, path, seen)
+        merged = _merge(parent, data)
+        if isinstance(data.get("optimizer"), Mapping) and "name" in data["optimizer"] \
+                and data["optimizer"]["name"] != parent.get("optimizer", {}).get("name"):
+            self.origins = {k: v for k, v in self.origins.items() if not k.startswith("optimizer.")}
+        self.origins.update({k: source for k in _key_paths(data)})
+        return merged
+
+    def _parent(self, ref: Any, source: str, path: Optional[Path], seen: List[str]) -> Dict[str, Any]:
+        if not isinstance(ref, str):
+            self.problems.append(f"{source}: extends must be a profile name or a YAML path, got {ref!r}")
+            return {}
+        try:
+            parent_path = _locate(ref, f"{source}: extends", relative_to=path, top_level=False)
+            key = str(parent_path.resolve())
+            if key in seen:
+                raise StrategyError(f"{source}: extends: cycle through {ref!r}")
+            data = _read_yaml(parent_path)
+        except StrategyError as e:
+            self.problems.extend(e.problems)
+            return {}
+        parent = self.resolve(data, str(parent_path), parent_path, seen + [key])
+        for own in ("name", "description", "match", "extends"):  # the profile's own, never inherited
+            parent.pop(own, None)
+            self.origins = {k: v for k, v in self.origins.items() if k != own and not k.startswith(own + ".")}
+        return parent
 
 
 def load_strategy(spec: Union[str, os.PathLike, Mapping[str, Any], Strategy]) -> Strategy:
-    """Built-in profile name, YAML path, dict (same shape as the YAML) or ``Strategy`` -> ``Strategy``."""
+    """Built-in profile name, YAML path, dict (same shape as the YAML) or ``Strategy`` -> ``Strategy``.
+
+    Every mistake (of the file and of the files it extends) is reported at once, in one
+    :class:`StrategyError`, each with its file, key path and suggestion.
+    """
     if isinstance(spec, Strategy):
         return spec
     if isinstance(spec, Mapping):
-        merged = _resolve_extends(spec, "<dict>", None, [])
-        return Strategy.from_dict(merged, source="<dict>")
-    if not isinstance(spec, (str, os.PathLike)):
-        raise StrategyError(f"strategy must be a profile name, a YAML path, a dict or an aiak.Strategy, "
+        source, path, data = "<dict>", None, dict(spec)
+    elif isinstance(spec, (str, os.PathLike)):
+        path = _locate(os.fspath(spec), "strategy")
+        source, data = str(path), _read_yaml(path)
+        data.setdefault("name", path.stem)
+    else:
+        raise StrategyError(f"strategy must be 'auto', a profile name, a YAML path, a dict or an aiak.Strategy, "
                             f"got {type(spec).__name__}")
-    path = _locate(os.fspath(spec))
-    data = _read_yaml(path)
-    data.setdefault("name", path.stem)
-    merged = _resolve_extends(data, str(path), path, [str(path.resolve())])
-    return Strategy.from_dict(merged, source=str(path))
+    chain = _Chain()
+    merged = chain.resolve(data, source, path, [str(path.resolve())] if path else [])
+    try:
+        strategy = Strategy.from_dict(merged, source=source, origins=chain.origins,
+                                      combinations=not chain.problems)  # a missing parent: only keys can be judged
+    except StrategyError as e:
+        raise StrategyError(chain.problems + e.problems) from None
+    if chain.problems:
+        raise StrategyError(chain.problems)
+    return strategy

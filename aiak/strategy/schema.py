@@ -20,7 +20,16 @@ FUSED_OPS = ("window_attention",)
 
 
 class StrategyError(ValueError):
-    """Bad strategy input: names the source, the key path and what would be valid."""
+    """Bad strategy input. ``problems`` lists every mistake found, each naming its source (file or
+    ``<dict>``), the dotted key path and what would be valid; the message shows them all."""
+
+    def __init__(self, problems: Union[str, List[str]]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems in the strategy:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
 
 
 def _choices(*values: Any) -> Dict[str, Any]:
@@ -54,6 +63,17 @@ class OptimizerConfig:
 
     name: str = field(default="keep", metadata=_choices(*OPTIMIZER_NAMES))
     hyperparameters: Dict[str, Any] = field(default_factory=dict, metadata={"rest": True})
+
+    def _problems(self, where: "_Where", path: str) -> List[str]:
+        """Hyper-parameters, checked at load time by the optimizer factory's own rules (unknown key with
+        "did you mean", wrong type, out of range), so a bad one fails before ``optimize()`` touches anything."""
+        if self.name == "keep":
+            return [f"{where(path + key)}: hyper-parameters need optimizer.name lamb or lars ('keep' leaves your "
+                    f"optimizer as it is)" for key in self.hyperparameters]
+        from aiak.optim.factory import hyperparameter_problems
+
+        return [problem for key, value in self.hyperparameters.items()
+                for problem in hyperparameter_problems(self.name, {key: value}, f"{where.source_of(path + key)}: {path}")]
 
 
 @dataclass
@@ -122,10 +142,20 @@ class Strategy:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> "Strategy":
-        """Build and validate from a plain dict (already merged with any ``extends`` parent)."""
-        strategy = _build(cls, data, source, path="")
-        _check_combinations(strategy, source)
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>",
+                  origins: Optional[Mapping[str, str]] = None, combinations: bool = True) -> "Strategy":
+        """Build and validate from a plain dict (already merged with any ``extends`` parent).
+
+        Every mistake is collected and raised together as one :class:`StrategyError`. ``origins`` maps a dotted
+        key path to the file that set it (``extends`` chains), so each problem names the right file.
+        ``combinations=False`` checks keys and values only (the caller knows part of the strategy is missing).
+        """
+        problems: List[str] = []
+        strategy = _build(cls, data, _Where(source, origins or {}), "", problems)
+        if not problems and combinations:
+            _check_combinations(strategy, source, problems)
+        if problems:
+            raise StrategyError(problems)
         return strategy
 
     @classmethod
@@ -149,27 +179,44 @@ class Strategy:
 
 
 # -- validation ---------------------------------------------------------------------------------
+class _Invalid(Exception):
+    """One bad value; the text follows the key path in the reported problem."""
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a key came from: the file that set it (``origins``), else the strategy's own source."""
+
+    source: str
+    origins: Mapping[str, str]
+
+    def source_of(self, path: str) -> str:
+        key = path.rstrip(".")
+        while key and key not in self.origins:
+            key = key.rpartition(".")[0]
+        return self.origins.get(key, self.source)
+
+    def __call__(self, path: str) -> str:
+        return f"{self.source_of(path)}: {path.rstrip('.') or '<top level>'}"
+
+
 def _type_name(annotation: Any) -> str:
     names = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string",
              "List[str]": "a list of strings", "List[float]": "a list of numbers", "Dict[str, Any]": "a mapping"}
     return names.get(str(annotation), str(annotation))
 
 
-def _check_value(value: Any, annotation: str, choices: tuple, where: str) -> Any:
-    """Check one scalar/list value against its annotation and choices; return it normalised."""
+def _check_value(value: Any, annotation: str, choices: tuple) -> Any:
+    """Check one scalar/list value against its annotation and choices; return it normalised or raise _Invalid."""
     if annotation == "Union[str, float]":  # precision.loss_scale
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
-        if isinstance(value, str) and value not in ("dynamic", "none"):
-            raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
-        if not isinstance(value, str):
-            if value <= 0:
-                raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
-            return float(value)
-        return value
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) \
+                or (isinstance(value, str) and value not in ("dynamic", "none")) \
+                or (not isinstance(value, str) and not value > 0):
+            raise _Invalid(f" must be one of {list(choices)}, got {value!r}")
+        return value if isinstance(value, str) else float(value)
     if annotation == "Union[str, bool]":  # comm.hierarchical
         if value not in choices or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            raise StrategyError(f"{where} must be one of ['auto', true, false], got {value!r}")
+            raise _Invalid(f" must be one of ['auto', true, false], got {value!r}")
         return value
     if value is None and annotation.startswith("Optional["):
         return None
@@ -177,86 +224,116 @@ def _check_value(value: Any, annotation: str, choices: tuple, where: str) -> Any
     expected = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "List[str]": (list,),
                 "List[float]": (list,), "Dict[str, Any]": (dict,)}[annotation]
     if isinstance(value, bool) and bool not in expected:
-        raise StrategyError(f"{where} must be {_type_name(annotation)}, got {value!r}")
+        raise _Invalid(f" must be {_type_name(annotation)}, got {value!r}")
     if not isinstance(value, expected):
-        raise StrategyError(f"{where} must be {_type_name(annotation)}, got {type(value).__name__} {value!r}")
+        raise _Invalid(f" must be {_type_name(annotation)}, got {type(value).__name__} {value!r}")
     if annotation == "List[float]":
         if not value or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
-            raise StrategyError(f"{where} must be a non-empty list of numbers, got {value!r}")
+            raise _Invalid(f" must be a non-empty list of numbers, got {value!r}")
         return [float(v) for v in value]
     if annotation == "List[str]":
         for item in value:
             if not isinstance(item, str):
-                raise StrategyError(f"{where} must be a list of strings, got item {item!r}")
+                raise _Invalid(f" must be a list of strings, got item {item!r}")
             if choices and item not in choices:
-                raise StrategyError(f"{where}: unknown entry {item!r}; valid choices: {list(choices)}")
+                raise _Invalid(f": unknown entry {item!r}{_did_you_mean(item, choices)}; valid choices: {list(choices)}")
         return list(value)
     if choices and value not in choices:
-        raise StrategyError(f"{where} must be one of {list(choices)}, got {value!r}")
+        raise _Invalid(f" must be one of {list(choices)}, got {value!r}{_did_you_mean(value, choices)}")
     if annotation == "float":
         return float(value)
     return value
 
 
-def _build(cls: type, data: Any, source: str, path: str) -> Any:
-    where_section = f"{source}: {path.rstrip('.') or '<top level>'}"
+def _did_you_mean(given: Any, choices) -> str:
+    """`` (did you mean 'x'?)`` for a near miss (case-insensitive), else ``""``."""
+    if not isinstance(given, str):
+        return ""
+    names = [c for c in choices if isinstance(c, str)]
+    by_lower = {c.lower(): c for c in names}
+    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close and by_lower[close[0]] != given else ""
+
+
+def _build(cls: type, data: Any, where: _Where, path: str, problems: List[str]) -> Any:
+    """An instance of the dataclass ``cls`` from ``data``; every bad key is appended to ``problems`` (and
+    left at its default) so that all mistakes are reported together."""
     if not isinstance(data, Mapping):
-        raise StrategyError(f"{where_section} must be a mapping, got {type(data).__name__} {data!r}")
+        problems.append(f"{where(path)} must be a mapping, got {type(data).__name__} {data!r}")
+        return cls()
+    before = len(problems)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     rest = next((f for f in fields.values() if f.metadata.get("rest")), None)
     known = [n for n, f in fields.items() if not f.metadata.get("rest")]
     kwargs: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
     for key, value in data.items():
-        where = f"{source}: {path}{key}"
         if not isinstance(key, str):
-            raise StrategyError(f"{where}: keys must be strings")
+            problems.append(f"{where(path)}: key {key!r}: keys must be strings")
+            continue
         if key not in known:
             if rest is not None:
                 extra[key] = value
                 continue
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise StrategyError(f"{where}: unknown key{hint}; valid keys: {known}")
+            problems.append(f"{where(path + key)}: unknown key{_did_you_mean(key, known)}; valid keys: {known}")
+            continue
         f = fields[key]
         if dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
-            kwargs[key] = _build(type(f.default_factory()), value, source, f"{path}{key}.")
-        else:
-            kwargs[key] = _check_value(value, str(f.type), f.metadata.get("choices", ()), where)
+            kwargs[key] = _build(type(f.default_factory()), value, where, f"{path}{key}.", problems)
+            continue
+        try:
+            kwargs[key] = _check_value(value, str(f.type), f.metadata.get("choices", ()))
+        except _Invalid as e:
+            problems.append(f"{where(path + key)}{e}")
     if rest is not None:
         kwargs[rest.name] = extra
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    check_section = getattr(built, "_problems", None)
+    if check_section is not None and len(problems) == before:  # needs the section's own keys to be valid
+        problems.extend(check_section(where, path))
+    return built
 
 
 def check_comm(comm: CommConfig, source: str) -> None:
     """Types, choices and ranges of a ``CommConfig``, also one built in code rather than from YAML."""
+    problems: List[str] = []
     for f in dataclasses.fields(comm):
-        _check_value(getattr(comm, f.name), str(f.type), f.metadata.get("choices", ()), f"{source}: comm.{f.name}")
+        try:
+            _check_value(getattr(comm, f.name), str(f.type), f.metadata.get("choices", ()))
+        except _Invalid as e:
+            problems.append(f"{source}: comm.{f.name}{e}")
+    if not problems:
+        _check_comm_ranges(comm, source, problems)
+    if problems:
+        raise StrategyError(problems)
+
+
+def _check_comm_ranges(comm: CommConfig, source: str, problems: List[str]) -> None:
     for key, low, strict in (("bucket_mb", 0, True), ("timeout_s", 0, True), ("tune_steps", 1, False),
                              ("int8_block", 1, False), ("pipeline_mb", 0, False)):
         value = getattr(comm, key)
         if value < low or (strict and value == low):
-            raise StrategyError(f"{source}: comm.{key} must be {'>' if strict else '>='} {low}, got {value}")
+            problems.append(f"{source}: comm.{key} must be {'>' if strict else '>='} {low}, got {value}")
 
 
-def _check_combinations(s: Strategy, source: str) -> None:
-    """Impossible combinations, each with the key path that must change."""
+def _check_combinations(s: Strategy, source: str, problems: List[str]) -> None:
+    """Ranges and impossible combinations, each with the key path that must change."""
     p = s.precision
     if p.level in ("O1", "O2") and p.dtype == "fp16" and p.loss_scale == "none":
-        raise StrategyError(
+        problems.append(
             f"{source}: precision.loss_scale: fp16 at {p.level} needs loss scaling (small gradients underflow "
             f"in fp16); set loss_scale to 'dynamic' or a positive number, or use dtype: bf16")
     if s.grad_accumulation < 1:
-        raise StrategyError(f"{source}: grad_accumulation must be an integer >= 1, got {s.grad_accumulation}")
+        problems.append(f"{source}: grad_accumulation must be an integer >= 1, got {s.grad_accumulation}")
     if s.loader.prefetch < 0:
-        raise StrategyError(f"{source}: loader.prefetch must be >= 0 (0 turns prefetching off), got {s.loader.prefetch}")
-    check_comm(s.comm, source)
+        problems.append(f"{source}: loader.prefetch must be >= 0 (0 turns prefetching off), got {s.loader.prefetch}")
+    _check_comm_ranges(s.comm, source, problems)
     loader = s.loader
     if (loader.mean is None) != (loader.std is None) or (loader.mean and len(loader.mean) != len(loader.std)):
-        raise StrategyError(f"{source}: loader.mean and loader.std go together, one value per channel each")
+        problems.append(f"{source}: loader.mean and loader.std go together, one value per channel each")
     if loader.mean is not None and loader.prefetch == 0:
-        raise StrategyError(f"{source}: loader.mean/std need loader.prefetch >= 1 (the prefetcher normalizes)")
+        problems.append(f"{source}: loader.mean/std need loader.prefetch >= 1 (the prefetcher normalizes)")
     if loader.max_tokens is not None and (loader.max_tokens < 1 or not loader.balanced):
-        raise StrategyError(f"{source}: loader.max_tokens needs loader.balanced: true and a value >= 1")
+        problems.append(f"{source}: loader.max_tokens needs loader.balanced: true and a value >= 1")
     if s.loader.pin_memory and s.loader.prefetch == 0:
-        raise StrategyError(f"{source}: loader.pin_memory needs loader.prefetch >= 1 (pinning happens in the prefetcher)")
+        problems.append(f"{source}: loader.pin_memory needs loader.prefetch >= 1 (pinning happens in the prefetcher)")

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from aiak.optim import Lamb, Lars, create, excluded_parameters, layerwise_param_groups, swap_optimizer
-from aiak.strategy.schema import Strategy
+from aiak.strategy.schema import OptimizerConfig, Strategy
 
 
 class FancyNorm(nn.Module):
@@ -142,9 +142,13 @@ def test_no_user_optimizer_needs_lr():
     (dict(name="lamb", lr="fast"), r"optimizer\.lr"),
 ])
 def test_bad_hyperparameters_name_optimizer_key(section, match):
-    model = Net()
+    """The same rules at load time (the strategy) and at swap time (a config built in code)."""
     with pytest.raises(ValueError, match=match):
-        swap_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), optimizer_config(**section))
+        optimizer_config(**section)
+    model = Net()
+    unchecked = OptimizerConfig(name=section.pop("name"), hyperparameters=section)
+    with pytest.raises(ValueError, match=match):
+        swap_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), unchecked)
 
 
 def test_existing_state_is_dropped_with_a_warning():

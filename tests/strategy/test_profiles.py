@@ -2,6 +2,7 @@
 import textwrap
 
 import pytest
+import torch
 
 import aiak
 from aiak.strategy import Strategy, StrategyError, list_profiles, load_strategy
@@ -118,3 +119,95 @@ def test_loader_optional_keys_parse():
     s = load_strategy({"loader": {"prefetch": 2, "balanced": True, "max_tokens": 4096, "mean": [0.485, 0.456, 0.406],
                                   "std": [0.229, 0.224, 0.225]}})
     assert s.loader.max_tokens == 4096 and s.loader.mean == [0.485, 0.456, 0.406]
+
+
+# -- every mistake at once, each with its file, key path and suggestion -------------------------------------
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads ``1e4`` as a string; aiak's loader reads it as YAML 1.2 does."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("precision: {level: O2, dtype: fp16, loss_scale: 1e4}\n"
+                    "optimizer: {name: lamb, lr: 1e-3, weight_decay: 2.5E-2}\n"
+                    "comm: {bucket_mb: 5e1}\n")
+    s = load_strategy(str(path))
+    assert s.precision.loss_scale == 1e4
+    assert s.optimizer.hyperparameters == {"lr": 1e-3, "weight_decay": 0.025}
+    assert s.comm.bucket_mb == 50.0
+
+
+@pytest.mark.parametrize("name, suggestion", [("Auto", "auto"), ("CNN", "cnn"), ("Swin", "swin"),
+                                              ("larg_batch", "large_batch")])
+def test_profile_names_get_a_suggestion_and_the_choices_include_auto(name, suggestion):
+    with pytest.raises(StrategyError) as err:
+        aiak.optimize(torch.nn.Linear(2, 2), strategy=name)
+    message = str(err.value)
+    assert f"unknown profile {name!r} (did you mean {suggestion!r}?)" in message
+    assert "'auto'" in message.split("choices:")[1] and "'cnn'" in message
+
+
+def test_unknown_extends_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("extends: cnnn\ntf32: true\n")
+    with pytest.raises(StrategyError, match=rf"{path}: extends: unknown profile 'cnnn' \(did you mean 'cnn'\?\)"):
+        load_strategy(str(path))
+
+
+def test_every_mistake_of_a_file_is_reported_at_once(tmp_path):
+    path = tmp_path / "many.yaml"
+    path.write_text(textwrap.dedent("""
+        extends: swim
+        precison: {level: O2}
+        precision: {dtpye: bf16}
+        optimizer: {name: lamb, lrr: 0.1, betas: [0.9, 1.5]}
+        loader: {prefetch: two}
+        fused_ops: [window_atention]
+    """))
+    with pytest.raises(StrategyError) as err:
+        load_strategy(str(path))
+    problems = err.value.problems
+    expected = [
+        "extends: unknown profile 'swim' (did you mean 'swin'?)",
+        "precison: unknown key (did you mean 'precision'?)",
+        "precision.dtpye: unknown key (did you mean 'dtype'?)",
+        "optimizer.lrr: unknown hyper-parameter for lamb (did you mean 'lr'?)",
+        "optimizer.betas: betas[1] must be a number in [0.0, 1.0)",
+        "loader.prefetch must be an integer, got str 'two'",
+        "fused_ops: unknown entry 'window_atention' (did you mean 'window_attention'?)",
+    ]
+    assert len(problems) == len(expected), problems
+    for problem, text in zip(problems, expected):
+        assert problem.startswith(f"{path}: ") and text in problem, (problem, text)
+    assert str(err.value).startswith(f"{len(expected)} problems in the strategy:")
+
+
+def test_a_mistake_in_a_parent_names_the_parent_file(tmp_path):
+    (tmp_path / "parent.yaml").write_text("tf32: maybe\noptimizer: {name: lamb, weight_decay: 0.01}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: parent.yaml\noptimizer: {lr: 0.001, bta: 0.9}\n")
+    with pytest.raises(StrategyError) as err:
+        load_strategy(str(child))
+    assert err.value.problems == [
+        f"{tmp_path / 'parent.yaml'}: tf32 must be a boolean, got str 'maybe'",
+        f"{child}: optimizer.bta: unknown hyper-parameter for lamb (did you mean 'betas'?); valid keys: "
+        "['lr', 'betas', 'eps', 'weight_decay', 'bias_correction', 'trust_clip', 'max_grad_norm', 'foreach', "
+        "'bucket_elems', 'exclude_bias_and_norm']"]
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"name": "lamb", "lrr": 0.1}, r"<dict>: optimizer.lrr: unknown hyper-parameter for lamb \(did you mean 'lr'\?\)"),
+    ({"name": "lamb", "lr": "abc"}, r"<dict>: optimizer.lr: lr must be a number in \[0.0, inf\], got 'abc'"),
+    ({"name": "lars", "momentum": "high"}, r"<dict>: optimizer.momentum: momentum must be a number"),
+    ({"name": "lars", "nesterov": 1}, r"<dict>: optimizer.nesterov must be true or false, got 1"),
+    ({"name": "LAMB"}, r"optimizer.name must be one of \['keep', 'lamb', 'lars'\], got 'LAMB' \(did you mean 'lamb'\?\)"),
+    ({"lr": 0.1}, r"<dict>: optimizer.lr: hyper-parameters need optimizer.name lamb or lars"),
+])
+def test_optimizer_hyperparameters_are_validated_at_load_time(section, message):
+    with pytest.raises(StrategyError, match=message):
+        load_strategy({"optimizer": section})
+
+
+def test_an_optimizer_section_naming_another_optimizer_replaces_the_parents():
+    s = load_strategy({"extends": "large_batch", "optimizer": {"name": "lars", "momentum": 0.8}})
+    assert s.optimizer.name == "lars" and s.optimizer.hyperparameters == {"momentum": 0.8}  # no LAMB weight_decay
+    s = load_strategy({"extends": "large_batch", "optimizer": {"lr": 0.002}})
+    assert s.optimizer.hyperparameters == {"weight_decay": 0.01, "lr": 0.002}  # same optimizer: merged
+    assert load_strategy({"extends": "large_batch", "optimizer": {"name": "keep"}}).optimizer.hyperparameters == {}
