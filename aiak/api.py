@@ -9,6 +9,8 @@ from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
 from aiak.optim.accumulation import StepController
+from aiak.rollback import Snapshot
+from aiak.strategy.schema import Strategy
 from aiak.strategy.select import model_device, resolve_strategy
 from aiak.summary import Summary, compact
 
@@ -24,13 +26,33 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``strategy`` is ``"auto"``, a built-in
     profile name, a YAML path, a dict or an :class:`aiak.Strategy`. ``device`` moves the model there first
     (default: where its parameters already are).
+
+    All or nothing: the strategy is validated before anything is touched, and if a later step fails, the
+    model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.rollback`) before
+    the error propagates.
     """
     global _last_summary
     if getattr(getattr(model, "module", model), "_aiak_optimized", False):
         raise RuntimeError("this model was already passed through aiak.optimize() (its hooks and casts would apply "
                            "twice); optimize a freshly built model, loading the state_dict into it if needed")
-    # 1. resolve and validate the strategy
     s, reasons = resolve_strategy(strategy, model, optimizer, loader, device=device)
+    snapshot = Snapshot(model, optimizer, scheduler, loader)
+    try:
+        model, optimizer, loader, summary = apply_strategy(s, reasons, model, optimizer, loader, scheduler, device)
+    except BaseException:
+        snapshot.restore()
+        raise
+    _last_summary = summary
+    logger.info("%s", summary.render())
+    result = (model, optimizer, loader)
+    return result + (scheduler,) if scheduler is not None else result
+
+
+def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, loader, scheduler, device):
+    """Steps 2-7 of ../shared/DESIGN.md on a validated strategy; returns ``(model, optimizer, loader, summary)``.
+
+    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`).
+    """
     dev = model_device(model, device)
     if model is not None and device is not None:
         model.to(dev)
@@ -92,13 +114,9 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
 
     if s.tune:  # measuring whole candidate strategies during warm-up is not built yet (comm.autotune is)
         warnings.warn("aiak: tune: true is not implemented yet (only comm.autotune measures candidates); skipped",
-                      stacklevel=2)
+                      stacklevel=3)
     summary.add("tune", s.tune, "skipped: not implemented yet" if s.tune else "off")
-
-    _last_summary = summary
-    logger.info("%s", summary.render())
-    result = (model, optimizer, loader)
-    return result + (scheduler,) if scheduler is not None else result
+    return model, optimizer, loader, summary
 
 
 def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:
