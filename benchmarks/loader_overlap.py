@@ -13,7 +13,9 @@ vs ``BalancedBatchSampler``: the max/min ratio across ranks (1.0 = no rank waits
     python benchmarks/loader_overlap.py --quick    # a few seconds
 
 ``gpu_checks()`` (called by benchmarks/gpu_check.py) checks the CUDA path: a side-stream copy hidden under a
-matmul, ``record_stream`` correctness under allocator reuse, on-device normalize, and a DALI GPU pipeline.
+matmul, ``record_stream`` correctness under allocator reuse, on-device normalize, batches that are already on
+the GPU (read only after the producer's kernels that wrote them; recycled inputs protected by ``record_stream``),
+a DALI GPU pipeline, and DALI's GPU output through the prefetcher. Every row states its goal.
 """
 from __future__ import annotations
 
@@ -215,7 +217,8 @@ def gpu_checks() -> list:
     rows.append({"check": "loaders.prefetch.h2d_overlap", "ok": prefetch_s <= 1.15 * limit,
                  "metric": "prefetch epoch / n*max(copy, step) (goal <= 1.15)", "value": round(prefetch_s / limit, 3)})
     rows.append({"check": "loaders.prefetch.h2d_speedup", "ok": serial_s / prefetch_s > 1.3,
-                 "metric": f"serial / prefetch epoch (copy {copy_s * 1e3:.1f} ms, step {step_s * 1e3:.1f} ms)",
+                 "metric": f"serial / prefetch epoch (goal > 1.3; copy {copy_s * 1e3:.1f} ms, step "
+                           f"{step_s * 1e3:.1f} ms)",
                  "value": round(serial_s / prefetch_s, 3)})
 
     # record_stream: batches freed by the consumer must not be overwritten while its kernels still read them.
@@ -228,7 +231,8 @@ def gpu_checks() -> list:
         del x
     got = torch.stack(got).cpu()
     rows.append({"check": "loaders.prefetch.record_stream", "ok": torch.allclose(got, expected, rtol=1e-9, atol=1e-6),
-                 "metric": "max |sum - expected|", "value": float((got - expected).abs().max())})
+                 "metric": "max |sum - expected| (goal <= 1e-9 * |expected| + 1e-6)",
+                 "value": float((got - expected).abs().max())})
 
     images = torch.randint(0, 256, (8, 3, 64, 64), dtype=torch.uint8)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -237,8 +241,85 @@ def gpu_checks() -> list:
     err = float((x.cpu() - ref).abs().max())
     rows.append({"check": "loaders.prefetch.normalize_channels_last",
                  "ok": err < 1e-5 and x.is_cuda and x.is_contiguous(memory_format=torch.channels_last),
-                 "metric": "max abs error vs CPU reference", "value": err})
+                 "metric": "max abs error vs CPU reference (goal < 1e-5, on cuda, channels_last)", "value": err})
+    rows.extend(_cuda_source_checks(device, lambda: compute(None, 8)))
     rows.extend(_dali_gpu_check(device))
+    return rows
+
+
+def _normalized(value: int, device, mean, std) -> torch.Tensor:
+    """(1, 3, 1, 1): the prefetcher's normalization of a constant uint8 image, same ops on the same device."""
+    x = torch.full((1, 3, 1, 1), value, dtype=torch.uint8, device=device).to(torch.float32) / 255.0
+    mean, std = (torch.as_tensor(v).view(1, 3, 1, 1).to(device) for v in (mean, std))
+    return x.sub(mean).div_(std)
+
+
+def _cuda_source_checks(device, long_kernels) -> list:
+    """A source that yields CUDA batches: the prefetcher must read them only after the kernels that wrote them.
+
+    ``ordering`` rows: every batch is written by a fill queued just behind ``long_kernels()`` (a matmul chain of
+    several ms) on the producer's stream: the prefetching thread's own current stream, as DALI's copies are, or a
+    stream the source makes current while it yields. The images are normalized and made channels_last on the
+    side stream; the labels need no work and come back as they are. A side stream that does not wait on the
+    producer reads the image before the fill (an error >= 0.017 per level), and a consumer not ordered after it
+    reads stale labels. ``record_stream`` row: each batch is fresh memory freed two batches later while the
+    side stream, busy with heavy normalization, lags behind; without ``record_stream(side)`` on the inputs the
+    allocator hands their blocks to the next batch's fill before the side stream has read them. That race is
+    likely, not certain, to show without the fix; with it the outputs are exact.
+    """
+    import contextlib
+
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+    def value(i: int) -> int:
+        return (11 + 2 * i) % 256  # distinct for 128 consecutive tensors
+
+    def written_late(n: int, producer):
+        for i in range(n):
+            with torch.cuda.stream(producer) if producer is not None else contextlib.nullcontext():
+                images = torch.empty(16, 3, 224, 224, dtype=torch.uint8, device=device)
+                labels = torch.empty(16, dtype=torch.int64, device=device)
+                long_kernels()
+                images.fill_(value(i))
+                labels.fill_(i)
+                yield images, labels  # inside the stream context: the producer is current at next()'s return
+
+    rows = []
+    for name, producer in (("thread stream", None), ("producer stream", torch.cuda.Stream(device=device))):
+        torch.cuda.synchronize()
+        errors, label_ok, layout_ok = [], [], True
+        loader = PrefetchLoader(written_late(8, producer), device, depth=2, mean=mean, std=std, channels_last=True)
+        for i, (images, labels) in enumerate(loader):
+            errors.append((images - _normalized(value(i), device, mean, std)).abs().amax())
+            label_ok.append((labels == i).all())
+            layout_ok &= images.is_contiguous(memory_format=torch.channels_last) and images.dtype == torch.float32
+        err = float(torch.stack(errors).max())
+        labels_right = bool(torch.stack(label_ok).all())
+        rows.append({"check": f"loaders.prefetch.cuda_source_ordering ({name})",
+                     "ok": len(errors) == 8 and err <= 1e-6 and labels_right and layout_ok,
+                     "metric": "max |image - expected| (goal <= 1e-6: fp32 rounding), labels, channels_last",
+                     "value": f"{err:.3g}; labels {'exact' if labels_right else 'WRONG'}; "
+                              f"layout {'ok' if layout_ok else 'WRONG'}"})
+
+    def reused_quickly(n: int, per_batch: int):
+        for i in range(n):
+            yield [torch.full((8, 3, 1024, 1024), value(i * per_batch + j), dtype=torch.uint8, device=device)
+                   for j in range(per_batch)]
+
+    torch.cuda.synchronize()
+    n, per_batch = 24, 4
+    errors = []
+    for i, batch in enumerate(PrefetchLoader(reused_quickly(n, per_batch), device, depth=2, mean=mean, std=std,
+                                             channels_last=True)):
+        for j, x in enumerate(batch):
+            errors.append((x - _normalized(value(i * per_batch + j), device, mean, std)).abs().amax())
+    err = float(torch.stack(errors).max())
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    rows.append({"check": "loaders.prefetch.cuda_source_record_stream",
+                 "ok": len(errors) == n * per_batch and err <= 1e-6,
+                 "metric": f"max |image - expected| over {n * per_batch} recycled inputs (goal <= 1e-6)",
+                 "value": f"{err:.3g}"})
     return rows
 
 
@@ -263,10 +344,27 @@ def _dali_gpu_check(device) -> list:
         start = time.perf_counter()
         batches = [(x.shape, x.device.type, y.dtype, y.device.type) for x, y in loader]
         seconds = time.perf_counter() - start
-    ok = len(batches) == 4 and all(s == (8, 3, 64, 64) and d == "cuda" and t == torch.int64 and yd == "cuda"
-                                   for s, d, t, yd in batches)
-    return [{"check": "loaders.dali.gpu_pipeline", "ok": ok, "metric": "epoch seconds (32 images, mixed decode)",
-             "value": round(seconds, 3)}]
+
+        # DALI's GPU output through the prefetcher (channels_last on the side stream) against DALI read directly.
+        # Evaluation mode is deterministic, so both pipelines decode the same images in the same order.
+        def eval_loader():
+            return dali_loader(root, 8, train=False, size=64, device_id=device.index or 0, num_threads=2)
+
+        direct = [(x.clone(), y.clone()) for x, y in eval_loader()]
+        prefetched = [(x, y) for x, y in PrefetchLoader(eval_loader(), device, channels_last=True)]
+    good = sum(s == (8, 3, 64, 64) and d == "cuda" and t == torch.int64 and yd == "cuda" for s, d, t, yd in batches)
+    rows = [{"check": "loaders.dali.gpu_pipeline", "ok": good == len(batches) == 4,
+             "metric": "batches of (8,3,64,64) cuda images + int64 cuda labels (goal 4 of 4); epoch s",
+             "value": f"{good} of {len(batches)}; {seconds:.3f} s"}]
+    same = len(direct) == len(prefetched) == 4
+    err = 0.0
+    for (x, y), (px, py) in zip(direct, prefetched):
+        err = max(err, float((px - x).abs().max()))
+        same &= bool(torch.equal(py, y)) and px.is_contiguous(memory_format=torch.channels_last)
+    rows.append({"check": "loaders.prefetch.dali_gpu_source", "ok": same and err == 0.0,
+                 "metric": "max |prefetched - direct| (goal 0), labels equal, channels_last, 4 batches",
+                 "value": f"{err:.3g}; {'ok' if same else 'WRONG labels/layout/count'}"})
+    return rows
 
 
 def main(argv=None) -> int:

@@ -6,19 +6,23 @@ by length (a global sort, ties broken at random), cuts the sorted order into ste
 deals each step out so that every rank gets a batch of near-equal token count (largest-first onto the rank
 with fewest tokens). The order of the steps is shuffled. All of it is a pure function of
 ``(lengths, seed, epoch)``, so every rank computes the same plan without communicating, and every rank gets
-the same number of batches. With ``max_tokens`` the per-rank batch size varies so that a padded batch
+the same number of batches. Rebuilt from a user's ``DataLoader`` it follows that loader's sampler instead
+(``follow=``): a ``DistributedSampler``'s seed and epoch, or each epoch's permutation drawn from a
+``RandomSampler``. With ``max_tokens`` the per-rank batch size varies so that a padded batch
 (``batch size * longest sample``) stays within the budget, as in fairseq's token-based batching
 (Ott et al., 2019, "fairseq: A Fast, Extensible Toolkit for Sequence Modeling").
 """
 from __future__ import annotations
 
+import array
+import hashlib
 import heapq
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 
 def _default_rank_and_world(rank: Optional[int], world_size: Optional[int]):
@@ -32,6 +36,22 @@ def _default_rank_and_world(rank: Optional[int], world_size: Optional[int]):
     return rank, world_size
 
 
+def _order_settings(follow: Sampler, num_samples: int) -> Tuple[bool, Optional[int]]:
+    """``(shuffle, seed)`` of a sampler to follow; an error says which samplers can be followed and why not."""
+    if isinstance(follow, DistributedSampler):
+        return follow.shuffle, follow.seed
+    if isinstance(follow, RandomSampler):
+        if follow.replacement or follow.num_samples != num_samples:
+            raise ValueError("BalancedBatchSampler: follow= a RandomSampler that draws with replacement or "
+                             f"num_samples={follow.num_samples} of {num_samples}; a balanced epoch uses every sample "
+                             "once")
+        return True, None
+    if isinstance(follow, SequentialSampler):
+        return False, 0
+    raise TypeError(f"BalancedBatchSampler: follow must be a DistributedSampler, RandomSampler or SequentialSampler, "
+                    f"got {type(follow).__name__}")
+
+
 class BalancedBatchSampler(Sampler[List[int]]):
     """Batch sampler giving every rank, at every step, a batch of near-equal token count.
 
@@ -40,19 +60,34 @@ class BalancedBatchSampler(Sampler[List[int]]):
         batch_size: samples per rank per step (fixed batch size). Give this or ``max_tokens`` (or both: then
             a batch holds at most ``batch_size`` samples and at most ``max_tokens`` padded tokens).
         max_tokens: budget of padded tokens (``samples * longest``) per rank per step.
-        num_replicas, rank: default to the initialized process group, else a single process.
-        shuffle: shuffle ties and the order of steps (deterministically from ``seed`` and ``epoch``).
-        seed: same on every rank.
+        num_replicas, rank: default to the followed ``DistributedSampler``, else the initialized process group,
+            else a single process.
+        shuffle: shuffle ties and the order of steps (deterministically from ``seed`` and ``epoch``); default True.
+        seed: same on every rank; default 0.
         drop_last: drop the last step when it cannot give every rank a full share; otherwise it is completed
             with samples from the start of the plan (as ``DistributedSampler`` pads), so no sample is lost.
+        follow: the sampler a ``DataLoader`` had before balancing (:func:`aiak.loaders.balance_loader` passes
+            it), so that every epoch is shuffled as that sampler would have shuffled it. ``shuffle`` and ``seed``
+            then come from it (leave them unset):
 
-    Use as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=PadCollate())`` and call
+            * ``DistributedSampler``: its ``shuffle`` and ``seed``; the epoch is its ``epoch``, read when an
+              epoch starts, and :meth:`set_epoch` here calls its ``set_epoch``, so both always agree.
+            * ``RandomSampler``: every epoch iterates it once, so its generator (or torch's global RNG) is
+              consumed exactly as a plain ``DataLoader`` would consume it, and that permutation breaks the ties;
+              the steps are shuffled by a generator seeded from a digest of it. No ``set_epoch`` is needed. On
+              several ranks the order must be common, so it comes from seed 0 and an epoch counted per
+              ``iter()`` instead (still a new shuffle every epoch).
+            * ``SequentialSampler``: no shuffling; the same batches every epoch.
+
+    The number of steps depends only on the lengths and the limits, never on the order, so ranks that draw
+    different orders still agree on it (a rank with more steps would wait forever at the allreduce).
+    Standalone, use as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=PadCollate())`` and call
     ``sampler.set_epoch(epoch)`` every epoch (``PrefetchLoader.set_epoch`` forwards it).
     """
 
     def __init__(self, lengths: Sequence[int], batch_size: Optional[int] = None, *, max_tokens: Optional[int] = None,
-                 num_replicas: Optional[int] = None, rank: Optional[int] = None, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False):
+                 num_replicas: Optional[int] = None, rank: Optional[int] = None, shuffle: Optional[bool] = None,
+                 seed: Optional[int] = None, drop_last: bool = False, follow: Optional[Sampler] = None):
         lengths = torch.as_tensor(list(lengths) if not isinstance(lengths, torch.Tensor) else lengths)
         if lengths.dim() != 1 or lengths.numel() == 0 or lengths.is_floating_point() or bool((lengths < 0).any()):
             raise ValueError("BalancedBatchSampler: lengths must be a non-empty 1-D sequence of non-negative integers")
@@ -61,6 +96,14 @@ class BalancedBatchSampler(Sampler[List[int]]):
         for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"BalancedBatchSampler: {name} must be a positive integer or None, got {value!r}")
+        if follow is not None:
+            if shuffle is not None or seed is not None:
+                raise ValueError("BalancedBatchSampler: give shuffle/seed or follow, not both (with follow they are "
+                                 "the followed sampler's)")
+            shuffle, seed = _order_settings(follow, lengths.numel())
+            if isinstance(follow, DistributedSampler):
+                num_replicas = follow.num_replicas if num_replicas is None else num_replicas
+                rank = follow.rank if rank is None else rank
         rank, num_replicas = _default_rank_and_world(rank, num_replicas)
         if not 0 <= rank < num_replicas:
             raise ValueError(f"BalancedBatchSampler: rank must be in [0, {num_replicas}), got {rank}")
@@ -73,24 +116,72 @@ class BalancedBatchSampler(Sampler[List[int]]):
         self.max_tokens = max_tokens
         self.num_replicas = num_replicas
         self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
+        self.shuffle = True if shuffle is None else shuffle
+        self.seed = 0 if seed is None and not isinstance(follow, RandomSampler) else seed
         self.drop_last = drop_last
-        self.epoch = 0
+        self.follow = follow
+        self._epoch = 0
         self._plan_cache: Optional[tuple] = None
+        self._drawn_plan: Optional[List[List[List[int]]]] = None
+        self._num_steps: Optional[int] = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` plans: the followed ``DistributedSampler``'s, else the last ``set_epoch``."""
+        return self.follow.epoch if isinstance(self.follow, DistributedSampler) else self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._epoch = epoch
+        if isinstance(self.follow, DistributedSampler):
+            self.follow.set_epoch(epoch)
 
     # -- the plan: a list of steps, each a list of ``num_replicas`` batches -------------------------------
     def plan(self, epoch: Optional[int] = None) -> List[List[List[int]]]:
-        """All ranks' batches for an epoch: ``plan[step][rank]`` is a list of dataset indices."""
-        epoch = self.epoch if epoch is None else epoch
+        """All ranks' batches for an epoch: ``plan[step][rank]`` is a list of dataset indices.
+
+        A pure function of ``(lengths, seed, epoch)``; when following a ``RandomSampler`` it is instead the plan
+        drawn when the current epoch started (``epoch`` must then be None).
+        """
+        if isinstance(self.follow, RandomSampler):
+            if epoch is not None:
+                raise ValueError("BalancedBatchSampler.plan: the order follows a RandomSampler, which has no epochs; "
+                                 "call plan() without an epoch")
+            if self._drawn_plan is None:
+                raise RuntimeError("BalancedBatchSampler.plan: no epoch has started; the order of a followed "
+                                   "RandomSampler is drawn when iteration starts")
+            return self._drawn_plan
+        return self._seeded_plan(self.epoch if epoch is None else epoch)
+
+    def _seeded_plan(self, epoch: int) -> List[List[List[int]]]:
         if self._plan_cache is not None and self._plan_cache[0] == epoch:
             return self._plan_cache[1]
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        generator = torch.Generator().manual_seed((self.seed or 0) * 1_000_003 + epoch)
         n = self.lengths.numel()
         order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
+        steps = self._build(order, generator if self.shuffle else None)
+        self._plan_cache = (epoch, steps)
+        return steps
+
+    def _draw_plan(self) -> List[List[List[int]]]:
+        """One epoch of the followed RandomSampler, balanced: its permutation breaks the ties and seeds the steps.
+
+        On several ranks the ranks must deal from one order (or they would train on overlapping shares),
+        whatever their RNGs hold: the plan is then a pure function of the epoch, counted here (a new shuffle
+        every epoch, as the RandomSampler gives), and the sampler is still iterated so that its generator, or
+        torch's global RNG, is consumed as a plain ``DataLoader`` would consume it.
+        """
+        order = list(self.follow)
+        if self.num_replicas > 1:
+            self._drawn_plan = self._seeded_plan(self._epoch)
+            self._epoch += 1
+            return self._drawn_plan
+        digest = hashlib.blake2b(array.array("q", order).tobytes(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+        self._drawn_plan = self._build(torch.tensor(order, dtype=torch.long), generator)
+        return self._drawn_plan
+
+    def _build(self, order: torch.Tensor, step_generator: Optional[torch.Generator]) -> List[List[List[int]]]:
+        """Sort ``order`` by length (stable: ``order`` breaks ties), cut it into steps, deal them, shuffle them."""
         order = order[torch.sort(self.lengths[order], stable=True).indices].tolist()
         steps = [self._deal(group) for group in self._cut(order)]
         if steps and self._short(steps[-1]):
@@ -98,9 +189,8 @@ class BalancedBatchSampler(Sampler[List[int]]):
                 steps.pop()
             else:
                 steps[-1] = self._complete(steps[-1], order)
-        if self.shuffle:
-            steps = [steps[i] for i in torch.randperm(len(steps), generator=generator).tolist()]
-        self._plan_cache = (epoch, steps)
+        if step_generator is not None:
+            steps = [steps[i] for i in torch.randperm(len(steps), generator=step_generator).tolist()]
         return steps
 
     def _per_rank(self, count: int, longest: int) -> bool:
@@ -157,11 +247,16 @@ class BalancedBatchSampler(Sampler[List[int]]):
 
     # -- Sampler protocol --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[List[int]]:
-        for step in self.plan():
+        # A generator: the order is drawn at the first next(), where a DataLoader's RandomSampler draws it too.
+        plan = self._draw_plan() if isinstance(self.follow, RandomSampler) else self.plan()
+        for step in plan:
             yield list(step[self.rank])
 
     def __len__(self) -> int:
-        return len(self.plan())
+        # Computed once, from the identity order: the count does not depend on the order (class docstring).
+        if self._num_steps is None:
+            self._num_steps = len(self._build(torch.arange(self.lengths.numel()), None))
+        return self._num_steps
 
 
 def tokens_per_rank(plan_step: List[List[int]], lengths: Sequence[int], padded: bool = True) -> List[int]:

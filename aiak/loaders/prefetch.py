@@ -8,6 +8,12 @@ The CUDA path follows the idea of timm's ``PrefetchLoader`` (``timm/data/loader.
 on-device normalize, ``wait_stream`` before use) and adds what a correct prefetcher also needs:
 
 * the copy runs on a side stream and records an event; the consumer's current stream waits on that event;
+* a batch that is already on the GPU (DALI's GPU output, a loader yielding CUDA tensors) was written by kernels
+  the source queued on the current stream of the thread that called its ``next()``; the side stream waits on
+  that stream before it reads the batch, and the batch's tensors get ``record_stream(side_stream)``, so the
+  caching allocator does not hand their memory to the source's next batch while side-stream kernels still read
+  them. Tensors that need no work are returned as they are, ordered after the source's kernels through the
+  same wait and event;
 * every tensor handed to the consumer gets ``record_stream(consumer_stream)``, so the caching allocator does
   not hand its memory back to the side stream while the compute stream still reads it;
 * the work happens in a thread, so loading overlaps the step even over a ``DataLoader(num_workers=0)``,
@@ -96,15 +102,23 @@ class _BatchMover:
         return self._finish(t)
 
     def __call__(self, batch: Any):
-        """Return ``(moved_batch, event)``; ``event`` is None off CUDA."""
+        """Return ``(moved_batch, event)``; ``event`` is None off CUDA. Called right after the source's ``next()``."""
         if not self.cuda:
             return self._move(batch), None
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            moved = self._move(batch)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        cuda_inputs = [t for t in _tensors_of(batch) if t.is_cuda]
+        with torch.cuda.device(self.device):
+            # The kernels writing a CUDA batch were queued by the source on this thread's current stream of
+            # their device, before it returned from next(): all of them are in the queue now.
+            for device in {t.device for t in cuda_inputs}:
+                self.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self.stream):
+                moved = self._move(batch)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        for t in cuda_inputs:
+            t.record_stream(self.stream)
         return moved, event
 
     def _move(self, batch: Any) -> Any:

@@ -159,18 +159,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, out):
+def _rank_main(rank: int, world: int, port: int, kind: str, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         dataset = Sentences(101)
-        loader = DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=PadCollate())
+        if kind == "random":  # shuffle=True, the ranks' RNGs seeded differently: they must still split the data
+            torch.manual_seed(rank)
+            loader = DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=PadCollate())
+        else:
+            sampler = DistributedSampler(dataset, seed=3)
+            loader = DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=PadCollate())
         wrapped = wrap_loader(loader, LoaderConfig(prefetch=2, balanced=True), torch.device("cpu"))
-        steps = []
-        for tokens, idx in wrapped:
-            steps.append((idx.tolist(), tokens.numel()))
+        epochs = []
+        for epoch in range(3):
+            if kind == "distributed":
+                sampler.set_epoch(epoch)
+            epochs.append([(idx.tolist(), tokens.numel()) for tokens, idx in wrapped])
         gathered = [None] * world
-        dist.all_gather_object(gathered, steps)
+        dist.all_gather_object(gathered, epochs)
         if rank == 0:
             out.put(gathered)
     finally:
@@ -178,12 +185,13 @@ def _rank_main(rank: int, world: int, port: int, out):
 
 
 @pytest.mark.slow
-def test_balanced_under_a_process_group_shards_and_balances():
+@pytest.mark.parametrize("kind", ["random", "distributed"])
+def test_balanced_under_a_process_group_shards_balances_and_reshuffles(kind):
     world = 2
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, kind, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -194,10 +202,15 @@ def test_balanced_under_a_process_group_shards_and_balances():
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
-    assert len(gathered[0]) == len(gathered[1]) > 0  # same number of steps on both ranks
-    seen = [i for steps in gathered for idx, _ in steps for i in idx]
-    assert set(seen) == set(range(101)) and len(seen) - 101 < 4 * world
     lengths = Sentences(101).lengths
-    for (idx0, _), (idx1, _) in zip(*gathered):  # padded tokens per rank within 2x at every step
-        t0, t1 = len(idx0) * max(lengths[i] for i in idx0), len(idx1) * max(lengths[i] for i in idx1)
-        assert max(t0, t1) / min(t0, t1) < 2.0
+    orders = []
+    for epoch in range(3):
+        steps0, steps1 = gathered[0][epoch], gathered[1][epoch]
+        assert len(steps0) == len(steps1) > 0  # same number of steps on both ranks
+        seen = [i for steps in (steps0, steps1) for idx, _ in steps for i in idx]
+        assert set(seen) == set(range(101)) and len(seen) - 101 < 4 * world  # the ranks split the data
+        for (idx0, _), (idx1, _) in zip(steps0, steps1):  # padded tokens per rank within 2x at every step
+            t0, t1 = len(idx0) * max(lengths[i] for i in idx0), len(idx1) * max(lengths[i] for i in idx1)
+            assert max(t0, t1) / min(t0, t1) < 2.0
+        orders.append([idx for idx, _ in steps0])
+    assert orders[0] != orders[1] != orders[2] != orders[0]  # every epoch reshuffled
