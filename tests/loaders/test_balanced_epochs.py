@@ -7,7 +7,6 @@ plain ``DataLoader`` draws it) and ``SequentialSampler`` (the same order every e
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
