@@ -1,4 +1,5 @@
 """The wheel ships every subpackage and the built-in profiles, and they are found from the installed package."""
+import re
 import subprocess
 import sys
 import zipfile
@@ -23,6 +24,15 @@ def test_wheel_contains_all_packages_and_profiles(tmp_path):
     profiles = {p.name for p in (ROOT / "configs").glob("*.yaml")}
     assert profiles and {f"aiak/configs/{p}" for p in profiles} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+    # Heavy or GPU-only libraries are extras: a bare `pip install aiak` pulls only torch and pyyaml, and the
+    # real third-party Swin models of the surgery tests come with the test extra.
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    core = {re.split(r"[<>=!~; ]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
+    test_extra = {re.split(r"[<>=!~; ]", r, maxsplit=1)[0] for r in requires if r.endswith('extra == "test"')}
+    assert core == {"torch", "pyyaml"}, core
+    assert {"timm", "torchvision", "transformers", "triton"} <= test_extra, test_extra
 
     # installed into a scratch target (no deps): the profiles are found inside the package
     target = tmp_path / "site"
