@@ -1,9 +1,15 @@
-"""Small Swin modules written after public reference code, for surgery tests where the library is absent.
+"""Small Swin modules written after public reference code that pip cannot install beside the test extra.
+
+timm, torchvision and transformers 5.x are tested through their real classes (test_surgery.py); these
+stand in only for the rest:
 
 * ``OriginalWindowAttention`` / ``OriginalSwinBlock`` follow microsoft/Swin-Transformer
-  ``models/swin_transformer.py`` (``WindowAttention``, ``SwinTransformerBlock``, ``window_partition``).
-* ``HF4SwinSelfAttention`` follows Hugging Face transformers 4.x ``SwinSelfAttention``.
-* ``CosineWindowAttention`` has SwinV2's ``logit_scale`` (cosine attention), which surgery must leave alone.
+  ``models/swin_transformer.py`` (``WindowAttention``, ``SwinTransformerBlock``, ``window_partition``):
+  the original repository is not a pip package.
+* ``CosineWindowAttention`` has the ``logit_scale`` of that repository's SwinV2 ``WindowAttention``
+  (cosine attention), which surgery must leave alone.
+* ``HF4SwinSelfAttention`` follows Hugging Face transformers 4.x ``SwinSelfAttention`` (the test extra
+  installs transformers 5.x, whose ``SwinAttention`` has another layout).
 """
 import torch
 from torch import nn
@@ -145,83 +151,3 @@ class CosineWindowAttention(OriginalWindowAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.logit_scale = nn.Parameter(torch.log(10 * torch.ones((self.num_heads, 1, 1))))
-
-
-class BeitStyleAttention(nn.Module):
-    """Global attention with a relative-position table that has class-token rows and separate q/v biases
-    (timm ``beit.Attention``): it looks like Swin's by attribute names but is not Swin window attention."""
-
-    def __init__(self, dim=16, num_heads=2, window_size=(4, 4)):
-        super().__init__()
-        self.num_heads, self.window_size = num_heads, window_size
-        self.qkv = nn.Linear(dim, dim * 3, bias=False)
-        self.q_bias = nn.Parameter(torch.zeros(dim))
-        self.v_bias = nn.Parameter(torch.zeros(dim))
-        rows = (2 * window_size[0] - 1) * (2 * window_size[1] - 1) + 3
-        self.relative_position_bias_table = nn.Parameter(torch.zeros(rows, num_heads))
-        n = window_size[0] * window_size[1] + 1
-        self.register_buffer("relative_position_index", torch.zeros(n, n, dtype=torch.long))
-        self.proj = nn.Linear(dim, dim)
-
-
-class ShiftedWindowAttention(nn.Module):
-    """torchvision ``ShiftedWindowAttention`` (``shifted_window_attention`` inlined): pads, shifts and
-    partitions a ``[B, H, W, C]`` input itself. Named like the original so surgery recognises it."""
-
-    def __init__(self, dim, window_size, shift_size, num_heads, attention_dropout=0.0, dropout=0.0):
-        super().__init__()
-        self.window_size, self.shift_size, self.num_heads = window_size, shift_size, num_heads
-        self.attention_dropout, self.dropout = attention_dropout, dropout
-        self.qkv = nn.Linear(dim, dim * 3)
-        self.proj = nn.Linear(dim, dim)
-        self.relative_position_bias_table = nn.Parameter(
-            0.02 * torch.randn((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
-        self.register_buffer("relative_position_index", relative_position_index(*window_size).flatten())
-
-    def get_relative_position_bias(self):
-        n = self.window_size[0] * self.window_size[1]
-        bias = self.relative_position_bias_table[self.relative_position_index].view(n, n, -1)
-        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
-
-    def forward(self, input):
-        window_size, num_heads, shift_size = self.window_size, self.num_heads, list(self.shift_size)
-        B, H, W, C = input.shape
-        pad_r = (window_size[1] - W % window_size[1]) % window_size[1]
-        pad_b = (window_size[0] - H % window_size[0]) % window_size[0]
-        x = nn.functional.pad(input, (0, 0, 0, pad_r, 0, pad_b))
-        _, pad_H, pad_W, _ = x.shape
-        if window_size[0] >= pad_H:
-            shift_size[0] = 0
-        if window_size[1] >= pad_W:
-            shift_size[1] = 0
-        if sum(shift_size) > 0:
-            x = torch.roll(x, shifts=(-shift_size[0], -shift_size[1]), dims=(1, 2))
-        num_windows = (pad_H // window_size[0]) * (pad_W // window_size[1])
-        x = x.view(B, pad_H // window_size[0], window_size[0], pad_W // window_size[1], window_size[1], C)
-        x = x.permute(0, 1, 3, 2, 4, 5).reshape(B * num_windows, window_size[0] * window_size[1], C)
-        qkv = self.qkv(x).reshape(x.size(0), x.size(1), 3, num_heads, C // num_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        attn = (q * (C // num_heads) ** -0.5).matmul(k.transpose(-2, -1)) + self.get_relative_position_bias()
-        if sum(shift_size) > 0:
-            attn_mask = x.new_zeros((pad_H, pad_W))
-            h_slices = ((0, -window_size[0]), (-window_size[0], -shift_size[0]), (-shift_size[0], None))
-            w_slices = ((0, -window_size[1]), (-window_size[1], -shift_size[1]), (-shift_size[1], None))
-            count = 0
-            for h in h_slices:
-                for w in w_slices:
-                    attn_mask[h[0]:h[1], w[0]:w[1]] = count
-                    count += 1
-            attn_mask = attn_mask.view(pad_H // window_size[0], window_size[0], pad_W // window_size[1], window_size[1])
-            attn_mask = attn_mask.permute(0, 2, 1, 3).reshape(num_windows, window_size[0] * window_size[1])
-            attn_mask = attn_mask.unsqueeze(1) - attn_mask.unsqueeze(2)
-            attn_mask = attn_mask.masked_fill(attn_mask != 0, -100.0).masked_fill(attn_mask == 0, 0.0)
-            attn = attn.view(x.size(0) // num_windows, num_windows, num_heads, x.size(1), x.size(1))
-            attn = (attn + attn_mask.unsqueeze(1).unsqueeze(0)).view(-1, num_heads, x.size(1), x.size(1))
-        attn = nn.functional.dropout(attn.softmax(dim=-1), p=self.attention_dropout, training=self.training)
-        x = attn.matmul(v).transpose(1, 2).reshape(x.size(0), x.size(1), C)
-        x = nn.functional.dropout(self.proj(x), p=self.dropout, training=self.training)
-        x = x.view(B, pad_H // window_size[0], pad_W // window_size[1], window_size[0], window_size[1], C)
-        x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, pad_H, pad_W, C)
-        if sum(shift_size) > 0:
-            x = torch.roll(x, shifts=(shift_size[0], shift_size[1]), dims=(1, 2))
-        return x[:, :H, :W, :].contiguous()

@@ -1,4 +1,9 @@
-"""aiak.ops.replace_window_attention / apply_fused_ops on real and reference Swin models.
+"""aiak.ops.replace_window_attention / apply_fused_ops on real third-party Swin models.
+
+Hugging Face transformers, timm and torchvision classes are the real ones (random weights, nothing
+downloaded; the test extra installs all three, so they are imported unconditionally: a missing library
+is a failure, not a skip). Reference modules (swin_reference_modules.py) stand in only for code that
+pip cannot install here: the original Swin-Transformer repository and the transformers 4.x layout.
 
 Equivalence is checked in float64 (the fused torch path is one SDPA call, so float64 agrees with eager
 to ~1e-12): outputs, every parameter gradient, unchanged state_dict keys and parameter identity.
@@ -12,8 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import timm
 import torch
+import transformers
+from timm.models import beit as timm_beit
+from timm.models import swin_transformer as timm_swin
 from torch import nn
+from torchvision.models import swin_transformer as tv_swin
 
 import aiak.ops as ops
 
@@ -49,34 +59,28 @@ def _surgery_keeps_state(model):
     return count
 
 
-def _import_or_skip(name, reason):
-    # A torchvision wheel built for another torch raises RuntimeError (not ImportError) on import.
-    try:
-        return importlib.import_module(name)
-    except Exception as err:  # noqa: BLE001
-        pytest.skip(f"{reason} ({type(err).__name__}: {str(err)[:120]})")
-
-
 def _fused_names(model):
     return [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
 
 
+def _spread_bias_tables(model, std=0.5):
+    """Libraries initialise the tables to zero or N(0, 0.02), which barely moves the scores: give the
+    bias something to get wrong."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.normal_(0, std)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------- HF
-
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (CI installs it)")
-
 
 def _hf_swin(**overrides):
     config = transformers.SwinConfig(image_size=56, patch_size=4, embed_dim=24, depths=[2, 2], num_heads=[2, 4],
                                      window_size=7, num_labels=5, drop_path_rate=0.0,
                                      **overrides)
     torch.manual_seed(0)
-    model = transformers.SwinForImageClassification(config).double()
-    with torch.no_grad():  # the table is zero-initialised: give the bias something to get wrong
-        for name, p in model.named_parameters():
-            if name.endswith("relative_position_bias_table"):
-                p.normal_(0, 0.5)
-    return model
+    return _spread_bias_tables(transformers.SwinForImageClassification(config).double())
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
@@ -180,19 +184,11 @@ def test_attention_dropout_runs_fused_in_eval_and_original_in_training(caplog):
     torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # same dropout draws: the original forward ran
 
 
-def test_swinv2_cosine_attention_is_left_alone_with_a_warning(caplog):
+def test_original_repo_swinv2_cosine_attention_is_left_alone_with_a_warning(caplog):
     model = nn.Sequential(ref.CosineWindowAttention(16, (4, 4), 2), ref.OriginalWindowAttention(16, (4, 4), 2))
     with caplog.at_level(logging.WARNING, logger="aiak"):
         assert ops.replace_window_attention(model) == 1
     assert "0 (CosineWindowAttention): SwinV2 cosine attention" in caplog.text
-    assert _fused_names(model) == ["1"]
-
-
-def test_look_alike_attention_is_not_fused(caplog):
-    model = nn.Sequential(ref.BeitStyleAttention(), ref.OriginalWindowAttention(16, (4, 4), 2))
-    with caplog.at_level(logging.WARNING, logger="aiak"):
-        assert ops.replace_window_attention(model) == 1
-    assert "0 (BeitStyleAttention): unrecognised window-attention structure" in caplog.text
     assert _fused_names(model) == ["1"]
 
 
@@ -221,48 +217,111 @@ class lambda_module(nn.Module):
         return self.inner(x, self.mask)[0]
 
 
-# ------------------------------------------------------------------------------- timm / torchvision
+# ---------------------------------------------------------------------------------------------- timm
 
-def test_timm_swin_output_and_grads_match():
-    timm = _import_or_skip("timm", "timm is not importable beside torch 2.13 on this machine")
+def _timm_swin(fused_attn=False, **overrides):
     torch.manual_seed(0)
-    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=56, embed_dim=32,
-                              depths=(2, 2), num_heads=(2, 4), num_classes=5).double().eval()  # no drop path
+    kwargs = dict(pretrained=False, img_size=56, embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=5,
+                  drop_path_rate=0.0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", **dict(kwargs, **overrides))
+    model = _spread_bias_tables(model.double())
+    for module in model.modules():
+        if isinstance(module, timm_swin.WindowAttention):
+            module.fused_attn = fused_attn  # timm's own choice between its eager and its SDPA forward
+    return model
+
+
+@pytest.mark.parametrize("fused_attn", [False, True], ids=["timm-eager", "timm-sdpa"])
+def test_timm_swin_output_and_grads_match(fused_attn):
+    model = _timm_swin(fused_attn)
+    # Stage 1 is 14x14 with window 7: the second block is shifted, so the shift mask reaches the fused op.
+    assert [blk.shift_size for blk in model.layers[0].blocks] == [(0, 0), (3, 3)]
     fused = copy.deepcopy(model)
     assert _surgery_keeps_state(fused) == 4
+    assert all(type(m).__name__ == "FusedWindowAttention" and isinstance(m, timm_swin.WindowAttention)
+               for m in (blk.attn for stage in fused.layers for blk in stage.blocks))
     x = torch.randn(2, 3, 56, 56, dtype=torch.float64)
-    _assert_equivalent(model, fused, lambda: x)
+    _assert_equivalent(model.train(), fused.train(), lambda: x)
 
+
+def test_timm_attention_dropout_runs_fused_in_eval_and_original_in_training(caplog):
+    model = _timm_swin(attn_drop_rate=0.5)
+    fused = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="aiak"):
+        assert ops.replace_window_attention(fused) == 4
+    assert "fused only in eval mode" in caplog.text and "layers.0.blocks.1.attn (WindowAttention) p=0.5" in caplog.text
+    x = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    _assert_equivalent(model.eval(), fused.eval(), lambda: x)
+    torch.manual_seed(1)
+    a = model.train()(x)
+    torch.manual_seed(1)
+    b = fused.train()(x)
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # same dropout draws: the original forward ran
+
+
+def test_timm_swinv2_is_left_alone_with_a_warning(caplog):
+    model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=32, embed_dim=16, depths=(2,),
+                              num_heads=(2,), window_size=4, num_classes=3)
+    with caplog.at_level(logging.WARNING, logger="aiak"):
+        assert ops.replace_window_attention(model) == 0
+    assert "layers.0.blocks.0.attn (WindowAttention): SwinV2 cosine attention" in caplog.text
+    assert not _fused_names(model)
+
+
+def test_timm_beit_attention_is_a_look_alike_and_not_fused(caplog):
+    # BEiT's relative-position table has 3 class-token rows and q/v get their own biases: it has Swin's
+    # attribute names but is global attention, not window attention.
+    torch.manual_seed(0)
+    model = nn.Sequential(timm_beit.Attention(16, num_heads=2, qkv_bias=True, window_size=(4, 4)),
+                          timm_swin.WindowAttention(16, num_heads=2, window_size=4))
+    with caplog.at_level(logging.WARNING, logger="aiak"):
+        assert ops.replace_window_attention(model) == 1
+    assert "0 (Attention): unrecognised window-attention structure" in caplog.text
+    assert _fused_names(model) == ["1"]
+
+
+# --------------------------------------------------------------------------------------- torchvision
 
 @pytest.mark.parametrize("height,width,shift", [(14, 14, [3, 3]), (10, 13, [3, 3]), (7, 12, [3, 3]), (14, 14, [0, 0])],
                          ids=["shifted", "padded", "one-window-row", "no-shift"])
-def test_torchvision_style_shifted_window_attention_matches(height, width, shift):
-    # A module written after torchvision's ShiftedWindowAttention (torchvision itself is not importable
-    # here): the fused forward re-implements padding, cyclic shift, partition and the shift mask.
+def test_torchvision_shifted_window_attention_matches(height, width, shift):
+    # The fused forward re-implements torchvision's padding, cyclic shift, partition and shift mask.
     torch.manual_seed(0)
-    module = ref.ShiftedWindowAttention(32, [7, 7], shift, num_heads=4).double()
+    module = _spread_bias_tables(tv_swin.ShiftedWindowAttention(32, [7, 7], shift, num_heads=4).double())
     fused = copy.deepcopy(module)
     assert _surgery_keeps_state(fused) == 1
     x = torch.randn(2, height, width, 32, dtype=torch.float64)
     _assert_equivalent(module, fused, lambda: x)
 
 
-def test_torchvision_style_dropout_is_left_alone(caplog):
-    module = ref.ShiftedWindowAttention(32, [7, 7], [3, 3], num_heads=4, dropout=0.1)
+def test_torchvision_dropout_is_left_alone(caplog):
+    module = tv_swin.ShiftedWindowAttention(32, [7, 7], [3, 3], num_heads=4, dropout=0.1)
     with caplog.at_level(logging.WARNING, logger="aiak"):
         assert ops.replace_window_attention(module) == 0
     assert "<root> (ShiftedWindowAttention): dropout p=0.1" in caplog.text
 
 
 def test_torchvision_swin_output_and_grads_match():
-    tv_models = _import_or_skip("torchvision.models", "torchvision is not importable beside torch 2.13 on this machine")
     torch.manual_seed(0)
-    model = tv_models.SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4],
-                                      window_size=[7, 7], num_classes=5).double().eval()  # no stochastic depth
+    model = tv_swin.SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4],
+                                    window_size=[7, 7], stochastic_depth_prob=0.0, num_classes=5)
+    model = _spread_bias_tables(model.double())
     fused = copy.deepcopy(model)
     assert _surgery_keeps_state(fused) == 4
+    assert all(type(m).__name__ == "FusedShiftedWindowAttention" for m in fused.modules()
+               if isinstance(m, tv_swin.ShiftedWindowAttention))
     x = torch.randn(2, 3, 56, 56, dtype=torch.float64)
-    _assert_equivalent(model, fused, lambda: x)
+    _assert_equivalent(model.train(), fused.train(), lambda: x)
+
+
+def test_torchvision_swinv2_is_left_alone_with_a_warning(caplog):
+    model = tv_swin.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2], num_heads=[2], window_size=[4, 4],
+                                    num_classes=3, block=tv_swin.SwinTransformerBlockV2,
+                                    downsample_layer=tv_swin.PatchMergingV2)
+    with caplog.at_level(logging.WARNING, logger="aiak"):
+        assert ops.replace_window_attention(model) == 0
+    assert "features.1.0.attn (ShiftedWindowAttentionV2): SwinV2 cosine attention" in caplog.text
+    assert not _fused_names(model)
 
 
 # -------------------------------------------------------------------------------- apply_fused_ops
