@@ -16,13 +16,19 @@ score tensor several times. This module provides:
 * :func:`torch_window_attention` - the fastest exact torch path: ``scaled_dot_product_attention`` with
   bias and mask folded into one small ``[nW * H, N, N]`` additive mask broadcast over the batch.
 * :func:`reference_window_attention` - the eager formula, used as the numerical baseline in tests.
+
+A Triton kernel that cannot launch on the device (``OutOfResources``: no autotune config fits, e.g. the
+shared memory of fp32 N=256 D=128 tiles) makes that shape fall back to the torch path, with one warning:
+a forward that cannot launch runs the torch path; a backward that cannot launch recomputes the gradients
+through it. The shape is remembered, so later calls go straight to torch (training calls only, when it
+was the backward that did not fit).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-from typing import Optional
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -199,8 +205,56 @@ def triton_supports(q, bias=None, mask=None) -> Optional[str]:
     return None
 
 
+# Shapes whose Triton kernels cannot launch on their device -> the passes ("forward", "backward") that
+# could not. Filled on the first OutOfResources, read before every Triton launch.
+_TRITON_UNFIT: Dict[Tuple, Set[str]] = {}
+
+
+def _fit_key(q, bias, mask) -> Tuple:
+    """What decides whether the kernels fit: device, dtype, N, D and which optional inputs are compiled in."""
+    return (str(q.device), q.dtype, q.shape[-2], q.shape[-1], bias is not None, mask is not None)
+
+
+def _give_up_triton(pass_name: str, q, bias, mask, err: Exception) -> None:
+    """Remember that ``pass_name`` cannot launch for this shape; warn the first time."""
+    unfit = _TRITON_UNFIT.setdefault(_fit_key(q, bias, mask), set())
+    if pass_name in unfit:
+        return
+    unfit.add(pass_name)
+    n, d = q.shape[-2:]
+    inputs = ", ".join(name for name, t in (("bias", bias), ("mask", mask)) if t is not None) or "no bias/mask"
+    tried = getattr(err, "tried_configs", "?")  # set by the launcher
+    logging.getLogger("aiak").warning(
+        "window_attention: the Triton %s kernel cannot launch on %s for %s N=%d D=%d (%s): every autotune config "
+        "tried (%s) failed [%s]. This shape takes the torch (SDPA) path from now on%s; results are unchanged "
+        "(the same attention within the usual tolerances), only unfused.",
+        pass_name, q.device, str(q.dtype).replace("torch.", ""), n, d, inputs, tried, err,
+        " when training (inference keeps the Triton forward)" if pass_name == "backward" else "")
+
+
+def _triton_unfit_for(q, k, v, bias, mask) -> bool:
+    """Whether an earlier OutOfResources already sent this call's shape to the torch path."""
+    unfit = _TRITON_UNFIT.get(_fit_key(q, bias, mask), ())
+    return "forward" in unfit or ("backward" in unfit and _needs_grad(q, k, v, bias))
+
+
+def _torch_gradients(ctx, grad_out, q, k, v, bias, mask):
+    """Gradients of the torch path at the saved inputs: the backward of a call whose kernel cannot launch."""
+    needs = ctx.needs_input_grad[:4]
+    with torch.enable_grad():
+        leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip((q, k, v, bias), needs)]
+        out = torch_window_attention(*leaves, mask, ctx.scale)
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out))
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in leaves) + (None, None)
+
+
 class TritonWindowAttention(torch.autograd.Function):
-    """Triton forward (saves only the output and the row log-sum-exp) and single-launch backward."""
+    """Triton forward (saves only the output and the row log-sum-exp) and single-launch backward.
+
+    A backward kernel that cannot launch (``OutOfResources``) recomputes the gradients through the torch
+    path. A forward that cannot launch raises ``OutOfResources``; :func:`window_attention` falls back.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, scale):
@@ -215,8 +269,12 @@ class TritonWindowAttention(torch.autograd.Function):
         q, k, v, bias, mask, out, lse = ctx.saved_tensors
         launchers = _import_triton_launchers()
         need_bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = launchers.window_attention_backward(
-            grad_out, q, k, v, bias, mask, out, lse, ctx.scale, need_bias_grad)
+        try:
+            dq, dk, dv, dbias = launchers.window_attention_backward(
+                grad_out, q, k, v, bias, mask, out, lse, ctx.scale, need_bias_grad)
+        except launchers.OutOfResources as err:
+            _give_up_triton("backward", q, bias, mask, err)
+            return _torch_gradients(ctx, grad_out, q, k, v, bias, mask)
         return dq, dk, dv, dbias, None, None
 
 
@@ -231,7 +289,9 @@ def window_attention(q, k, v, bias=None, mask=None, scale=None, *, backend: str 
         mask: ``[nW, N, N]`` additive shift mask, or None; window ``i`` of the batch uses ``mask[i % nW]``.
         scale: defaults to ``D ** -0.5``.
         backend: ``"auto"`` (Triton on CUDA when it supports the shapes, else torch), ``"triton"``
-            (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (one SDPA call).
+            (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (one SDPA call). With either of the
+            first two, a shape whose kernel cannot launch on the device (``OutOfResources``) takes the
+            torch path instead, with one warning (see the module docstring).
     Returns:
         ``[B*nW, H, N, D]`` in q's dtype. The Triton path lays it out as ``[B*nW, N, H, D]`` (a transposed
         view) so the usual ``out.transpose(1, 2).reshape(B*nW, N, C)`` that follows is free.
@@ -251,8 +311,14 @@ def window_attention(q, k, v, bias=None, mask=None, scale=None, *, backend: str 
         use_triton = True
     else:
         use_triton = False
-    if use_triton:
-        return TritonWindowAttention.apply(q, k, v, bias, mask, scale)
+    if use_triton and not _triton_unfit_for(q, k, v, bias, mask):
+        launchers = _import_triton_launchers()
+        try:
+            return TritonWindowAttention.apply(q, k, v, bias, mask, scale)
+        except launchers.OutOfResources as err:
+            _give_up_triton("forward", q, bias, mask, err)
+    if use_triton:  # a kernel of this shape cannot launch on this device
+        return torch_window_attention(q, k, v, bias, mask, scale)
     if backend == "auto" and not q.is_cuda and _needs_grad(q, k, v, bias) \
             and q.shape[0] * q.shape[1] < CPU_TRAINING_SDPA_MIN_WINDOW_HEADS:
         return reference_window_attention(q, k, v, bias, mask, scale)

@@ -3,7 +3,8 @@
 Started as a subprocess by test_window_attention_triton.py so the interpreter flag (read by triton when
 the kernels are decorated) never leaks into the rest of the pytest session. For each case it prints the
 max abs error against a float64 reference of the kernel and of the same-dtype torch formula, for the
-output and for the gradients of q, k, v and bias.
+output and for the gradients of q, k, v and bias. Before any case it repairs the interpreter's bf16 dot and
+fp32 -> bf16 cast (triton_interpreter_bf16.py, which says why) and prints the probe before and after.
 """
 import json
 import os
@@ -13,6 +14,7 @@ import time
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton_interpreter_bf16  # noqa: E402  (beside this file, which runs as a script)
 
 from aiak.ops.window_attention import reference_window_attention, window_attention  # noqa: E402
 
@@ -77,6 +79,7 @@ def run_case(case):
 
 def main():
     cases = json.loads(sys.argv[1])
+    print("INTERPRETER_BF16 " + json.dumps(triton_interpreter_bf16.patch()))
     results = []
     for case in cases:
         try:

@@ -1,15 +1,21 @@
 """Launchers for the window-attention Triton kernels: check inputs, allocate outputs, pick the grid.
 
 Imported only when the Triton backend runs (a CUDA call, or a test under ``TRITON_INTERPRET=1``).
+
+Both launchers raise triton's ``OutOfResources`` (re-exported here) when no autotune config fits the
+device (e.g. shared memory at fp32, N=256, D=128): Triton 3.8's autotuner scores a config whose launch
+raises it as infinitely slow (``Autotuner._bench``), keeps the first config when all of them do, and the
+launch that follows raises it again (``CompiledKernel._init_handles``). The dispatcher catches it.
 """
 from __future__ import annotations
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from aiak.ops._triton.window_attention_kernels import _bwd_kernel, _fwd_kernel
 
-__all__ = ["window_attention_forward", "window_attention_backward"]
+__all__ = ["window_attention_forward", "window_attention_backward", "OutOfResources"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -31,6 +37,18 @@ def _token_major(windows, heads, n, d, like: torch.Tensor, dtype=None) -> torch.
     """A [B*nW, H, N, D] tensor laid out as [B*nW, N, H, D]: every Swin module follows the attention with
     ``out.transpose(1, 2).reshape(B*nW, N, C)``, which is then free (no copy)."""
     return torch.empty((windows, n, heads, d), device=like.device, dtype=dtype or like.dtype).transpose(1, 2)
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    """Launch an autotuned kernel. An ``OutOfResources`` from it gets ``tried_configs``: the configs that
+    the autotuner tried (after the kernel's own pruning), for the fallback's warning."""
+    try:
+        kernel[grid](*args, **meta)
+    except OutOfResources as err:
+        tried = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **meta)
+        err.tried_configs = "; ".join(" ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" warps={c.num_warps}"
+                                      for c in tried)
+        raise
 
 
 def _dummy(ref: torch.Tensor) -> torch.Tensor:
@@ -63,7 +81,8 @@ def window_attention_forward(q, k, v, bias, mask, scale):
     def grid(meta):
         return (windows * heads, triton.cdiv(n, meta["BLOCK_M"]))
 
-    _fwd_kernel[grid](
+    _launch(
+        _fwd_kernel, grid,
         q, k, v, bias_c, mask_c, out, lse,
         scale, heads, mask.shape[0] if mask is not None else 1,
         q.stride(0), q.stride(1), q.stride(2),
@@ -112,7 +131,8 @@ def window_attention_backward(grad_out, q, k, v, bias, mask, out, lse, scale, ne
     def grid(meta):
         return (triton.cdiv(windows, meta["WINDOWS_PER_PROGRAM"]), heads)
 
-    _bwd_kernel[grid](
+    _launch(
+        _bwd_kernel, grid,
         q, k, v, bias_c, mask_c, out, grad_out, lse,
         dq, dk, dv, dk_acc, dv_acc, dbias,
         scale, heads, windows, mask.shape[0] if mask is not None else 1,

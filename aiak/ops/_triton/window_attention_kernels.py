@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,12 +42,25 @@ def _fwd_configs():
             for bm, w in ((16, 2), (32, 4), (64, 4), (32, 8), (64, 8))]
 
 
+# fp32 without TF32: tl.dot runs on the FMA units and Triton stages the whole K and V tiles in shared memory
+# at once, 2 x 128 KB at BLOCK_N x BLOCK_D = 256 x 128, before Q's tile. Compiled for sm_90 (Triton 3.8) the
+# forward needs 270,336 B at BLOCK_M=16 and 278,528 B at 32; an H100/H200 has 232,448 B per block. Since a
+# taller query block only needs more, only the smallest is tried: its launch raises OutOfResources and
+# window_attention falls back to torch after one compile, not five (on this project's 2-core CPU machine the
+# compile took 53 s at BLOCK_M=16; at 64 ptxas was still running after 7 minutes). With TF32 the MMA path
+# needs 147,456 B at BLOCK_M=16 and 163,840 B at 32, so it keeps every config.
+_FMA_FP32_MAX_TILE = 256 * 128
+
+
 def _fwd_prune(configs, named_args, **kwargs):
     configs = _interpret_prune(configs, named_args, **kwargs)
     # A query block taller than the padded window only adds masked rows.
     n_pad = max(16, triton.next_power_of_2(named_args["N_CTX"]))
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= n_pad]
-    return kept or configs[:1]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= n_pad] or configs[:1]
+    if (named_args["Q"].dtype == torch.float32 and not kwargs["ALLOW_TF32"]
+            and kwargs["BLOCK_N"] * kwargs["BLOCK_D"] >= _FMA_FP32_MAX_TILE):
+        kept = [min(kept, key=lambda c: c.kwargs["BLOCK_M"])]
+    return kept
 
 
 @triton.autotune(configs=_fwd_configs(), key=["N_CTX", "HEAD_DIM"],
