@@ -11,7 +11,7 @@ Fixes SignSGD"), so SGD with compressed gradients converges like float32.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Optional, Tuple
+from typing import Dict, Hashable, Iterable, Optional, Tuple
 
 import torch
 
@@ -88,42 +88,129 @@ def quantize_int8_chunks(x: torch.Tensor, parts: int, block: int) -> torch.Tenso
     return torch.cat([quantize_int8(c, block) for c in x.chunk(parts)])
 
 
+class FiniteFlag:
+    """Whether a tensor holds only finite values: computed on its device now, read on the host later.
+
+    One ``aminmax`` reduction (NaN propagates to both ends, +inf to the max, -inf to the min). On CUDA the 0-dim
+    result is copied to pinned memory behind an event on the current stream, so ``bool(flag)`` waits for that
+    event only, never for the work queued after it: read one step later, it costs the comm pipeline nothing.
+    """
+
+    __slots__ = ("_value", "_event")
+
+    def __init__(self, t: torch.Tensor):
+        lo, hi = torch.aminmax(t)
+        value = torch.isfinite(lo) & torch.isfinite(hi)
+        self._event = None
+        if value.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(value, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            value = host
+        self._value = value
+
+    def __bool__(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._value)
+
+
+class _Residual:
+    """One key's residual, the candidate that may replace it, and a spare buffer for the next ``x + r``."""
+
+    __slots__ = ("value", "candidate", "finite", "spare")
+
+    def __init__(self):
+        self.value: Optional[torch.Tensor] = None
+        self.candidate: Optional[torch.Tensor] = None
+        self.finite: Optional[FiniteFlag] = None  # the verdict on ``candidate``; None = no verdict (dropped)
+        self.spare: Optional[torch.Tensor] = None
+
+    def settle(self) -> None:
+        """Keep the candidate if its allreduce ended finite, else the old value; the loser becomes the spare."""
+        if self.candidate is None:
+            return
+        if self.finite is not None and bool(self.finite):
+            self.value, self.spare = self.candidate, self.value
+        else:
+            self.spare = self.candidate
+        self.candidate = self.finite = None
+
+    def buffer_like(self, x: torch.Tensor) -> torch.Tensor:
+        buf, self.spare = self.spare, None
+        if buf is None or buf.shape != x.shape or buf.device != x.device:
+            buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return buf
+
+
 class ErrorFeedback:
     """Per-bucket residuals: ``compress(x + r)``, then ``r <- (x + r) - decompress(compressed)``.
 
-    Keys are ``(bucket index, stage)``; a residual whose shape no longer matches (DDP rebuilds its
-    buckets after the first iteration) is dropped rather than misapplied.
+    Keys are ``(bucket index, stage)``; a residual whose shape no longer matches (DDP rebuilds its buckets after
+    the first iteration) is dropped rather than misapplied.
+
+    Protocol per bucket: ``sent = add(key, x)``, compress ``sent``, ``update(key, sent, decoded)``, and once the
+    bucket's allreduce is done ``commit(keys, FiniteFlag(bucket))``. A new residual replaces the old one only if
+    the bucket came out finite. A bucket holding inf/NaN (an fp16 overflow: the loss scaler will skip the step)
+    leaves the residuals as they were: they still carry real, not yet transmitted gradient, which a reset would
+    throw away, while storing ``(x + r) - decoded`` would put NaN into every later bucket. The verdict is read at
+    the next :meth:`add` of the key (a step later), so on CUDA it never stalls the comm stream.
+
+    Cost: no extra pass over memory in the finite case (``x + r`` is written to a second buffer instead of over
+    ``r``, and the buffers swap roles); the price is memory, two float32 buffers per key instead of one. The
+    finiteness check is one reduction over the allreduce's result (:class:`FiniteFlag`).
     """
 
-    __slots__ = ("enabled", "_residuals")
+    __slots__ = ("enabled", "_slots")
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._residuals: Dict[Hashable, torch.Tensor] = {}
+        self._slots: Dict[Hashable, _Residual] = {}
 
     def add(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
-        """``x`` plus the stored residual for ``key``; ``x`` is left alone.
-
-        The result is the buffer :meth:`update` turns into the next residual (the old residual's memory is
-        reused), so call :meth:`update` with it once it has been compressed.
-        """
+        """``x`` plus the residual for ``key``, as float32 in a buffer of its own (``x`` and the residual are
+        left alone). Pass the result, once compressed, to :meth:`update`."""
         if not self.enabled:
             return x.float()
-        r = self._residuals.pop(key, None)
-        if r is None or r.shape != x.shape:
-            return x.float().clone()
-        return r.add_(x)
+        slot = self._slots.setdefault(key, _Residual())
+        slot.settle()
+        out = slot.buffer_like(x)
+        if slot.value is not None and slot.value.shape == x.shape:
+            return torch.add(slot.value, x, out=out)
+        slot.value = None
+        return out.copy_(x)
 
     def update(self, key: Hashable, sent: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Store ``sent - decoded``; ``sent`` (the tensor :meth:`add` returned) is reused as the buffer."""
+        """``sent - decoded`` (computed in ``sent``, the tensor :meth:`add` returned) becomes the candidate
+        residual of ``key``; it replaces the residual only once :meth:`commit` says the allreduce was finite."""
         if self.enabled:
-            self._residuals[key] = sent.sub_(decoded)
+            slot = self._slots[key]
+            slot.candidate, slot.finite = sent.sub_(decoded), None
+
+    def commit(self, keys: Iterable[Hashable], finite: FiniteFlag) -> None:
+        """The bucket whose allreduce produced the candidates of ``keys`` is done; ``finite`` says whether it came
+        out all finite (the hooks check the averaged bucket, which every rank holds identically, so every rank
+        keeps or drops its candidates alike)."""
+        if self.enabled:
+            for key in keys:
+                self._slots[key].finite = finite
+
+    def residuals(self) -> Dict[Hashable, torch.Tensor]:
+        """Copies of the residuals the next :meth:`add` would use, by key (tests and debugging; call it with no
+        bucket in flight)."""
+        out = {}
+        for key, slot in self._slots.items():
+            slot.settle()
+            if slot.value is not None:
+                out[key] = slot.value.clone()
+        return out
 
     def reset(self) -> None:
-        self._residuals.clear()
+        self._slots.clear()
 
     def __len__(self) -> int:
-        return len(self._residuals)
+        return sum(slot.value is not None or slot.candidate is not None for slot in self._slots.values())
 
 
 def pad_to_multiple(x: torch.Tensor, multiple: int) -> Tuple[torch.Tensor, int]:

@@ -265,6 +265,48 @@ def scenario_optimize(rank):
     return out
 
 
+NAN_STEP = 4  # the step at which rank 1 gets a NaN sample in nan_recovery
+
+
+def nan_recovery(rank, comm, steps=16):
+    """O2 fp16 + int8 through ``aiak.optimize`` (which builds the DDP); rank 1's batch has one NaN sample at
+    step ``NAN_STEP``. Records what the loss scaler did at every step and the end state of every rank."""
+    import aiak
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=10.0)  # on the loss x 1e-2 below
+    strategy = {"precision": {"level": "O2", "dtype": "fp16"}, "comm": {"compression": "int8", **comm}}
+    ddp, opt, _ = aiak.optimize(model, opt, strategy=strategy)
+    scaler, state = opt._aiak_steps.scaler, ddp.aiak_comm_state
+    x, y = teacher_problem(rank)
+    out = {"describe": state.describe(), "losses": [], "scales": [], "skipped": [], "masters": {}}
+    for step in range(steps):
+        batch = x.clone()
+        if rank == 1 and step == NAN_STEP:
+            batch[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(ddp(batch), y) * 1e-2  # keeps fp16 gradients x 2**16 below overflow
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["scales"].append(scaler.scale)
+        out["skipped"].append(scaler.skipped_steps)
+        if step in (NAN_STEP + 1, steps - 1):
+            out["masters"][step] = [m.detach().clone() for _, m in opt._aiak_steps.master.pairs]
+    out["weights"] = {k: v.clone() for k, v in ddp.state_dict().items()}
+    out["residuals"] = state.feedback.residuals()
+    return out
+
+
+def scenario_int8_nan(rank):
+    return nan_recovery(rank, {"hierarchical": False, "bucket_mb": 0.001})
+
+
+def scenario_int8_nan_hierarchical(rank):
+    return nan_recovery(rank, {"hierarchical": True, "bucket_mb": 0.001})
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
