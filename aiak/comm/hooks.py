@@ -4,104 +4,135 @@ Contract (torch/distributed/algorithms/ddp_comm_hooks): ``hook(state, bucket) ->
 One hook, :func:`comm_hook`, reads its algorithm from :class:`CommState` at every bucket, so the
 autotuner can switch algorithms between steps on the same DDP object (a DDP accepts one hook only).
 
+How a bucket is processed. The hook divides the bucket by the world size and hands it to the state's worker,
+one daemon thread that runs each bucket's stages as straight-line code, bucket after bucket in the order the
+hook received them (DDP
+launches buckets in index order on every rank), so every process group sees its collectives in the same order
+on every rank. Each collective is issued with ``async_op=True`` and waited (``work.wait()``) right where its
+result is read: on gloo that blocks the worker thread, not the autograd thread; on NCCL it makes the worker's
+current CUDA stream wait for the collective, which is exactly the dependency the next stage needs. On CUDA
+the hook records an event on the caller's current stream; the worker runs on its own comm stream, which
+first waits for that event, and completes the returned future (``devices=[device]``) from that stream, so
+DDP's wait on the future orders everything after it behind the last stage.
+
 Hierarchical allreduce (two-level, as used for Swin over 25 Gb/s TCP): intra-node reduce-scatter, then
 an inter-node allreduce of each shard (local rank ``i`` of every node carries shard ``i``: all local ranks
 use the network in parallel, each with ``1/local_size`` of the bucket), then an intra-node allgather.
-Buckets are cut into chunks (``pipeline_mb``) and the three stages are pipelined: while chunk ``k``
+Buckets are cut into chunks (``pipeline_mb``) and the stages are software-pipelined: while chunk ``k``
 crosses the network, chunk ``k+1`` is reduce-scattered and chunk ``k-1`` allgathered on the node.
 Compression wraps the inter-node step only by default (``compress_intra=False``): that is where the
 bandwidth is scarce. int8 is Bagua's ByteGrad: reduce-scatter in compressed form (all-to-all of
 quantized chunks), decompress and sum, compress the summed chunk, allgather; both quantizations keep an
-error-feedback residual per bucket and chunk.
+error-feedback residual per bucket and chunk (:class:`~aiak.comm.compression.ErrorFeedback`); a bucket that
+comes out non-finite (an fp16 overflow, which the loss scaler skips) leaves them as they were.
 
 Averaging matches DDP's default: divide by the world size before communicating (also keeps fp16 from
-overflowing). Collectives that depend on other collectives are issued from future callbacks, whose order
-differs between ranks; so every collective is *submitted* to its group's :class:`_IssueQueue` up front, in
-the hook (the same order on every rank), and a queue issues its collectives strictly in submission order,
-each once its inputs are ready. Collectives on a group are thus issued in the same order on every rank.
+overflowing). Collectives are looked up in ``torch.distributed`` at call time, so the deadlock guard
+(:mod:`aiak.comm.deadlock`), which replaces them there, sees every one.
 """
-import logging
-from typing import Callable, Dict, List, Optional
+import contextlib
+import functools
+import queue
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, check_compression, dequantize_int8,
-                                   dequantize_int8_chunks, int8_packed_bytes, pad_to_multiple, quantize_int8,
-                                   quantize_int8_chunks)
+from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
+                                   dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
 from aiak.comm.topology import HierarchicalGroups
 
-logger = logging.getLogger("aiak")
 Future = torch.futures.Future
+IDLE_EXIT_S = 5.0  # a worker thread without work for this long exits; the next bucket starts a new one
 
 
-# -- futures and ordered issuing ---------------------------------------------------------------------
-def _new_future(like: torch.Tensor) -> Future:
-    return Future(devices=[like.device]) if like.is_cuda else Future()
+# -- collectives on 1-D tensors ------------------------------------------------------------------------
+class _Issued:
+    """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output)."""
+
+    __slots__ = ("work", "then")
+
+    def __init__(self, work, then: Optional[Callable[[], object]] = None):
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.then is not None:
+            self.then()
 
 
-def _done_future(value=None) -> Future:
-    fut = Future()
-    fut.set_result(value)
-    return fut
+def _dist(name: str, deprecated: str) -> Callable:
+    """``dist.<name>``, or the older ``dist.<deprecated>`` on a torch that lacks it (looked up per call)."""
+    return getattr(dist, name, None) or getattr(dist, deprecated)
 
 
-def _forward(source: Future, target: Future) -> None:
-    try:
-        target.set_result(source.value())
-    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on ``target``
-        target.set_exception(e)
+def _allreduce(x: torch.Tensor, group, wire: torch.dtype) -> _Issued:
+    """Sum of ``x`` over ``group``, into ``x``, sent as ``wire``."""
+    if x.dtype == wire:
+        return _Issued(dist.all_reduce(x, group=group, async_op=True))
+    sent = x.to(wire)
+    return _Issued(dist.all_reduce(sent, group=group, async_op=True), functools.partial(x.copy_, sent))
 
 
-class _IssueQueue:
-    """Issues one group's collectives in submission order, each once its ``ready`` future completes."""
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _Issued:
+    """``output`` = this rank's chunk of the sum of ``input`` over ``group``.
 
-    def __init__(self):
-        self._last_issued = _done_future()
-
-    def submit(self, ready: Future, issue: Callable[[object], Future], like: torch.Tensor) -> Future:
-        """``issue(ready.value())`` returns the collective's future; the result future mirrors it."""
-        issued, out = Future(), _new_future(like)
-
-        def go(_):
-            try:
-                value = ready.value()
-                fut = issue(value)
-            except BaseException as e:  # noqa: BLE001
-                issued.set_result(None)
-                out.set_exception(e)
-                return
-            issued.set_result(None)
-            fut.add_done_callback(lambda f: _forward(f, out))
-
-        torch.futures.collect_all([self._last_issued, ready]).add_done_callback(go)
-        self._last_issued = issued
-        return out
-
-
-def _work_future(work, value):
-    """Future resolving to ``value`` once ``work`` (an async collective) completes."""
-    return work.get_future().then(lambda f: (f.value(), value)[1])
-
-
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> Future:
-    """Future of ``output`` = this rank's chunk of the sum of ``input`` over ``group``.
-
-    Gloo's reduce-scatter work has no future (``Work::getFuture not implemented``), so on gloo it is an
-    all-to-all of the chunks followed by a local sum: the same bytes on the wire.
+    Gloo has no reduce-scatter: there it is an all-to-all of the chunks and a local sum (same bytes on the wire).
     """
     if dist.get_backend(group) == "gloo":
         received = torch.empty_like(input)
         work = dist.all_to_all_single(received, input, group=group, async_op=True)
-        return work.get_future().then(
-            lambda f: (f.value(), torch.sum(received.view(-1, output.numel()), dim=0, out=output))[1])
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # per call: the guard wraps it
-    return _work_future(fn(output, input, group=group, async_op=True), output)
+        return _Issued(work, functools.partial(torch.sum, received.view(-1, output.numel()), 0, out=output))
+    return _Issued(_dist("reduce_scatter_single", "reduce_scatter_tensor")(output, input, group=group,
+                                                                           async_op=True))
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> Future:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _work_future(fn(output, input, group=group, async_op=True), output)
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> _Issued:
+    return _Issued(_dist("all_gather_single", "all_gather_into_tensor")(output, input, group=group, async_op=True))
+
+
+class _Int8Allreduce:
+    """ByteGrad sum of a 1-D ``x`` over ``group``, in place, in three steps a pipeline can interleave.
+
+    :meth:`exchange`: add the residual, quantize ``size`` chunks, all-to-all (the reduce-scatter, compressed);
+    :meth:`share`: decode and sum the chunks this rank received, add the residual, re-quantize, allgather;
+    :meth:`finish`: decode the gathered chunks into ``x``.
+    Each step after the first needs the previous step's collective waited. The caller commits the residuals of
+    :attr:`keys` once the whole bucket is known finite (or not): a non-finite bucket keeps the old residuals.
+    """
+
+    __slots__ = ("x", "group", "size", "block", "feedback", "keys", "n", "chunk", "received", "gathered")
+
+    def __init__(self, x: torch.Tensor, group, feedback: ErrorFeedback, key, block: int):
+        self.x, self.group, self.feedback, self.block = x, group, feedback, block
+        self.size = dist.get_world_size(group)
+        self.keys = ((key, "local"), (key, "shard"))
+
+    def exchange(self) -> _Issued:
+        padded, self.n = pad_to_multiple(self.x, self.size * self.block)
+        self.chunk = padded.numel() // self.size
+        sent = self.feedback.add(self.keys[0], padded)
+        packed = quantize_int8_chunks(sent, self.size, self.block)
+        if self.feedback.enabled:
+            self.feedback.update(self.keys[0], sent, dequantize_int8_chunks(packed, self.chunk, self.block))
+        self.received = torch.empty_like(packed)
+        return _Issued(dist.all_to_all_single(self.received, packed, group=self.group, async_op=True))
+
+    def share(self) -> _Issued:
+        total = dequantize_int8_chunks(self.received, self.chunk, self.block).view(self.size, self.chunk).sum(0)
+        sent = self.feedback.add(self.keys[1], total)
+        mine = quantize_int8(sent, self.block)
+        if self.feedback.enabled:
+            self.feedback.update(self.keys[1], sent, dequantize_int8(mine, self.chunk, self.block))
+        self.gathered = torch.empty(self.size * mine.numel(), dtype=torch.uint8, device=self.x.device)
+        return _all_gather(self.gathered, mine, self.group)
+
+    def finish(self) -> None:
+        if self.n == self.size * self.chunk:  # no padding: decode straight into ``x``
+            dequantize_int8_chunks(self.gathered, self.chunk, self.block, out=self.x)
+        else:
+            self.x.copy_(dequantize_int8_chunks(self.gathered, self.chunk, self.block)[:self.n])
 
 
 # -- state -------------------------------------------------------------------------------------------
@@ -120,7 +151,7 @@ class CommState:
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
-                 "int8_block", "pipeline_mb", "feedback", "tuner", "iteration", "_queues")
+                 "int8_block", "pipeline_mb", "feedback", "tuner", "iteration", "worker")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
@@ -143,18 +174,10 @@ class CommState:
         self.feedback = ErrorFeedback(error_feedback)
         self.tuner = None  # an aiak.comm.autotune.StepTuner while tuning
         self.iteration = 0
-        self._queues: Dict[str, _IssueQueue] = {}
-
-    def queue(self, name: str) -> _IssueQueue:
-        if name not in self._queues:
-            self._queues[name] = _IssueQueue()
-        return self._queues[name]
-
-    def reset_queues(self) -> None:
-        """Forget finished work (called at the first bucket of a step: DDP waited for the previous one)."""
-        self._queues.clear()
+        self.worker = _Worker()
 
     def set_algorithm(self, hierarchical: bool, compression: str) -> None:
+        """Switch algorithm; call it between steps (no bucket in flight), as the tuner does at bucket 0."""
         if hierarchical and self.groups is None:
             raise ValueError("hierarchical allreduce is unavailable (single node, one rank per node or uneven nodes)")
         if (hierarchical, compression) != (self.hierarchical, self.compression):
@@ -166,112 +189,190 @@ class CommState:
         return algo if self.compression == "none" else f"{algo}+{self.compression}"
 
 
-# -- group reductions on 1-D tensors (sum; the caller has already divided) ---------------------------
-def _cast_allreduce(x: torch.Tensor, group, compression: str) -> Future:
-    """Sum of ``x`` over ``group``, sent as ``compression`` (none/fp16/bf16); resolves to ``x``."""
-    if compression == "none":
-        return _work_future(dist.all_reduce(x, group=group, async_op=True), x)
-    sent = x.to(CAST_DTYPES[compression])
-    return dist.all_reduce(sent, group=group, async_op=True).get_future().then(lambda f: x.copy_(f.value()[0]))
+# -- the algorithms, each run by the worker on one bucket (already divided by the world size) ----------------
+def _flat(state: CommState, compression: str, x: torch.Tensor, key) -> None:
+    if compression == "int8":
+        op = _Int8Allreduce(x, state.process_group, state.feedback, key, state.int8_block)
+        op.exchange().wait()
+        op.share().wait()
+        op.finish()
+        state.feedback.commit(op.keys, FiniteFlag(x))  # the same verdict on every rank: all hold the same ``x``
+    else:
+        _allreduce(x, state.process_group, CAST_DTYPES.get(compression, x.dtype)).wait()
 
 
-def _int8_allreduce(x: torch.Tensor, ready: Future, queue: _IssueQueue, group, feedback: ErrorFeedback, key,
-                    block: int) -> Future:
-    """ByteGrad sum of ``x`` over ``group`` once ``ready`` completes; resolves to ``x``.
+class _Chunk:
+    """One slice of a bucket in the hierarchical pipeline."""
 
-    All-to-all of int8 chunks (reduce-scatter in compressed form), decompress and sum this rank's chunk,
-    re-quantize it, allgather. Both collectives are submitted to ``queue`` now.
+    __slots__ = ("index", "values", "shard", "inflight", "int8")
+
+    def __init__(self, index: int, values: torch.Tensor, local_size: int):
+        self.index = index
+        self.values = values  # the slice of the (padded, maybe cast) bucket; the allgather writes it back
+        self.shard = torch.empty(values.numel() // local_size, dtype=values.dtype, device=values.device)
+        self.inflight: Optional[_Issued] = None  # the collective the next stage of this chunk waits for
+        self.int8: Optional[_Int8Allreduce] = None
+
+
+def _chunk_bounds(numel: int, local_size: int, pipeline_mb: float, compression: str) -> List[Tuple[int, int]]:
+    """Chunks of ``pipeline_mb`` of float32 values (int8: twice as many values), multiples of ``local_size``.
+
+    Each int8 chunk pays two collectives and several quantize passes: too small a chunk pays them too often,
+    too large a one leaves little to overlap. benchmarks/comm_netns.py (2 nodes x 2 ranks, 500 Mbit/s),
+    hierarchical+int8 vs flat, values per chunk 0.5M / 1M / 2M: 16 MB 3.56x / 4.28x / 3.74-4.01x,
+    64 MB 3.79x / 4.87x / 4.21x.
     """
-    size = dist.get_world_size(group)
-    box = {}
-
-    def scatter(_):
-        padded, n = pad_to_multiple(x, size * block)
-        chunk = padded.numel() // size
-        local = feedback.add((key, "local"), padded)
-        packed = quantize_int8_chunks(local, size, block)
-        if feedback.enabled:
-            feedback.update((key, "local"), local, dequantize_int8_chunks(packed, chunk, block))
-        box.update(n=n, chunk=chunk, received=torch.empty_like(packed))
-        return _work_future(dist.all_to_all_single(box["received"], packed, group=group, async_op=True), None)
-
-    def gather(_):
-        chunk, nbytes = box["chunk"], int8_packed_bytes(box["chunk"], block)
-        total = dequantize_int8_chunks(box["received"], chunk, block).view(size, chunk).sum(0)
-        total = feedback.add((key, "shard"), total)
-        mine = quantize_int8(total, block)
-        if feedback.enabled:
-            feedback.update((key, "shard"), total, dequantize_int8(mine, chunk, block))
-        box["gathered"] = torch.empty(size * nbytes, dtype=torch.uint8, device=x.device)
-        return _all_gather(box["gathered"], mine, group)
-
-    def unpack(_):
-        if box["n"] == size * box["chunk"]:  # no padding: decode straight into the bucket
-            return dequantize_int8_chunks(box["gathered"], box["chunk"], block, out=x)
-        return x.copy_(dequantize_int8_chunks(box["gathered"], box["chunk"], block)[:box["n"]])
-
-    scattered = queue.submit(ready, scatter, x)
-    return queue.submit(scattered, gather, x).then(unpack)
+    if pipeline_mb == 0:
+        return [(0, numel)]
+    bytes_per_value = 2 if compression == "int8" else 4
+    per_chunk = max(local_size, int(pipeline_mb * 2**20 / bytes_per_value) // local_size * local_size)
+    return [(a, min(a + per_chunk, numel)) for a in range(0, numel, per_chunk)]
 
 
-def _hierarchical_allreduce(state: CommState, x: torch.Tensor, key) -> Future:
-    """Pipelined intra reduce-scatter -> inter allreduce of this rank's shard -> intra allgather."""
-    groups = state.groups
-    local = len(groups.intra_ranks)
-    padded, n = pad_to_multiple(x, local)
-    intra_dtype = CAST_DTYPES.get(state.compression) if state.compress_intra else None
-    send = padded.to(intra_dtype) if intra_dtype is not None else padded
-    # A chunk holds ``pipeline_mb`` of fp32 values; under int8 twice as many values. Each int8 chunk pays two
-    # collectives and several quantize passes: too small a chunk pays them too often, too large a one leaves
-    # little to overlap. benchmarks/comm_netns.py (2 nodes x 2 ranks, 500 Mbit/s), hierarchical+int8 vs flat,
-    # values per chunk 0.5M / 1M / 2M: 16 MB 3.56x / 4.28x / 3.74-4.01x, 64 MB 3.79x / 4.87x / 4.21x.
-    bytes_per_value = 2 if state.compression == "int8" else 4
-    per_chunk = padded.numel() if state.pipeline_mb == 0 else \
-        max(local, int(state.pipeline_mb * 2**20 / bytes_per_value) // local * local)
-    bounds = [(s, min(s + per_chunk, padded.numel())) for s in range(0, padded.numel(), per_chunk)]
-    intra, inter = state.queue("intra"), state.queue("inter")
-    start = _done_future()
-    shards = [torch.empty((b - a) // local, dtype=send.dtype, device=x.device) for a, b in bounds]
-    reduced: List[Future] = [
-        intra.submit(start, lambda _, a=a, b=b, s=s: _reduce_scatter(s, send[a:b], groups.intra), x)
-        for (a, b), s in zip(bounds, shards)]
-    crossed = []
-    for i, (rs, shard) in enumerate(zip(reduced, shards)):
-        if state.compression == "int8":  # (the intra step is never int8: ``send`` stays float32)
-            crossed.append(_int8_allreduce(shard, rs, inter, groups.inter, state.feedback, (key, i), state.int8_block))
+class _Hierarchical:
+    """Intra-node reduce-scatter -> inter-node allreduce of this rank's shard -> intra-node allgather, chunk by chunk.
+
+    Each stage is a method taking a chunk: it waits for what the previous stage issued for that chunk, works on
+    the result and issues the chunk's next collective. :meth:`run` is the software pipeline.
+    """
+
+    def __init__(self, state: CommState, compression: str, x: torch.Tensor, key):
+        self.state, self.compression, self.x, self.key = state, compression, x, key
+        self.intra, self.inter = state.groups.intra, state.groups.inter
+        local = len(state.groups.intra_ranks)
+        self.padded, self.n = pad_to_multiple(x, local)
+        intra_dtype = CAST_DTYPES.get(compression) if state.compress_intra else None
+        self.send = self.padded.to(intra_dtype) if intra_dtype is not None else self.padded
+        bounds = _chunk_bounds(self.padded.numel(), local, state.pipeline_mb, compression)
+        self.chunks = [_Chunk(i, self.send[a:b], local) for i, (a, b) in enumerate(bounds)]
+        self.int8_keys: List[tuple] = []  # residuals to commit once the whole bucket is known finite or not
+
+    def run(self) -> None:
+        if self.compression == "int8":
+            stages = [self.scatter_in_node, self.exchange_across_nodes, self.share_across_nodes, self.gather_in_node]
         else:
-            crossed.append(inter.submit(rs, lambda _, s=shard: _cast_allreduce(
-                s.float() if s.dtype != torch.float32 else s, groups.inter, state.compression), x))
-    gathered = [intra.submit(c, lambda r, a=a, b=b: _all_gather(
-        send[a:b], r.to(send.dtype) if r.dtype != send.dtype else r, groups.intra), x)
-        for c, (a, b) in zip(crossed, bounds)]
-    done = torch.futures.collect_all(gathered)
+            stages = [self.scatter_in_node, self.cross_nodes, self.gather_in_node]
+        # At tick t stage s works on chunk t - s: chunk t is reduce-scattered while chunk t-1 crosses the nodes and
+        # chunk t-2 is allgathered. The newest chunk goes first, so a stage that waits has the others in flight.
+        for tick in range(len(self.chunks) + len(stages) - 1):
+            for depth, stage in enumerate(stages):
+                if 0 <= tick - depth < len(self.chunks):
+                    stage(self.chunks[tick - depth])
+        for chunk in self.chunks:
+            chunk.inflight.wait()  # the allgathers
+        if self.send.data_ptr() != self.x.data_ptr():
+            self.x.copy_(self.send[:self.n])
+        if self.compression == "int8":  # every rank holds the same bucket now: the same verdict everywhere
+            self.state.feedback.commit(self.int8_keys, FiniteFlag(self.x))
 
-    def finish(f):
-        for g in f.value():
-            g.value()  # re-raise a failed stage
-        if send.data_ptr() != x.data_ptr():
-            x.copy_(send[:n])
-        return x
+    def scatter_in_node(self, chunk: _Chunk) -> None:
+        chunk.inflight = _reduce_scatter(chunk.shard, chunk.values, self.intra)
 
-    out = _new_future(x)
-    done.then(finish).add_done_callback(lambda f: _forward(f, out))
-    return out
+    def cross_nodes(self, chunk: _Chunk) -> None:
+        chunk.inflight.wait()
+        wire = CAST_DTYPES.get(self.compression, chunk.shard.dtype)  # uncompressed: the bucket's dtype, as DDP
+        chunk.inflight = _allreduce(chunk.shard, self.inter, wire)
+
+    def exchange_across_nodes(self, chunk: _Chunk) -> None:
+        chunk.inflight.wait()
+        chunk.int8 = _Int8Allreduce(chunk.shard, self.inter, self.state.feedback, (self.key, chunk.index),
+                                    self.state.int8_block)
+        chunk.inflight = chunk.int8.exchange()
+
+    def share_across_nodes(self, chunk: _Chunk) -> None:
+        chunk.inflight.wait()
+        chunk.inflight = chunk.int8.share()
+
+    def gather_in_node(self, chunk: _Chunk) -> None:
+        chunk.inflight.wait()
+        if chunk.int8 is not None:
+            chunk.int8.finish()
+            self.int8_keys.extend(chunk.int8.keys)
+            chunk.int8 = None
+        chunk.inflight = _all_gather(chunk.values, chunk.shard, self.intra)
+
+
+# -- the worker --------------------------------------------------------------------------------------
+class _Worker:
+    """One daemon thread that runs jobs in submission order, and the CUDA comm stream of each device it uses.
+
+    The thread starts with the first job and exits after ``IDLE_EXIT_S`` without one (the next job starts a new
+    thread), so states that are dropped leave no thread behind.
+    """
+
+    __slots__ = ("_jobs", "_lock", "_thread", "_streams")
+
+    def __init__(self):
+        self._jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._jobs.put(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="aiak-comm", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:  # ``submit`` puts under the same lock: no job is left behind
+                    if self._jobs.empty():
+                        self._thread = None
+                        return
+                continue
+            job()
+
+    @contextlib.contextmanager
+    def on_comm_stream(self, tensor: torch.Tensor, ready: Optional["torch.cuda.Event"]):
+        """Make ``tensor``'s device and its comm stream current; the stream first waits for ``ready``."""
+        if not tensor.is_cuda:
+            yield
+            return
+        stream = self._streams.get(tensor.device)
+        if stream is None:
+            stream = self._streams[tensor.device] = torch.cuda.Stream(device=tensor.device)
+        with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            yield
+
+
+def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: torch.Tensor, key, fut: Future,
+                ready: Optional["torch.cuda.Event"]) -> None:
+    """The worker's job for one bucket: sum ``tensor`` (already divided) in place, then complete or fail ``fut``."""
+    try:
+        with state.worker.on_comm_stream(tensor, ready):
+            if hierarchical:
+                _Hierarchical(state, compression, tensor, key).run()
+            else:
+                _flat(state, compression, tensor, key)
+            fut.set_result(tensor)  # on CUDA: records the completion event on the comm stream
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        if not fut.done():
+            fut.set_exception(e)
 
 
 # -- the hook ----------------------------------------------------------------------------------------
 def average(state: CommState, tensor: torch.Tensor, key=0) -> Future:
     """Average a 1-D tensor in place across ranks with ``state``'s algorithm; resolves to ``tensor``.
 
-    Used by :func:`comm_hook` and, outside DDP, by benchmarks and the comm-mode tuner.
+    Returns at once; the state's worker does the work. Used by :func:`comm_hook` and, outside DDP, by
+    benchmarks and the comm-mode tuner. Every rank must average the same tensors in the same order.
     """
-    tensor.div_(state.world_size)
-    if state.hierarchical:
-        return _hierarchical_allreduce(state, tensor, key)
-    if state.compression == "int8":
-        return _int8_allreduce(tensor, _done_future(), state.queue("flat"), state.process_group, state.feedback,
-                               key, state.int8_block)
-    return _cast_allreduce(tensor, state.process_group, state.compression)  # one collective, issued in order
+    tensor.div_(state.world_size)  # here, not in the worker: off the path between one bucket and the next
+    if tensor.is_cuda:
+        fut, ready = Future(devices=[tensor.device]), torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))  # the caller's stream: after gradients and division
+    else:
+        fut, ready = Future(), None
+    # The algorithm is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
+    state.worker.submit(functools.partial(_run_bucket, state, state.hierarchical, state.compression, tensor, key,
+                                          fut, ready))
+    return fut
 
 
 def comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -279,8 +380,6 @@ def comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future
     # (annotations are real objects here, no ``from __future__ import annotations``: DDP checks them)
     if state.tuner is not None:
         state.tuner.on_bucket(state, bucket)
-    if bucket.index() == 0:
-        state.reset_queues()
     fut = average(state, bucket.buffer(), key=bucket.index())
     if bucket.is_last():
         state.iteration += 1
