@@ -12,9 +12,12 @@ cluster). Two perf modes:
   tuned in this mode (DDP fixes it at construction and the returned object must stay the same).
 
 Each rank measures; timings are max-reduced (a step is as slow as the slowest rank), rank 0 picks the
-fastest and broadcasts it, so every rank runs the same algorithm. Results are cached in a JSON file keyed
-by model signature (class + parameter shapes), world size, local size, device type, torch version and
-perf mode; writes are atomic (temp file + ``os.replace``); a corrupt cache is ignored with a warning.
+fastest and broadcasts it, so every rank runs the same algorithm. The tuner's own tensors (timings, the
+choice, the cache broadcast) live on :func:`group_device`: CPU for gloo, the current CUDA device for NCCL,
+which has no CPU path. Step times come from a :class:`StepClock`: CUDA events on the stream, not host time.
+Results are cached in a JSON file keyed by model signature (class + parameter shapes), world size, local
+size, device type, torch version and perf mode; writes are atomic (temp file + ``os.replace``); a corrupt
+cache is ignored with a warning.
 """
 from __future__ import annotations
 
@@ -115,19 +118,37 @@ class TuneCache:
             raise
 
 
+# -- where the tuner's tensors live --------------------------------------------------------------
+def device_type_for_backend(backend: str) -> str:
+    """``cpu`` if one of the backends in ``backend`` (``gloo``, or ``cpu:gloo,cuda:nccl``) runs CPU tensors,
+    else ``cuda``: NCCL has no CPU path, so CPU tensors in a collective on an NCCL group crash."""
+    names = [part.rsplit(":", 1)[-1].strip().lower() for part in str(backend).split(",")]
+    capability = getattr(dist.Backend, "backend_capability", {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]})
+    return "cpu" if any("cpu" in capability.get(name, ()) for name in names) else "cuda"
+
+
+def group_device(group=None) -> torch.device:
+    """The device for the tuner's own tensors in collectives on ``group``: CPU where the group can, else the
+    current CUDA device (with NCCL, ``torch.cuda.set_device(local_rank)`` makes that the gradient device)."""
+    if device_type_for_backend(dist.get_backend(group)) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def shared_cache_lookup(cache: TuneCache, key: str, group=None) -> Optional[CommChoice]:
     """Rank 0 reads the cache and broadcasts the entry, so all ranks agree even without a shared disk."""
     box = [cache.get(key) if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0, group=group, device=group_device(group))
     return box[0]
 
 
 # -- deciding on rank 0 ------------------------------------------------------------------------
 def decide(times: Sequence[float], group=None) -> int:
     """Index of the fastest candidate by the slowest rank's time; decided on rank 0, broadcast to all."""
-    t = torch.tensor(list(times), dtype=torch.float64)
+    device = group_device(group)
+    t = torch.tensor(list(times), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    choice = torch.tensor([int(torch.argmin(t))], dtype=torch.int64)
+    choice = torch.argmin(t).reshape(1)  # int64, on ``device``
     dist.broadcast(choice, src=0, group=group)
     return int(choice)
 
@@ -155,7 +176,10 @@ def gradient_bucket_sizes(model: torch.nn.Module, bucket_mb: float) -> List[int]
 
 
 def time_average(state: CommState, sizes: Sequence[int], repeats: int, device=None, group=None) -> float:
-    """Median seconds to average buffers of ``sizes`` elements with ``state`` (one warm-up run first)."""
+    """Median seconds to average buffers of ``sizes`` elements with ``state`` (one warm-up run first).
+
+    ``device``: where the gradients live (default: :func:`group_device`)."""
+    device = torch.device(device) if device is not None else group_device(group)
     buffers = [torch.randn(n, device=device) for n in sizes]
     times = []
     for i in range(repeats + 1):
@@ -163,10 +187,9 @@ def time_average(state: CommState, sizes: Sequence[int], repeats: int, device=No
             b.normal_()
         dist.barrier(group=group)
         start = time.perf_counter()
-        state.reset_queues()
         futures = [average(state, b, key=k) for k, b in enumerate(buffers)]
         torch.futures.wait_all(futures)
-        if device is not None and torch.device(device).type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:
             times.append(time.perf_counter() - start)
@@ -199,11 +222,39 @@ def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[flo
 
 
 # -- step mode ---------------------------------------------------------------------------------
+class StepClock:
+    """Marks step boundaries where the work runs; seconds between two marks.
+
+    CPU: ``time.perf_counter``. CUDA: an event recorded on the current stream at each mark, because host time
+    between two hook calls is kernel-launch time, not step time. CUDA marks are read (one synchronisation) only
+    by :meth:`seconds`, which the tuner calls once, when it has all its samples.
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start, end) -> float:
+        if self.device.type != "cuda":
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 class StepTuner:
     """Times whole training steps under each algorithm; attached to ``CommState.tuner`` by the DDP wrapper.
 
     Each candidate runs ``1 + steps`` synchronizing steps (the first is a warm-up); a step is timed from
-    one bucket-0 hook call to the next, which covers its communication, the next forward and backward.
+    one bucket-0 hook call to the next, which covers its communication, the next forward and backward, on the
+    :class:`StepClock` of the gradients' device (CUDA: stream time between events, not host time).
     """
 
     def __init__(self, candidates: Sequence[tuple], steps: int, bucket_mb: float,
@@ -214,9 +265,11 @@ class StepTuner:
         self.steps = steps
         self.bucket_mb = bucket_mb
         self.on_decided = on_decided
-        self.samples: List[List[float]] = [[] for _ in self.candidates]
+        self.samples: List[List[float]] = [[] for _ in self.candidates]  # seconds per timed step, once decided
         self.step = 0  # synchronizing steps seen
-        self._last_start: Optional[float] = None
+        self._clock: Optional[StepClock] = None
+        self._intervals: List[List[tuple]] = [[] for _ in self.candidates]  # (start mark, end mark) per timed step
+        self._last_mark = None
         self.choice: Optional[CommChoice] = None
 
     def _candidate_of(self, step: int) -> int:
@@ -225,13 +278,15 @@ class StepTuner:
     def on_bucket(self, state: CommState, bucket) -> None:
         if bucket.index() != 0:
             return
-        now = time.perf_counter()
-        if self._last_start is not None:
+        if self._clock is None:
+            self._clock = StepClock(bucket.buffer().device)
+        now = self._clock.mark()
+        if self._last_mark is not None:
             prev = self.step - 1
             idx, pos = divmod(prev, self.steps + 1)
             if pos > 0:  # not the warm-up step of its candidate
-                self.samples[idx].append(now - self._last_start)
-        self._last_start = now
+                self._intervals[idx].append((self._last_mark, now))
+        self._last_mark = now
         idx = self._candidate_of(self.step)
         if idx >= len(self.candidates):
             self._finish(state)
@@ -240,6 +295,7 @@ class StepTuner:
         self.step += 1
 
     def _finish(self, state: CommState) -> None:
+        self.samples = [[self._clock.seconds(a, b) for a, b in pairs] for pairs in self._intervals]
         times = [statistics.median(s) for s in self.samples]
         best = self.candidates[decide(times, state.process_group)]
         state.set_algorithm(*best)

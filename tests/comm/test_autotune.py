@@ -75,3 +75,28 @@ def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
         assert r["step"]["tuned_at"] == 0  # no tuning steps
     assert second[0]["comm"] == first[0]["comm"]
     assert second[0]["step"]["choice"] == first[0]["step"]["choice"]
+
+
+@pytest.mark.parametrize("backend,device_type", [("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cpu"),
+                                                 ("cuda:nccl", "cuda"), ("mpi", "cpu")])
+def test_tuner_tensors_go_where_the_backend_can_take_them(backend, device_type):
+    """NCCL has no CPU path: decide(), the cache broadcast and the timing buffers must use CUDA tensors there."""
+    from aiak.comm.autotune import device_type_for_backend
+
+    assert device_type_for_backend(backend) == device_type
+
+
+def test_decide_and_cache_lookup_on_a_gloo_group_use_cpu(tmp_path):
+    import torch.distributed as dist
+
+    from aiak.comm.autotune import decide, group_device, shared_cache_lookup
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert group_device() == torch.device("cpu")
+        assert decide([3.0, 1.0, 2.0]) == 1
+        cache = TuneCache(tmp_path / "tune.json")
+        cache.put("k", CommChoice(False, "fp16", 5.0))
+        assert shared_cache_lookup(cache, "k") == CommChoice(False, "fp16", 5.0)
+    finally:
+        dist.destroy_process_group()
