@@ -76,7 +76,7 @@ def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, load
         optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     summary.add("channels_last", s.channels_last, amp.apply_channels_last(model) if s.channels_last else "off")
-    precision = amp.apply_precision(model, optimizer, s.precision, dev.type)
+    precision = amp.apply_precision(model, optimizer, s.precision, dev.type, device=dev)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     controller = None
     if optimizer is not None and (precision.master or precision.scaler or s.grad_accumulation > 1):

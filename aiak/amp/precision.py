@@ -1,10 +1,12 @@
 """Mixed precision O1 / O2 with apex's semantics, without apex.
 
 O1 runs the forward under ``torch.autocast`` (fp32 weights). O2 (apex's "almost fp16") casts the model to
-the half dtype except normalization layers, which stay fp32 for their statistics; floating inputs are cast
-to the half dtype on the way in and outputs come back as fp32; the optimizer steps fp32 master copies of the
-half parameters (Micikevicius et al., "Mixed Precision Training", ICLR 2018, figure 1). fp16 uses a
-:class:`~aiak.amp.loss_scaler.LossScaler`; bf16 has fp32's exponent range and needs none.
+the half dtype except normalization layers, which are never cast and keep their exact fp32 values (see
+:mod:`aiak.amp.half_cast`); floating inputs are cast to the half dtype on the way in and outputs come back
+as fp32; the optimizer steps fp32 master copies of the half parameters (Micikevicius et al., "Mixed
+Precision Training", ICLR 2018, figure 1), built from the values before the cast. fp16 uses a
+:class:`~aiak.amp.loss_scaler.LossScaler`; bf16 has fp32's exponent range and needs none. A precision the
+device only emulates (fp16 on a CPU, say) warns once, with its measured cost (:mod:`aiak.amp.emulation`).
 
 Loss scaling and gradient-accumulation averaging are applied by an identity autograd function on the
 model's outputs that multiplies the incoming gradient by ``loss_scale / accumulation``, so the user's plain
@@ -20,19 +22,15 @@ import torch
 from torch import nn
 
 from aiak._nested import map_tensors
+from aiak.amp.emulation import warn_if_emulated
+from aiak.amp.half_cast import NATIVE_MIXED_NORMS, cast_outside_norms, install_exact_state_dict, is_norm_layer
 from aiak.amp.loss_scaler import LossScaler
 from aiak.strategy.schema import Precision
 
 logger = logging.getLogger("aiak")
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# These accept a half input with fp32 weights natively (CPU and CUDA) and return the input's dtype.
-NATIVE_MIXED_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
-
-
-def is_norm_layer(module: nn.Module) -> bool:
-    """Normalization layers stay fp32 under O2: torch's norm classes, and any class named ``*Norm*``."""
-    return isinstance(module, NATIVE_MIXED_NORMS) or "Norm" in type(module).__name__
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -85,16 +83,20 @@ class MasterWeights:
     """fp32 master copies of an optimizer's half-precision parameters (apex O2 ``master_params``).
 
     The optimizer's ``param_groups`` (and any existing state) are re-pointed to the masters; the model keeps
-    its half parameters. ``grads_to_master`` and ``master_to_model`` move gradients and weights across.
+    its half parameters. ``exact_values`` (``id(model parameter)`` -> its value before the cast) makes each
+    master exact; a parameter missing there (half before O2 already) gets its half value widened.
+    ``grads_to_master`` and ``master_to_model`` move gradients and weights across.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, fp32_values: Dict[int, torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.Optimizer, exact_values: Dict[int, torch.Tensor]):
         self.pairs: List[Tuple[nn.Parameter, nn.Parameter]] = []
         for group in optimizer.param_groups:
             new_params = []
             for p in group["params"]:
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    master = nn.Parameter(fp32_values[id(p)], requires_grad=p.requires_grad)
+                if p.dtype in HALF_DTYPES:
+                    value = exact_values.get(id(p), p.detach())
+                    master = nn.Parameter(value.float() if value.dtype != torch.float32 else value,
+                                          requires_grad=p.requires_grad)
                     if p in optimizer.state:
                         optimizer.state[master] = optimizer.state.pop(p)
                     self.pairs.append((p, master))
@@ -117,8 +119,9 @@ class MasterWeights:
     def model_to_master_from(self, values: Dict[int, torch.Tensor]) -> None:
         """Set masters from exact fp32 values keyed by ``id(model_param)`` (used when loading checkpoints)."""
         for p, master in self.pairs:
-            if id(p) in values:
-                master.copy_(values[id(p)])
+            value = values.get(id(p))
+            if value is not None and value.shape == master.shape:  # a mismatch is left to torch to report
+                master.copy_(value)
         self.master_to_model()
 
     @torch.no_grad()
@@ -138,10 +141,12 @@ class MasterWeights:
 class PrecisionState:
     """Everything precision attaches to a model/optimizer pair; kept on ``model._aiak_precision``."""
 
-    def __init__(self, config: Precision, scaler: Optional[LossScaler], master: Optional[MasterWeights]):
+    def __init__(self, config: Precision, scaler: Optional[LossScaler], master: Optional[MasterWeights],
+                 emulated: Optional[str] = None):
         self.config = config
         self.scaler = scaler
         self.master = master
+        self.emulated = emulated  # a note when the device only emulates the dtype (it was warned about)
 
     def describe(self) -> str:
         c = self.config
@@ -151,6 +156,8 @@ class PrecisionState:
         if self.master is not None:
             parts.append(f"{len(self.master.pairs)} fp32 master weights")
         parts.append(repr(self.scaler) if self.scaler else "no loss scaling")
+        if self.emulated:
+            parts.append(self.emulated)
         return ", ".join(parts)
 
 
@@ -168,34 +175,41 @@ def make_scaler(config: Precision) -> Optional[LossScaler]:
 
 
 def apply_precision(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: Precision,
-                    device_type: str) -> PrecisionState:
+                    device_type: str, *, device: Optional[torch.device] = None) -> PrecisionState:
     """Apply O0/O1/O2 to ``model`` (in place) and, for O2, give ``optimizer`` fp32 master weights.
 
-    Gradient scaling is installed separately (see :func:`install_output_hook`) because gradient
-    accumulation shares it.
+    ``device`` (default: where the model's parameters are, if of type ``device_type``) is only used to tell
+    whether the device computes the half dtype natively. Gradient scaling is installed separately (see
+    :func:`install_output_hook`) because gradient accumulation shares it.
     """
     if config.level == "O0":
         return PrecisionState(config, None, None)
     dtype = DTYPES[config.dtype]
     scaler = make_scaler(config)
+    emulated = warn_if_emulated(config.dtype, device if device is not None else _device_of(model, device_type))
     if config.level == "O1":
         _patch_forward_autocast(model, device_type, dtype)
-        return PrecisionState(config, scaler, None)
+        return PrecisionState(config, scaler, None, emulated)
 
-    # O2: remember exact fp32 values, cast, keep norms fp32, cast inputs at the model's entry.
-    fp32_values = {id(p): p.detach().clone().float() for p in model.parameters() if p.is_floating_point()}
-    model.to(dtype)
+    # O2: cast everything outside norm layers (keeping exact originals), cast inputs at the model's entry.
+    record = cast_outside_norms(model, dtype)
     for module in model.modules():
-        if is_norm_layer(module):
-            module.float()
-            if not isinstance(module, NATIVE_MIXED_NORMS):
-                install_input_cast(module, torch.float32, output_dtype=dtype)
+        if is_norm_layer(module) and not isinstance(module, NATIVE_MIXED_NORMS):
+            install_input_cast(module, torch.float32, output_dtype=dtype)
     install_input_cast(model, dtype)
-    master = MasterWeights(optimizer, fp32_values) if optimizer is not None else None
-    state = PrecisionState(config, scaler, master)
+    master = MasterWeights(optimizer, record.params) if optimizer is not None else None
     if master is not None:
-        _install_fp32_state_dict(model, master)
-    return state
+        _install_master_state_dict(model, master)
+    install_exact_state_dict(model, record, skip={id(p) for p, _ in master.pairs} if master else frozenset())
+    return PrecisionState(config, scaler, master, emulated)
+
+
+def _device_of(model: nn.Module, device_type: str) -> torch.device:
+    for p in model.parameters():
+        if p.device.type == device_type:
+            return p.device
+        break
+    return torch.device(device_type)
 
 
 def _patch_forward_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -209,30 +223,24 @@ def _patch_forward_autocast(model: nn.Module, device_type: str, dtype: torch.dty
     model.forward = forward
 
 
-def _install_fp32_state_dict(model: nn.Module, master: MasterWeights) -> None:
-    """``model.state_dict()`` returns the exact fp32 master values under the user's keys; loading sets them."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    pairs_by_name = {name_of[id(p)]: (p, m) for p, m in master.pairs if id(p) in name_of}
+def _install_master_state_dict(model: nn.Module, master: MasterWeights) -> None:
+    """``model.state_dict()`` returns the exact fp32 masters under the user's keys; loading one sets them."""
+    master_of = {id(p): m for p, m in master.pairs}
+    keyed = [(name, p, master_of[id(p)]) for name, p in model.named_parameters(remove_duplicate=False)
+             if id(p) in master_of]
 
-    def to_fp32(module, state_dict, prefix, local_metadata):
-        for name, (p, m) in pairs_by_name.items():
-            key = prefix + name
-            if key in state_dict:
-                state_dict[key] = m.detach().clone()
-        for key, value in state_dict.items():
-            if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float32:
-                state_dict[key] = value.float()
+    def save_masters(module, state_dict, prefix, local_metadata):
+        for name, _, m in keyed:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = m.detach()
         return state_dict
 
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        values = {}
-        for name, (p, m) in pairs_by_name.items():
-            key = prefix + name
-            if key in state_dict and torch.is_tensor(state_dict[key]):
-                values[id(p)] = state_dict[key]
+        values = {id(p): state_dict[prefix + name] for name, p, _ in keyed
+                  if torch.is_tensor(state_dict.get(prefix + name))}
         if values:
             # Masters take the exact values; the model's half weights are cast from them after the load.
             master.model_to_master_from(values)
 
-    model._register_state_dict_hook(to_fp32)
+    model._register_state_dict_hook(save_masters)
     model._register_load_state_dict_pre_hook(load_masters, with_module=True)

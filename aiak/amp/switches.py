@@ -1,4 +1,4 @@
-"""Global switches: TF32 matmuls/convolutions and cuDNN autotuning (CUDA only).
+"""Global switches: TF32 matmuls/convolutions and cuDNN autotuning (CUDA only), and the channels_last layout.
 
 TF32 runs fp32 matmuls and convolutions on Ampere+ tensor cores with a 10-bit mantissa (NVIDIA,
 "Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020): several times faster, slightly different
@@ -7,12 +7,9 @@ are skipped.
 """
 from __future__ import annotations
 
-import logging
-import warnings
-
 import torch
 
-logger = logging.getLogger("aiak")
+from aiak.amp.warn import warn
 
 
 def apply_tf32(enabled: bool, device: torch.device) -> str:
@@ -20,7 +17,7 @@ def apply_tf32(enabled: bool, device: torch.device) -> str:
     if not enabled:
         return "off"
     if device.type != "cuda":
-        warnings.warn(f"aiak: tf32 requested but the model runs on {device.type}, not CUDA: skipped", stacklevel=3)
+        warn(f"aiak: tf32 requested but the model runs on {device.type}, not CUDA: skipped")
         return f"skipped (no CUDA: model on {device.type})"
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -45,36 +42,11 @@ def apply_channels_last(model: torch.nn.Module) -> str:
     return f"on (model and 4-D inputs NHWC; {n_conv} Conv2d layers)"
 
 
-def apply_compile(model: torch.nn.Module, device: torch.device) -> str:
-    """``torch.compile`` in place (``Module.compile``), so state_dict keys keep the user's names.
-
-    The backend is inductor unless the environment variable ``AIAK_COMPILE_BACKEND`` names another
-    (``aot_eager`` or ``eager`` help to tell a compiler problem from a model problem).
-    """
-    import os
-    import shutil
-
-    backend = os.environ.get("AIAK_COMPILE_BACKEND", "inductor")
-    if device.type == "cpu" and backend == "inductor" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        warnings.warn("aiak: compile requested but no C++ compiler is on PATH (inductor needs one on CPU): skipped",
-                      stacklevel=3)
-        return "skipped (no C++ compiler for inductor)"
-    if not hasattr(model, "compile"):
-        warnings.warn("aiak: compile requested but this torch has no Module.compile: skipped", stacklevel=3)
-        return "skipped (torch too old)"
-    import torch._dynamo
-
-    # If a graph cannot be compiled at run time, fall back to eager for it instead of failing the run.
-    torch._dynamo.config.suppress_errors = True
-    model.compile(backend=backend)
-    return f"on (torch.compile in place, backend {backend}; graphs that fail to compile fall back to eager)"
-
-
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
     if not enabled:
         return "off"
     if device.type != "cuda":
-        warnings.warn("aiak: cudnn_benchmark requested without CUDA: skipped", stacklevel=3)
+        warn("aiak: cudnn_benchmark requested without CUDA: skipped")
         return "skipped (no CUDA)"
     torch.backends.cudnn.benchmark = True
     return "on"

@@ -1,0 +1,76 @@
+"""Precisions a device only emulates: warn once per process and knob, with the measured cost and the way out.
+
+Nothing fails when fp16 runs on a CPU: it is just very slow, which a user would only find out from a
+profiler. So whenever a precision is known to be emulated on the device, ``apply_precision`` warns once
+per process and kind (``warnings.warn`` plus the ``aiak`` logger), naming the cost and what to use:
+
+* fp16 (O1 or O2) on a CPU: most CPU kernels have no fp16 arithmetic; use bf16 where the CPU has
+  AVX512-BF16 / AMX-BF16, else fp32 (O0);
+* bf16 on a CPU without avx512_bf16 / amx_bf16: emulated; use fp32 (O0);
+* bf16 on CUDA below compute capability 8.0: no bf16 tensor cores; use fp16 with loss scaling.
+
+The costs quoted come from ``benchmarks/precision_cpu.py`` on this project's shared 2-core AMD EPYC test
+machine (avx512_bf16, no AMX, no avx512_fp16), three runs of 5-7 rotated rounds, as the ratio of the
+fastest-decile step times (the least disturbed by the machine's other work; medians of per-round ratios
+spread wider): O2 fp16 / fp32 = 27.3x, 26.2x, 26.1x for resnet18 (64x64 images, batch 8), 5.9x, 6.4x, 7.1x
+for the demo CNN (width 16, 32x32, batch 32); with oneDNN capped at AVX2 (no bf16 instructions),
+O2 bf16 / fp32 = 27.9x, 18.7x, 13.8x for resnet18. On GPUs below sm80 the bf16 cost is not measured here.
+"""
+from __future__ import annotations
+
+from typing import FrozenSet, Optional, Tuple
+
+import torch
+
+from aiak.amp.warn import warn_once
+from aiak.strategy import probes
+
+FP16_CPU_COST = ("measured ~26x slower than fp32 per training step of torchvision's resnet18 and ~6x for the demo "
+                 "CNN on a 2-core AMD EPYC (`python benchmarks/precision_cpu.py`)")
+BF16_EMULATED_CPU_COST = ("measured ~14-28x slower than fp32 for resnet18 on that machine with oneDNN restricted to "
+                          "AVX2 (`python benchmarks/precision_cpu.py --isa-cap AVX2`)")
+
+
+def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[FrozenSet[str]] = None,
+                      capability: Optional[Tuple[int, int]] = None) -> Optional[Tuple[str, str]]:
+    """``(key, message)`` if ``dtype`` ("fp16" / "bf16") is emulated on ``device``, else None.
+
+    ``cpu_flags`` and ``capability`` default to the probes of this machine (:mod:`aiak.strategy.probes`);
+    passing them describes another machine. ``key`` names the knob and device kind, for warning once.
+    """
+    if device.type == "cpu":
+        flags = probes.cpu_features() if cpu_flags is None else cpu_flags
+        native_bf16 = sorted(flags & probes.NATIVE_BF16_CPU_FLAGS)
+        if dtype == "fp16":
+            if native_bf16:
+                instead = f"use precision.dtype: bf16 instead (this CPU has {'/'.join(native_bf16)})"
+            else:
+                instead = ("use precision.level: O0 (fp32) instead (this CPU has no bf16 hardware either: no "
+                           "avx512_bf16 / amx_bf16)")
+            native_fp16 = sorted(flags & probes.NATIVE_FP16_CPU_FLAGS)
+            caveat = (f" This CPU reports {'/'.join(native_fp16)}, which oneDNN can use; the cost there was not "
+                      "measured, time it with benchmarks/precision_cpu.py." if native_fp16 else "")
+            return "fp16-on-cpu", (f"aiak: precision.dtype fp16 on CPU is emulated (most CPU kernels have no fp16 "
+                                   f"arithmetic): {FP16_CPU_COST}; {instead}.{caveat}")
+        if dtype == "bf16" and not native_bf16:
+            return "bf16-on-cpu", ("aiak: precision.dtype bf16 on this CPU is emulated (no avx512_bf16 / amx_bf16 in "
+                                   f"/proc/cpuinfo): {BF16_EMULATED_CPU_COST}; use precision.level: O0 (fp32) "
+                                   "instead.")
+        return None
+    if device.type == "cuda" and dtype == "bf16":
+        cap = probes.cuda_capability(device) if capability is None else capability
+        if cap is not None and cap < (8, 0):
+            return "bf16-on-cuda", (f"aiak: precision.dtype bf16 on {device} (compute capability {cap[0]}.{cap[1]}) "
+                                    "is emulated: bf16 tensor cores need compute capability 8.0 (Ampere) or newer "
+                                    "(cost not measured here); use precision.dtype: fp16 with loss_scale: dynamic "
+                                    "instead.")
+    return None
+
+
+def warn_if_emulated(dtype: str, device: torch.device) -> Optional[str]:
+    """Warn (once per process and key) if ``dtype`` is emulated on ``device``; returns a note for the summary."""
+    found = emulation_warning(dtype, device)
+    if found is None:
+        return None
+    warn_once(*found)
+    return f"{dtype} emulated on {device.type}: slow (warned)"

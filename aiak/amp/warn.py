@@ -1,0 +1,44 @@
+"""How aiak.amp tells the user something: ``warnings.warn`` at the user's own line (once, not also on the
+``aiak`` logger: a CLI that shows both would print every message twice).
+
+The warning is attributed to the first frame outside aiak and torch (the user's ``aiak.optimize(...)`` or
+training-loop line: aiak's hooks and patched functions run below torch's ``Module.__call__`` and
+``clip_grad.py``), however deep it was raised, so Python's warning filters and the printed location refer
+to the user's code. ``warn_once`` says a thing once per process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Set
+
+import torch
+
+_AIAK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_LIBRARY_DIRS = (_AIAK_DIR + os.sep, _TORCH_DIR + os.sep)
+_warned: Set[str] = set()
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` called in :func:`warn` that points past aiak's and torch's
+    frames."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn(message: str, category: type = UserWarning) -> None:
+    """Warn at the user's line."""
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+def warn_once(key: str, message: str, category: type = UserWarning) -> bool:
+    """:func:`warn` the first time ``key`` is seen in this process; True if it warned now."""
+    if key in _warned:
+        return False
+    _warned.add(key)
+    warn(message, category)
+    return True

@@ -1,0 +1,265 @@
+"""What each precision costs on this CPU: training-step time of small CNNs through ``aiak.optimize``.
+
+    python benchmarks/precision_cpu.py [--models demo,resnet18] [--candidates "fp32,O2 fp16,..."]
+                                       [--rounds 5] [--steps 3] [--isa-cap AVX2]
+
+Candidates: fp32 (the ``default`` strategy), O2 fp16, O2 bf16, O1 bf16 (and O1 fp16 on request). Every
+candidate is built from the same seed, warmed up, then the candidates are timed in rounds (the order
+rotates each round, so drift on a noisy machine hits all of them); each round times ``--steps`` full steps
+(forward, backward, step, zero_grad) of every candidate. The table gives the median step time with its
+p10-p90 spread, the ratio to fp32 (median over rounds of the per-round ratio, with its min-max), and the
+ratio of the p10 step times: on a machine shared with other work, the fastest decile is the least
+disturbed estimate of each cost.
+
+``--isa-cap ISA`` sets ``ONEDNN_MAX_CPU_ISA`` for this run: oneDNN (which runs the convolutions and matmuls)
+then behaves as on a CPU without the newer instructions, e.g. ``AVX2`` for a CPU without AVX512-BF16. It
+is an approximation of such a CPU (ATen's own kernels still see the real one) and the table says so.
+The figures quoted in aiak's precision warnings (``aiak/amp/emulation.py``) come from this script.
+
+:func:`gpu_checks` holds the CUDA rows of ``aiak.amp`` (probe, emulation rule, exact norms under O2, clipping
+routed to the fp32 masters, inductor through aiak's compile fallback) for ``benchmarks/gpu_check.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Dict, List, Tuple
+
+CANDIDATES: Dict[str, object] = {
+    "fp32": "default",
+    "O2 fp16": {"precision": {"level": "O2", "dtype": "fp16"}},
+    "O2 bf16": {"precision": {"level": "O2", "dtype": "bf16"}},
+    "O1 bf16": {"precision": {"level": "O1", "dtype": "bf16"}},
+    "O1 fp16": {"precision": {"level": "O1", "dtype": "fp16"}},  # not in the default set: --candidates
+}
+DEFAULT_CANDIDATES = ("fp32", "O2 fp16", "O2 bf16", "O1 bf16")
+
+
+def _models() -> Dict[str, Tuple[Callable, Tuple[int, ...]]]:
+    """name -> (factory, input shape): the demo's ResNet-like DemoNet and torchvision's resnet18, CPU-sized."""
+    def demo():
+        from aiak.demo import DemoNet
+        return DemoNet(width=16)
+
+    def resnet18():
+        import torchvision
+        return torchvision.models.resnet18(num_classes=10)
+
+    return {"demo": (demo, (32, 3, 32, 32)), "resnet18": (resnet18, (8, 3, 64, 64))}
+
+
+class Setup:
+    """One candidate: a freshly seeded model + SGD through ``aiak.optimize``, and a fixed batch."""
+
+    def __init__(self, factory: Callable, shape: Tuple[int, ...], strategy: object):
+        import torch
+
+        import aiak
+
+        torch.manual_seed(0)
+        model = factory()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        aiak_logger = logging.getLogger("aiak")
+        level = aiak_logger.level
+        aiak_logger.setLevel(logging.ERROR)  # the warnings' logger copy too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the emulation warnings are what this script measures
+            self.model, self.optimizer, _ = aiak.optimize(model, optimizer, strategy=strategy)
+        aiak_logger.setLevel(level)
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(*shape, generator=g)
+        self.y = torch.randint(0, 10, (shape[0],), generator=g)
+
+    def step(self) -> float:
+        import torch
+
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return time.perf_counter() - start
+
+
+def _quantile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def measure(name: str, candidates: List[str], rounds: int, steps: int, warmup: int) -> List[dict]:
+    factory, shape = _models()[name]
+    setups = {cand: Setup(factory, shape, CANDIDATES[cand]) for cand in candidates}
+    for setup in setups.values():
+        for _ in range(warmup):
+            setup.step()
+    times: Dict[str, List[float]] = {cand: [] for cand in setups}
+    per_round: Dict[str, List[float]] = {cand: [] for cand in setups}
+    order = list(setups)
+    for r in range(rounds):
+        rotated = order[r % len(order):] + order[:r % len(order)]
+        for cand in rotated:
+            samples = [setups[cand].step() for _ in range(steps)]
+            times[cand].extend(samples)
+            per_round[cand].append(statistics.median(samples))
+    rows = []
+    for cand in order:
+        ratios = [c / b for c, b in zip(per_round[cand], per_round["fp32"])]
+        rows.append({"model": name, "candidate": cand, "median_ms": 1e3 * statistics.median(times[cand]),
+                     "p10_ms": 1e3 * _quantile(times[cand], 0.1), "p90_ms": 1e3 * _quantile(times[cand], 0.9),
+                     "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "p10_ratio": _quantile(times[cand], 0.1) / _quantile(times["fp32"], 0.1)})
+    return rows
+
+
+def _cpu_line() -> str:
+    from aiak.strategy.probes import NATIVE_BF16_CPU_FLAGS, NATIVE_FP16_CPU_FLAGS, cpu_features
+
+    model_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model_name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                              model_name)
+    except OSError:
+        pass
+    flags = sorted(cpu_features() & (NATIVE_BF16_CPU_FLAGS | NATIVE_FP16_CPU_FLAGS | {"avx512f", "amx_tile"}))
+    return f"{model_name}, {os.cpu_count()} cores, half-precision flags: {', '.join(flags) or 'none'}"
+
+
+def _row(check, ok, metric, value):
+    return {"check": check, "ok": bool(ok), "metric": metric, "value": value}
+
+
+def gpu_checks() -> list:
+    """CUDA checks of aiak.amp, one row each with its goal: run by ``benchmarks/gpu_check.py`` on a GPU."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import aiak
+    from aiak.amp.emulation import emulation_warning
+    from aiak.strategy.probes import cuda_capability
+
+    dev = torch.device("cuda")
+    rows = []
+    cap, want = cuda_capability(dev), tuple(torch.cuda.get_device_capability(dev))
+    rows.append(_row("amp: cuda_capability probe", cap == want, "probe / torch (goal: equal)", f"{cap} / {want}"))
+    warned = emulation_warning("bf16", dev) is not None
+    rows.append(_row("amp: bf16 emulation warning", warned == (want < (8, 0)), "warns (goal: only below sm80)", warned))
+
+    # O2 fp16 keeps BatchNorm values fp16 cannot hold, exactly, and steps them like fp32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 3)).to(dev)
+    with torch.no_grad():
+        model[0].running_var.fill_(1e5)
+        model[0].weight.fill_(1.0001)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01) for m in (model, ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": "O2", "dtype": "fp16"}})
+    exact = bool(model[0].running_var.eq(1e5).all() and model[0].weight.eq(ref[0].weight).all())
+    rows.append(_row("amp: O2 fp16 BatchNorm values exact", exact, "running_var 1e5, weight 1.0001 kept", exact))
+    x = torch.randn(16, 4, 8, 8, device=dev).half().float()
+    y = torch.randint(0, 3, (16,), device=dev)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        (nn.functional.cross_entropy(m(x), y) * 0).backward()  # zero loss: only weight decay and BN statistics
+        o.step()
+    same = torch.equal(model[0].weight, ref[0].weight)
+    close = torch.allclose(model[0].running_var, ref[0].running_var, rtol=1e-5)
+    rows.append(_row("amp: O2 fp16 BatchNorm update = fp32", same and close, "weight equal, running_var rtol 1e-5",
+                     f"{same}, {close}"))
+
+    # the user's torch.nn.utils.clip_grad_norm_ under O2 fp16 + accumulation 4 = fp32 reference
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3)).to(dev)
+
+    ref, model = mlp(), mlp()
+    start = [p.detach().clone() for p in ref.parameters()]
+    ref_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": "O2", "dtype": "fp16"},
+                                                            "grad_accumulation": 4})
+    g = torch.Generator(device=dev).manual_seed(0)
+    for _ in range(4):
+        x, y = torch.randn(32, 12, device=dev, generator=g), torch.randint(0, 3, (32,), device=dev, generator=g)
+        for xs, ys in zip(x.split(8), y.split(8)):
+            (nn.functional.cross_entropy(ref(xs), ys) / 4).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for xs, ys in zip(x.split(8), y.split(8)):
+            nn.functional.cross_entropy(model(xs), ys).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+    moved = torch.cat([(r.detach() - s).flatten() for r, s in zip(ref.parameters(), start)]).norm()
+    off = torch.cat([(m.detach().float() - r.detach()).flatten()
+                     for m, r in zip(model.parameters(), ref.parameters())]).norm()
+    rows.append(_row("amp: clip_grad_norm_ O2 fp16 + accum 4", off <= 0.06 * moved,
+                     "|w-w_ref|/|w_ref-w0| (goal <= 0.06)", f"{float(off / moved):.4f}"))
+
+    # compile: true with inductor runs compiled (no eager fallback) and computes what eager does
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10)).to(dev)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _, _ = aiak.optimize(model, strategy={"compile": True})
+        x = torch.randn(32, 64, device=dev)
+        out, want_out = model(x), ref(x)
+    fell_back = any("runs eager" in str(w.message) for w in caught)
+    err = float((out - want_out).abs().max())
+    rows.append(_row("amp: compile (inductor) via aiak", not fell_back and err < 1e-3,
+                     "fell back / max |out - eager| (goal: no, < 1e-3)", f"{fell_back} / {err:.2e}"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="demo,resnet18", help="comma-separated: demo, resnet18")
+    ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
+                    help=f"comma-separated, fp32 always included: {', '.join(CANDIDATES)}")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per candidate and round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate before the rounds")
+    ap.add_argument("--isa-cap", default=None, help="set ONEDNN_MAX_CPU_ISA (e.g. AVX2) to approximate an older CPU")
+    args = ap.parse_args(argv)
+    if args.isa_cap:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = args.isa_cap  # read by oneDNN when its first primitive is created
+    import torch
+
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _models()]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; valid: {', '.join(_models())}")
+    candidates = ["fp32"] + [c.strip() for c in args.candidates.split(",") if c.strip() and c.strip() != "fp32"]
+    unknown = [c for c in candidates if c not in CANDIDATES]
+    if unknown:
+        ap.error(f"--candidates: unknown {unknown}; valid: {', '.join(CANDIDATES)}")
+    print(f"precision_cpu: torch {torch.__version__}, {torch.get_num_threads()} threads; CPU: {_cpu_line()}")
+    if args.isa_cap:
+        print(f"oneDNN capped at ONEDNN_MAX_CPU_ISA={args.isa_cap} (approximates a CPU without newer instructions)")
+    print(f"{args.rounds} rounds x {args.steps} steps per candidate, {args.warmup} warm-up steps, order rotated")
+    print(f"\n{'model':<9} {'candidate':<9} {'median ms':>10} {'p10-p90 ms':>19} {'vs fp32':>8} {'(min-max)':>15} "
+          f"{'p10 vs fp32':>11}")
+    for name in names:
+        for row in measure(name, candidates, args.rounds, args.steps, args.warmup):
+            spread = f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}"
+            ratio_range = f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+            print(f"{row['model']:<9} {row['candidate']:<9} {row['median_ms']:>10.1f} {spread:>19} "
+                  f"{row['ratio']:>7.2f}x {ratio_range:>15} {row['p10_ratio']:>10.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
