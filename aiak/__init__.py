@@ -19,6 +19,7 @@ _LAZY = {
     "load_strategy": ("aiak.strategy.profiles", "load_strategy"),
     "select_strategy": ("aiak.strategy.select", "select_strategy"),
     "clip_grad_norm_": ("aiak.optim.accumulation", "clip_grad_norm_"),
+    "clip_grad_value_": ("aiak.optim.accumulation", "clip_grad_value_"),
 }
 _SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "cli")
 

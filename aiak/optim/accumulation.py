@@ -10,20 +10,24 @@ checks and schedulers built earlier keep working). Its ``step()`` then:
    an overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
 3. runs the real optimizer step, copies masters back to the model, and clears the gradients.
 
-``zero_grad()`` is a no-op inside an accumulation window. Gradient clipping goes through
-:func:`clip_grad_norm_` (or ``optimizer._aiak_steps.clip_grad_norm_``), which clips the true, unscaled
-gradient of the real step and does nothing on micro-steps. ``state_dict()`` carries the master weights, the
-loss-scaler state and the micro-step counter, so a resumed run continues bit-identically.
+``zero_grad()`` is a no-op inside an accumulation window. Gradient clipping is implemented here once
+(:meth:`StepController.clip_grad_norm_`, :meth:`StepController.clip_grad_value_`): it clips the true,
+unscaled gradient of the real step and nothing on micro-steps. The user's unchanged
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` / ``clip_grad_value_`` reach it through
+:mod:`aiak.amp.grad_clip`; :func:`clip_grad_norm_` / :func:`clip_grad_value_` here take the optimizer.
+``state_dict()`` carries the master weights, the loss-scaler state and the micro-step counter, so a resumed
+run continues bit-identically.
 """
 from __future__ import annotations
 
 import logging
 import types
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from aiak.amp import grad_clip
 from aiak.amp.loss_scaler import LossScaler
 from aiak.amp.precision import MasterWeights
 
@@ -72,6 +76,7 @@ class StepController:
         optimizer.register_load_state_dict_post_hook(self._restore_extra)
         self._pending_extra: Optional[Dict[str, Any]] = None
         self._prepared: Optional[bool] = None  # gradients already moved/unscaled for the coming step (inf found?)
+        grad_clip.route_to(self)  # torch.nn.utils.clip_grad_norm_ & co. on these parameters come here
 
     # -- what the output hook multiplies incoming gradients by -------------------------------
     def grad_factor(self) -> float:
@@ -126,20 +131,101 @@ class StepController:
             self._prepared = found_inf
         return self._prepared
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
-        """Clip the gradients the coming real step will use (fp32 masters, unscaled); None on micro-steps.
+    # -- gradient clipping: the one implementation (aiak.amp.grad_clip routes torch's functions here) --------
+    def active(self) -> bool:
+        """Still the controller of its optimizer (``optimize()`` rolled back would have removed it)."""
+        return getattr(self.optimizer, "_aiak_steps", None) is self
 
-        Call it where plain PyTorch clips, between ``backward()`` and ``step()``: on accumulation micro-steps
-        it does nothing (the gradient is still a partial sum); before a real step it moves and unscales the
-        gradients first, so the norm is the true one. An inf/NaN norm is left to ``step()``, which skips.
+    def clip_targets(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(tensor a user may pass, tensor the real step uses)`` for every parameter: a half model parameter
+        and its fp32 master (O2), and each parameter the optimizer steps paired with itself."""
+        pairs = [(m, m) for g in self.optimizer.param_groups for m in g["params"]]
+        if self.master is not None:
+            pairs += list(self.master.pairs)
+        return pairs
+
+    def _in_window(self) -> bool:
+        """The coming ``step()`` is an accumulation micro-step (the gradients are still a partial sum)."""
+        return self.micro_step + 1 < self.accumulation
+
+    def _step_tensors(self, parameters) -> List[torch.Tensor]:
+        """The tensors the real step uses for ``parameters`` (default: all the optimizer's), each once."""
+        step_side = {id(p): m for p, m in self.clip_targets()}
+        if parameters is None:
+            chosen = [m for g in self.optimizer.param_groups for m in g["params"]]
+        else:
+            chosen = [step_side.get(id(p), p) for p in parameters]
+        return list({id(t): t for t in chosen}.values())
+
+    def real_step_grads(self, parameters=None) -> List[torch.Tensor]:
+        """The true gradients the real step will use for ``parameters`` (moved to the masters and unscaled
+        first); empty on a micro-step, or when they overflowed (the step will be skipped)."""
+        if self._in_window() or self._prepare_grads():
+            return []
+        return [t.grad for t in self._step_tensors(parameters) if t.grad is not None]
+
+    def grad_norm(self, parameters=None, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                  foreach: Optional[bool] = None) -> torch.Tensor:
+        """The norm of the true gradient of ``parameters`` (default: all the optimizer's).
+
+        Before a real step: the norm of what the step will use (fp32 masters, unscaled, the whole window),
+        computed by torch's ``get_total_norm``; ``inf`` if the gradients overflowed under loss scaling (the
+        step will then be skipped, so ``error_if_nonfinite`` does not raise for that). On a micro-step: the
+        norm of the gradient accumulated so far in the window, in the real step's units (so a user logging
+        ``norm.item()`` every iteration sees it grow to the real step's norm); nothing is clipped then.
         """
-        if self.micro_step + 1 < self.accumulation:
-            return None
+        if self._in_window():
+            return self._partial_norm(parameters, norm_type)
         found_inf = self._prepare_grads()
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [t.grad for t in self._step_tensors(parameters) if t.grad is not None]
         if found_inf:
-            return torch.tensor(float("inf"))
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+            return torch.tensor(float("inf"), device=grads[0].device if grads else None)
+        return grad_clip.call_original("get_total_norm", grads, norm_type, error_if_nonfinite, foreach)
+
+    @torch.no_grad()
+    def _partial_norm(self, parameters, norm_type: float) -> torch.Tensor:
+        """Norm, in fp32, of the model's gradients summed so far, divided by the loss scale."""
+        user_side = {id(m): p for p, m in self.master.pairs} if self.master is not None else {}
+        grads = [g for g in (user_side.get(id(t), t).grad for t in self._step_tensors(parameters)) if g is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        norms = []
+        for device in {g.device for g in grads}:
+            on_device = [g for g in grads if g.device == device]
+            for dtype in {g.dtype for g in on_device}:
+                norms += torch._foreach_norm([g for g in on_device if g.dtype == dtype], norm_type,
+                                             dtype=torch.float32)
+        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
+        return total / (self.scaler.scale if self.scaler is not None else 1.0)
+
+    def clip_grads_with_norm_(self, parameters, max_norm: float, total_norm: torch.Tensor,
+                              foreach: Optional[bool] = None) -> None:
+        """Scale the real step's gradients of ``parameters`` by ``min(1, max_norm / total_norm)`` (torch's
+        ``clip_grads_with_norm_``); nothing on a micro-step or when they overflowed."""
+        if self._in_window() or self._prepare_grads():
+            return
+        grad_clip.call_original("clip_grads_with_norm_", self._step_tensors(parameters), max_norm, total_norm,
+                                foreach)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, parameters=None,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clip the gradients the coming real step will use (fp32 masters, unscaled, the whole window).
+
+        Call it where plain PyTorch clips, between ``backward()`` and ``step()``, as often as plain PyTorch
+        would (every ``step()`` call): on accumulation micro-steps it clips nothing and returns the partial
+        norm (see :meth:`grad_norm`); before a real step it returns the true norm and clips to it. An
+        overflow (inf/NaN under loss scaling) returns ``inf`` and is left to ``step()``, which skips.
+        """
+        total = self.grad_norm(parameters, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+        self.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+        return total
+
+    def clip_grad_value_(self, clip_value: float, *, parameters=None, foreach: Optional[bool] = None) -> None:
+        """Clamp the real step's true gradients to ``[-clip_value, clip_value]``; nothing on micro-steps."""
+        if not self.real_step_grads(parameters):
+            return  # a micro-step, an overflow, or no gradients
+        with_grads = [t for t in self._step_tensors(parameters) if t.grad is not None]
+        grad_clip.call_original("clip_grad_value_", with_grads, clip_value, foreach)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.micro_step != 0:
@@ -209,15 +295,27 @@ class StepController:
         self._set_sync()
 
 
-def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0):
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters that is right under aiak.
 
     With loss scaling the model's gradients are scaled, with O2 the step uses fp32 master copies, with
     accumulation they are partial sums until the last micro-step: this clips what the real step will use
-    and returns its norm (None on a micro-step). On an optimizer aiak did not patch it is the plain clip.
+    and returns its norm (on a micro-step: clips nothing, returns the norm accumulated so far, see
+    :meth:`StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
     """
     controller = getattr(optimizer, "_aiak_steps", None)
     if controller is not None:
         return controller.clip_grad_norm_(max_norm, norm_type)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return grad_clip.call_original("clip_grad_norm_", params, max_norm, norm_type)
+
+
+def clip_grad_value_(optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over ``optimizer``'s parameters that is right under aiak (see
+    :func:`clip_grad_norm_`)."""
+    controller = getattr(optimizer, "_aiak_steps", None)
+    if controller is not None:
+        return controller.clip_grad_value_(clip_value)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if params:
+        grad_clip.call_original("clip_grad_value_", params, clip_value)
