@@ -1,12 +1,15 @@
 """One script that checks and times every CUDA path of aiak on one GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only core,loaders,optim,ops,comm] [--budget-s 420]
+    python benchmarks/gpu_check.py [--only core,amp,loaders,optim,ops,comm] [--budget-s 420]
 
-Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals), loaders (side-stream
-copy hidden under compute, record_stream, DALI mixed), optim (LAMB/LARS on CUDA), ops (Triton window
-attention: correctness and the speed goals), comm (int8 codec, NCCL hook). Every row says ok or not, with
-what it measured. Exit status 1 if any check failed. Without CUDA it prints why and exits 0 having checked
-nothing (so it is safe to run anywhere).
+Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals),
+amp (capability probe, exact norm layers under O2 fp16, torch's clip_grad_norm_ under O2 + accumulation,
+inductor through aiak), loaders (side-stream copy hidden under compute, record_stream, CUDA-resident source
+batches, DALI GPU output), optim (LAMB/LARS on CUDA), ops (Triton window attention: correctness, the largest
+admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream order, NaN recovery and
+autotune on a one-rank NCCL group). Every row compares what it measured to its goal and says ok or NO.
+Exit status 1 if any check failed. Without CUDA it prints why and exits 0 having checked nothing (so it is
+safe to run anywhere).
 """
 from __future__ import annotations
 
@@ -171,6 +174,9 @@ def _with_tf32(step):
 def section(name: str):
     if name == "core":
         return core_checks()
+    if name == "amp":
+        from precision_cpu import gpu_checks
+        return gpu_checks()
     if name == "loaders":
         from loader_overlap import gpu_checks
         return gpu_checks()
@@ -183,12 +189,12 @@ def section(name: str):
     if name == "comm":
         from comm_netns import gpu_checks
         return gpu_checks()
-    raise ValueError(f"--only: unknown section {name!r}; valid: core, loaders, optim, ops, comm")
+    raise ValueError(f"--only: unknown section {name!r}; valid: core, amp, loaders, optim, ops, comm")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="core,loaders,optim,ops,comm")
+    ap.add_argument("--only", default="core,amp,loaders,optim,ops,comm")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
