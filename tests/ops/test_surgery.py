@@ -50,6 +50,17 @@ def _assert_equivalent(original, fused, make_input, loss=lambda out: out.pow(2).
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _assert_fused_in_eval_original_in_training(model, fused, x):
+    """With attention dropout: eval outputs and gradients match; training draws the same dropout masks as
+    the original (so the original forward ran, not the fused one)."""
+    _assert_equivalent(model.eval(), fused.eval(), lambda: x)
+    torch.manual_seed(1)
+    a = model.train()(x)
+    torch.manual_seed(1)
+    b = fused.train()(x)
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def _surgery_keeps_state(model):
     keys_before = list(model.state_dict().keys())
     params_before = [id(p) for p in model.parameters()]
@@ -176,12 +187,7 @@ def test_attention_dropout_runs_fused_in_eval_and_original_in_training(caplog):
         assert ops.replace_window_attention(fused) == 2
     assert "fused only in eval mode" in caplog.text and "0.attn" in caplog.text
     x = torch.randn(2, 14 * 14, 32, dtype=torch.float64)
-    _assert_equivalent(model.eval(), fused.eval(), lambda: x)
-    torch.manual_seed(1)
-    a = model.train()(x)
-    torch.manual_seed(1)
-    b = fused.train()(x)
-    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # same dropout draws: the original forward ran
+    _assert_fused_in_eval_original_in_training(model, fused, x)
 
 
 def test_original_repo_swinv2_cosine_attention_is_left_alone_with_a_warning(caplog):
@@ -251,12 +257,7 @@ def test_timm_attention_dropout_runs_fused_in_eval_and_original_in_training(capl
         assert ops.replace_window_attention(fused) == 4
     assert "fused only in eval mode" in caplog.text and "layers.0.blocks.1.attn (WindowAttention) p=0.5" in caplog.text
     x = torch.randn(2, 3, 56, 56, dtype=torch.float64)
-    _assert_equivalent(model.eval(), fused.eval(), lambda: x)
-    torch.manual_seed(1)
-    a = model.train()(x)
-    torch.manual_seed(1)
-    b = fused.train()(x)
-    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # same dropout draws: the original forward ran
+    _assert_fused_in_eval_original_in_training(model, fused, x)
 
 
 def test_timm_swinv2_is_left_alone_with_a_warning(caplog):
