@@ -66,8 +66,9 @@ def route_to(owner) -> None:
     """Send clip calls on ``owner``'s parameters to it (installing the patch on first use).
 
     ``owner`` (a ``StepController``) provides ``active()``, ``clip_targets()`` (pairs of a tensor a user
-    may pass and the tensor the real step uses for it), ``grad_norm``, ``clip_grads_with_norm_``,
-    ``clip_grad_norm_`` and ``clip_grad_value_``. It is held weakly.
+    may pass and the tensor the real step uses for it), and ``grad_norm``, ``clip_grads_with_norm_``,
+    ``clip_grad_norm_``, ``clip_grad_value_`` and ``real_step_grads``, which take the real step's tensors.
+    It is held weakly.
     """
     _install()
     _owners.add(owner)
@@ -99,29 +100,30 @@ def _live_owners() -> List[Any]:
 
 
 def _owner_of(tensors: List[torch.Tensor], fn: str, *, as_grads: bool) -> Optional[Tuple[Any, List[torch.Tensor]]]:
-    """``(owner, parameters)`` if every tensor given that matters belongs to one owner, else None.
+    """``(owner, tensors its real step uses for them)`` if every tensor given that matters belongs to one
+    owner, else None.
 
     ``as_grads``: the tensors are gradients (``get_total_norm``); they are matched to the parameters whose
     ``.grad`` they are. Otherwise they are parameters; a foreign one without a gradient does not matter.
     """
-    owned: Dict[int, Tuple[Any, torch.Tensor]] = {}  # id(parameter), or id(its gradient) -> (owner, parameter)
+    owned: Dict[int, Tuple[Any, torch.Tensor]] = {}  # id(parameter), or id(its gradient) -> (owner, step tensor)
     for owner in _live_owners():
-        for pair in owner.clip_targets():
-            for t in pair:
+        for user_side, step_side in owner.clip_targets():
+            for t in (user_side, step_side):
                 if not as_grads:
-                    owned[id(t)] = (owner, t)
+                    owned[id(t)] = (owner, step_side)
                 elif t.grad is not None:
-                    owned[id(t.grad)] = (owner, t)
+                    owned[id(t.grad)] = (owner, step_side)
     if not owned:
         return None
-    found, params, stray = None, [], False
+    found, chosen, stray = None, {}, False
     for t in tensors:
         match = owned.get(id(t))
         if match is None:
             stray = stray or as_grads or t.grad is not None
         elif found is None or match[0] is found:
             found = match[0]
-            params.append(match[1])
+            chosen[id(match[1])] = match[1]  # each once: a half parameter and its master name one tensor
         else:
             stray = True
     if found is None:
@@ -133,7 +135,7 @@ def _owner_of(tensors: List[torch.Tensor], fn: str, *, as_grads: bool) -> Option
                   "partial sums under accumulation). Clip each optimizer's parameters in its own call, e.g. "
                   "aiak.clip_grad_norm_(optimizer, max_norm).")
         return None
-    return found, params
+    return found, list(chosen.values())
 
 
 def _as_list(parameters, *, warn_empty_generator: bool) -> List[torch.Tensor]:
@@ -156,7 +158,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     if found is None:
         return call_original("clip_grad_norm_", params, max_norm, norm_type, error_if_nonfinite, foreach)
     owner, owned = found
-    return owner.clip_grad_norm_(max_norm, norm_type, parameters=owned, error_if_nonfinite=error_if_nonfinite,
+    return owner.clip_grad_norm_(max_norm, norm_type, tensors=owned, error_if_nonfinite=error_if_nonfinite,
                                  foreach=foreach)
 
 
@@ -167,7 +169,7 @@ def clip_grad_value_(parameters, clip_value: float, foreach: Optional[bool] = No
     if found is None:
         return call_original("clip_grad_value_", params, clip_value, foreach)
     owner, owned = found
-    return owner.clip_grad_value_(clip_value, parameters=owned, foreach=foreach)
+    return owner.clip_grad_value_(clip_value, tensors=owned, foreach=foreach)
 
 
 def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,

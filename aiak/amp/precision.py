@@ -104,6 +104,7 @@ class MasterWeights:
                 else:
                     new_params.append(p)
             group["params"] = new_params
+        self.model_param_of = {id(m): p for p, m in self.pairs}  # the pairs never change after this
 
     def grads_to_master(self) -> None:
         for p, master in self.pairs:

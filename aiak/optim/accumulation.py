@@ -148,25 +148,21 @@ class StepController:
         """The coming ``step()`` is an accumulation micro-step (the gradients are still a partial sum)."""
         return self.micro_step + 1 < self.accumulation
 
-    def _step_tensors(self, parameters) -> List[torch.Tensor]:
-        """The tensors the real step uses for ``parameters`` (default: all the optimizer's), each once."""
-        step_side = {id(p): m for p, m in self.clip_targets()}
-        if parameters is None:
-            chosen = [m for g in self.optimizer.param_groups for m in g["params"]]
-        else:
-            chosen = [step_side.get(id(p), p) for p in parameters]
-        return list({id(t): t for t in chosen}.values())
+    def _step_side(self, tensors) -> List[torch.Tensor]:
+        """``tensors`` (tensors the real step uses, as :meth:`clip_targets` pairs them), or all the optimizer's."""
+        return list(tensors) if tensors is not None else [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def real_step_grads(self, parameters=None) -> List[torch.Tensor]:
-        """The true gradients the real step will use for ``parameters`` (moved to the masters and unscaled
-        first); empty on a micro-step, or when they overflowed (the step will be skipped)."""
+    def real_step_grads(self, tensors=None) -> List[torch.Tensor]:
+        """The true gradients the real step will use for ``tensors`` (default: all the optimizer's), moved to
+        the masters and unscaled first; empty on a micro-step, or when they overflowed (the step will be
+        skipped)."""
         if self._in_window() or self._prepare_grads():
             return []
-        return [t.grad for t in self._step_tensors(parameters) if t.grad is not None]
+        return [t.grad for t in self._step_side(tensors) if t.grad is not None]
 
-    def grad_norm(self, parameters=None, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+    def grad_norm(self, tensors=None, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
                   foreach: Optional[bool] = None) -> torch.Tensor:
-        """The norm of the true gradient of ``parameters`` (default: all the optimizer's).
+        """The norm of the true gradient of ``tensors`` (the real step's side; default: all the optimizer's).
 
         Before a real step: the norm of what the step will use (fp32 masters, unscaled, the whole window),
         computed by torch's ``get_total_norm``; ``inf`` if the gradients overflowed under loss scaling (the
@@ -174,19 +170,21 @@ class StepController:
         norm of the gradient accumulated so far in the window, in the real step's units (so a user logging
         ``norm.item()`` every iteration sees it grow to the real step's norm); nothing is clipped then.
         """
+        tensors = self._step_side(tensors)
         if self._in_window():
-            return self._partial_norm(parameters, norm_type)
+            return self._partial_norm(tensors, norm_type)
         found_inf = self._prepare_grads()
-        grads = [t.grad for t in self._step_tensors(parameters) if t.grad is not None]
+        grads = [t.grad for t in tensors if t.grad is not None]
         if found_inf:
             return torch.tensor(float("inf"), device=grads[0].device if grads else None)
         return grad_clip.call_original("get_total_norm", grads, norm_type, error_if_nonfinite, foreach)
 
     @torch.no_grad()
-    def _partial_norm(self, parameters, norm_type: float) -> torch.Tensor:
-        """Norm, in fp32, of the model's gradients summed so far, divided by the loss scale."""
-        user_side = {id(m): p for p, m in self.master.pairs} if self.master is not None else {}
-        grads = [g for g in (user_side.get(id(t), t).grad for t in self._step_tensors(parameters)) if g is not None]
+    def _partial_norm(self, tensors: List[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Norm, in fp32, of the model's gradients summed so far, divided by the loss scale (the model's half
+        gradients would overflow a norm taken in fp16 while they are loss-scaled)."""
+        model_of = self.master.model_param_of if self.master is not None else {}
+        grads = [g for g in (model_of.get(id(t), t).grad for t in tensors) if g is not None]
         if not grads:
             return torch.tensor(0.0)
         norms = []
@@ -198,16 +196,15 @@ class StepController:
         total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
         return total / (self.scaler.scale if self.scaler is not None else 1.0)
 
-    def clip_grads_with_norm_(self, parameters, max_norm: float, total_norm: torch.Tensor,
+    def clip_grads_with_norm_(self, tensors, max_norm: float, total_norm: torch.Tensor,
                               foreach: Optional[bool] = None) -> None:
-        """Scale the real step's gradients of ``parameters`` by ``min(1, max_norm / total_norm)`` (torch's
+        """Scale the real step's gradients of ``tensors`` by ``min(1, max_norm / total_norm)`` (torch's
         ``clip_grads_with_norm_``); nothing on a micro-step or when they overflowed."""
         if self._in_window() or self._prepare_grads():
             return
-        grad_clip.call_original("clip_grads_with_norm_", self._step_tensors(parameters), max_norm, total_norm,
-                                foreach)
+        grad_clip.call_original("clip_grads_with_norm_", self._step_side(tensors), max_norm, total_norm, foreach)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, parameters=None,
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, tensors=None,
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
         """Clip the gradients the coming real step will use (fp32 masters, unscaled, the whole window).
 
@@ -216,16 +213,18 @@ class StepController:
         norm (see :meth:`grad_norm`); before a real step it returns the true norm and clips to it. An
         overflow (inf/NaN under loss scaling) returns ``inf`` and is left to ``step()``, which skips.
         """
-        total = self.grad_norm(parameters, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-        self.clip_grads_with_norm_(parameters, max_norm, total, foreach)
+        tensors = self._step_side(tensors)
+        total = self.grad_norm(tensors, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+        self.clip_grads_with_norm_(tensors, max_norm, total, foreach)
         return total
 
-    def clip_grad_value_(self, clip_value: float, *, parameters=None, foreach: Optional[bool] = None) -> None:
+    def clip_grad_value_(self, clip_value: float, *, tensors=None, foreach: Optional[bool] = None) -> None:
         """Clamp the real step's true gradients to ``[-clip_value, clip_value]``; nothing on micro-steps."""
-        if not self.real_step_grads(parameters):
-            return  # a micro-step, an overflow, or no gradients
-        with_grads = [t for t in self._step_tensors(parameters) if t.grad is not None]
-        grad_clip.call_original("clip_grad_value_", with_grads, clip_value, foreach)
+        if self._in_window() or self._prepare_grads():
+            return  # a micro-step, or an overflow (the step will be skipped)
+        with_grads = [t for t in self._step_side(tensors) if t.grad is not None]
+        if with_grads:
+            grad_clip.call_original("clip_grad_value_", with_grads, clip_value, foreach)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.micro_step != 0:
