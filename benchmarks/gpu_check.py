@@ -26,6 +26,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark modules
 
+from optimizers import time_round_robin  # noqa: E402  (alternating rounds, warm-up, CUDA-synchronised)
+
 
 def _row(check, ok, metric, value):
     return {"check": check, "ok": bool(ok), "metric": metric, "value": value}
@@ -42,22 +44,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def alternate(runs: dict, rounds: int = 7, steps: int = 10, warmup: int = 5) -> dict:
-    """Median-of-rounds step times of each ``runs[name]()`` (one training step), measured in alternating rounds
-    after a warm-up of every candidate, with CUDA synchronised around each round: ``{name: [s/step per round]}``."""
-    for fn in runs.values():
-        for _ in range(warmup):
+def _steps(fn, n: int):
+    """One timed sample: ``n`` training steps (a single step of a small model is too short to time alone)."""
+    def run():
+        for _ in range(n):
             fn()
-    _sync()
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():  # interleaved, so clock and thermal drift hit every candidate alike
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            _sync()
-            times[name].append((time.perf_counter() - start) / steps)
-    return times
+    return run
 
 
 def core_checks(device: str = "cuda", speed_shape=(128, 256, 64), rounds: int = 7, numerics_shape=(64, 128, 32)) -> list:
@@ -129,7 +121,10 @@ def core_checks(device: str = "cuda", speed_shape=(128, 256, 64), rounds: int = 
         runs[name] = setup(strategy, width=width, batch=batch, image=image)[2]
         if name == "tf32":  # setup() turned TF32 off for the baseline; this candidate's optimize() turned it on
             runs[name] = _with_tf32(runs[name])
-    times = alternate(runs, rounds=rounds)
+    steps = 10
+    times = time_round_robin({name: _steps(fn, steps) for name, fn in runs.items()}, repeats=rounds, warmup=1,
+                             sync=_sync)
+    times = {name: [t / steps for t in samples] for name, samples in times.items()}  # seconds per step
     base = statistics.median(times["fp32"])
     for name, (op, goal) in goals.items():
         ratio = base / statistics.median(times[name])  # > 1: faster than fp32

@@ -1,15 +1,15 @@
 """What each precision costs on this CPU: training-step time of small CNNs through ``aiak.optimize``.
 
     python benchmarks/precision_cpu.py [--models demo,resnet18] [--candidates "fp32,O2 fp16,..."]
-                                       [--rounds 5] [--steps 3] [--isa-cap AVX2]
+                                       [--rounds 15] [--isa-cap AVX2]
 
 Candidates: fp32 (the ``default`` strategy), O2 fp16, O2 bf16, O1 bf16 (and O1 fp16 on request). Every
-candidate is built from the same seed, warmed up, then the candidates are timed in rounds (the order
-rotates each round, so drift on a noisy machine hits all of them); each round times ``--steps`` full steps
-(forward, backward, step, zero_grad) of every candidate. The table gives the median step time with its
-p10-p90 spread, the ratio to fp32 (median over rounds of the per-round ratio, with its min-max), and the
-ratio of the p10 step times: on a machine shared with other work, the fastest decile is the least
-disturbed estimate of each cost.
+candidate is built from the same seed, warmed up, then the candidates are timed in rounds by
+``optimizers.time_round_robin`` (the order is shuffled each round, so drift on a noisy machine hits all of
+them); each round times one full step (forward, backward, step, zero_grad) of every candidate. The table
+gives the median step time with its p10-p90 spread, the ratio to fp32 (median over rounds of the per-round
+ratio, with its min-max), and the ratio of the p10 step times: on a machine shared with other work, the
+fastest decile is the least disturbed estimate of each cost.
 
 ``--isa-cap ISA`` sets ``ONEDNN_MAX_CPU_ISA`` for this run: oneDNN (which runs the convolutions and matmuls)
 then behaves as on a CPU without the newer instructions, e.g. ``AVX2`` for a CPU without AVX512-BF16. It
@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
 from typing import Callable, Dict, List, Tuple
 
@@ -76,15 +75,13 @@ class Setup:
         self.x = torch.randn(*shape, generator=g)
         self.y = torch.randint(0, 10, (shape[0],), generator=g)
 
-    def step(self) -> float:
+    def step(self) -> None:
         import torch
 
-        start = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(self.model(self.x), self.y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return time.perf_counter() - start
 
 
 def _quantile(values: List[float], q: float) -> float:
@@ -92,24 +89,15 @@ def _quantile(values: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def measure(name: str, candidates: List[str], rounds: int, steps: int, warmup: int) -> List[dict]:
+def measure(name: str, candidates: List[str], rounds: int, warmup: int) -> List[dict]:
+    from optimizers import time_round_robin
+
     factory, shape = _models()[name]
     setups = {cand: Setup(factory, shape, CANDIDATES[cand]) for cand in candidates}
-    for setup in setups.values():
-        for _ in range(warmup):
-            setup.step()
-    times: Dict[str, List[float]] = {cand: [] for cand in setups}
-    per_round: Dict[str, List[float]] = {cand: [] for cand in setups}
-    order = list(setups)
-    for r in range(rounds):
-        rotated = order[r % len(order):] + order[:r % len(order)]
-        for cand in rotated:
-            samples = [setups[cand].step() for _ in range(steps)]
-            times[cand].extend(samples)
-            per_round[cand].append(statistics.median(samples))
+    times = time_round_robin({cand: setup.step for cand, setup in setups.items()}, repeats=rounds, warmup=warmup)
     rows = []
-    for cand in order:
-        ratios = [c / b for c, b in zip(per_round[cand], per_round["fp32"])]
+    for cand in setups:
+        ratios = [c / b for c, b in zip(times[cand], times["fp32"])]  # paired within each round
         rows.append({"model": name, "candidate": cand, "median_ms": 1e3 * statistics.median(times[cand]),
                      "p10_ms": 1e3 * _quantile(times[cand], 0.1), "p90_ms": 1e3 * _quantile(times[cand], 0.9),
                      "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
@@ -229,8 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="demo,resnet18", help="comma-separated: demo, resnet18")
     ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                     help=f"comma-separated, fp32 always included: {', '.join(CANDIDATES)}")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per candidate and round")
+    ap.add_argument("--rounds", type=int, default=15, help="timed rounds (one step of every candidate each)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate before the rounds")
     ap.add_argument("--isa-cap", default=None, help="set ONEDNN_MAX_CPU_ISA (e.g. AVX2) to approximate an older CPU")
     args = ap.parse_args(argv)
@@ -249,11 +236,11 @@ def main(argv=None) -> int:
     print(f"precision_cpu: torch {torch.__version__}, {torch.get_num_threads()} threads; CPU: {_cpu_line()}")
     if args.isa_cap:
         print(f"oneDNN capped at ONEDNN_MAX_CPU_ISA={args.isa_cap} (approximates a CPU without newer instructions)")
-    print(f"{args.rounds} rounds x {args.steps} steps per candidate, {args.warmup} warm-up steps, order rotated")
+    print(f"{args.rounds} rounds of one step per candidate, {args.warmup} warm-up steps, order shuffled each round")
     print(f"\n{'model':<9} {'candidate':<9} {'median ms':>10} {'p10-p90 ms':>19} {'vs fp32':>8} {'(min-max)':>15} "
           f"{'p10 vs fp32':>11}")
     for name in names:
-        for row in measure(name, candidates, args.rounds, args.steps, args.warmup):
+        for row in measure(name, candidates, args.rounds, args.warmup):
             spread = f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}"
             ratio_range = f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
             print(f"{row['model']:<9} {row['candidate']:<9} {row['median_ms']:>10.1f} {spread:>19} "

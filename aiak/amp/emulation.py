@@ -9,12 +9,12 @@ per process and kind (``warnings.warn`` plus the ``aiak`` logger), naming the co
 * bf16 on a CPU without avx512_bf16 / amx_bf16: emulated; use fp32 (O0);
 * bf16 on CUDA below compute capability 8.0: no bf16 tensor cores; use fp16 with loss scaling.
 
-The costs quoted come from ``benchmarks/precision_cpu.py`` on this project's shared 2-core AMD EPYC test
-machine (avx512_bf16, no AMX, no avx512_fp16), three runs of 5-7 rotated rounds, as the ratio of the
-fastest-decile step times (the least disturbed by the machine's other work; medians of per-round ratios
-spread wider): O2 fp16 / fp32 = 27.3x, 26.2x, 26.1x for resnet18 (64x64 images, batch 8), 5.9x, 6.4x, 7.1x
-for the demo CNN (width 16, 32x32, batch 32); with oneDNN capped at AVX2 (no bf16 instructions),
-O2 bf16 / fp32 = 27.9x, 18.7x, 13.8x for resnet18. On GPUs below sm80 the bf16 cost is not measured here.
+The costs quoted come from ``benchmarks/precision_cpu.py --rounds 15`` on this project's 2-core AMD EPYC
+test machine (avx512_bf16, no AMX, no avx512_fp16), idle, 2026-12-01: the median of the per-round ratio to
+fp32 (min-max over rounds). O2 fp16 / fp32 = 27.4x (22.5-29.8) for resnet18 (64x64 images, batch 8) and
+6.6x (4.7-8.7) for the demo CNN (width 16, 32x32, batch 32); with oneDNN capped at AVX2 (no bf16
+instructions), O2 bf16 / fp32 = 15.3x (14.7-17.6) for resnet18 and 6.6x (5.1-8.9) for the demo CNN. On GPUs
+below sm80 the bf16 cost is not measured here.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import torch
 from aiak.amp.warn import warn_once
 from aiak.strategy import probes
 
-FP16_CPU_COST = ("measured ~26x slower than fp32 per training step of torchvision's resnet18 and ~6x for the demo "
+FP16_CPU_COST = ("measured ~27x slower than fp32 per training step of torchvision's resnet18 and ~7x for the demo "
                  "CNN on a 2-core AMD EPYC (`python benchmarks/precision_cpu.py`)")
-BF16_EMULATED_CPU_COST = ("measured ~14-28x slower than fp32 for resnet18 on that machine with oneDNN restricted to "
+BF16_EMULATED_CPU_COST = ("measured ~15x slower than fp32 for resnet18 on that machine with oneDNN restricted to "
                           "AVX2 (`python benchmarks/precision_cpu.py --isa-cap AVX2`)")
 
 
