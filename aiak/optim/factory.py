@@ -20,7 +20,6 @@ Mapping applied by :func:`swap_optimizer` (the strategy's ``optimizer: {name: la
 """
 from __future__ import annotations
 
-import difflib
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
@@ -30,6 +29,7 @@ from torch import nn
 from aiak.optim.lamb import Lamb
 from aiak.optim.lars import Lars
 from aiak.optim.param_groups import excluded_parameters, split_param_groups
+from aiak.strategy.schema import did_you_mean
 
 __all__ = ["OPTIMIZERS", "HYPERPARAMETERS", "create", "swap_optimizer", "hyperparameter_problems"]
 
@@ -68,9 +68,8 @@ def hyperparameter_problems(name: str, hyperparameters: Mapping[str, Any], prefi
     problems = []
     for key, value in hyperparameters.items():
         if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"{prefix}{key}: unknown hyper-parameter for {name}{hint}; valid keys: {list(valid)}")
+            problems.append(f"{prefix}{key}: unknown hyper-parameter for {name}{did_you_mean(key, valid)}; "
+                            f"valid keys: {list(valid)}")
             continue
         problem = _hyperparameter_problem(name, key, value)
         if problem is not None:

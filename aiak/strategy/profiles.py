@@ -6,12 +6,11 @@ the parent is loaded (recursively), then the child's keys override it section by
 """
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-from aiak.strategy.schema import Strategy, StrategyError
+from aiak.strategy.schema import Strategy, StrategyError, did_you_mean
 
 
 def profiles_dir() -> Path:
@@ -62,12 +61,6 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
     return data
 
 
-def _did_you_mean(given: str, names: List[str]) -> str:
-    by_lower = {n.lower(): n for n in names}
-    close = difflib.get_close_matches(given.lower(), list(by_lower), n=1)
-    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
-
-
 def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *, top_level: bool = True) -> Path:
     """A built-in profile name, or a YAML path (relative paths also tried beside the extending file).
 
@@ -86,7 +79,7 @@ def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *
     if not path.is_file():
         names = list_profiles()
         choices = ["auto"] + names if top_level else names
-        raise StrategyError(f"{where}: unknown profile {name_or_path!r}{_did_you_mean(name_or_path, choices)}; "
+        raise StrategyError(f"{where}: unknown profile {name_or_path!r}{did_you_mean(name_or_path, choices)}; "
                             f"choices: {choices}, or a path to a .yaml file" + (" or a dict" if top_level else ""))
     return path
 

@@ -236,16 +236,16 @@ def _check_value(value: Any, annotation: str, choices: tuple) -> Any:
             if not isinstance(item, str):
                 raise _Invalid(f" must be a list of strings, got item {item!r}")
             if choices and item not in choices:
-                raise _Invalid(f": unknown entry {item!r}{_did_you_mean(item, choices)}; valid choices: {list(choices)}")
+                raise _Invalid(f": unknown entry {item!r}{did_you_mean(item, choices)}; valid choices: {list(choices)}")
         return list(value)
     if choices and value not in choices:
-        raise _Invalid(f" must be one of {list(choices)}, got {value!r}{_did_you_mean(value, choices)}")
+        raise _Invalid(f" must be one of {list(choices)}, got {value!r}{did_you_mean(value, choices)}")
     if annotation == "float":
         return float(value)
     return value
 
 
-def _did_you_mean(given: Any, choices) -> str:
+def did_you_mean(given: Any, choices) -> str:
     """`` (did you mean 'x'?)`` for a near miss (case-insensitive), else ``""``."""
     if not isinstance(given, str):
         return ""
@@ -275,7 +275,7 @@ def _build(cls: type, data: Any, where: _Where, path: str, problems: List[str]) 
             if rest is not None:
                 extra[key] = value
                 continue
-            problems.append(f"{where(path + key)}: unknown key{_did_you_mean(key, known)}; valid keys: {known}")
+            problems.append(f"{where(path + key)}: unknown key{did_you_mean(key, known)}; valid keys: {known}")
             continue
         f = fields[key]
         if dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
