@@ -26,6 +26,7 @@ from aiak.amp.emulation import warn_if_emulated
 from aiak.amp.half_cast import NATIVE_MIXED_NORMS, cast_outside_norms, install_exact_state_dict, is_norm_layer
 from aiak.amp.loss_scaler import LossScaler
 from aiak.strategy.schema import Precision
+from aiak.strategy.select import model_device
 
 logger = logging.getLogger("aiak")
 
@@ -179,7 +180,7 @@ def apply_precision(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                     device_type: str, *, device: Optional[torch.device] = None) -> PrecisionState:
     """Apply O0/O1/O2 to ``model`` (in place) and, for O2, give ``optimizer`` fp32 master weights.
 
-    ``device`` (default: where the model's parameters are, if of type ``device_type``) is only used to tell
+    ``device`` (default: where the model's parameters are) is only used to tell
     whether the device computes the half dtype natively. Gradient scaling is installed separately (see
     :func:`install_output_hook`) because gradient accumulation shares it.
     """
@@ -187,7 +188,7 @@ def apply_precision(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         return PrecisionState(config, None, None)
     dtype = DTYPES[config.dtype]
     scaler = make_scaler(config)
-    emulated = warn_if_emulated(config.dtype, device if device is not None else _device_of(model, device_type))
+    emulated = warn_if_emulated(config.dtype, model_device(model, device))
     if config.level == "O1":
         _patch_forward_autocast(model, device_type, dtype)
         return PrecisionState(config, scaler, None, emulated)
@@ -203,14 +204,6 @@ def apply_precision(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         _install_master_state_dict(model, master)
     install_exact_state_dict(model, record, skip={id(p) for p, _ in master.pairs} if master else frozenset())
     return PrecisionState(config, scaler, master, emulated)
-
-
-def _device_of(model: nn.Module, device_type: str) -> torch.device:
-    for p in model.parameters():
-        if p.device.type == device_type:
-            return p.device
-        break
-    return torch.device(device_type)
 
 
 def _patch_forward_autocast(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
