@@ -52,21 +52,23 @@ def apply_compile(model: nn.Module, device: torch.device) -> str:
 class _EagerFallback:
     """Stands in ``module._compiled_call_impl``: the compiled call, or the eager one after a compile error."""
 
-    __slots__ = ("module", "compiled", "backend")
+    __slots__ = ("module", "compiled", "backend", "buffers")
 
     def __init__(self, module: nn.Module, compiled, backend: str):
         self.module, self.compiled, self.backend = module, compiled, backend
+        # Listed once: walking the module tree on every forward cost ~130 us for a ResNet-50 (reading the
+        # version counters of a kept list, ~7 us). Only the warning's "updated twice" note reads them.
+        self.buffers = list(module.buffers())
 
     def __call__(self, *args, **kwargs):
         from torch._dynamo.exc import TorchDynamoException
 
-        buffers = list(self.module.buffers())
-        versions = [b._version for b in buffers]
+        versions = [b._version for b in self.buffers]
         try:
             return self.compiled(*args, **kwargs)
         except TorchDynamoException as e:
             error = e
-        updated = any(b._version != v for b, v in zip(buffers, versions))
+        updated = any(b._version != v for b, v in zip(self.buffers, versions))
         out = self.module._call_impl(*args, **kwargs)  # if this raises, the model itself is wrong: that is the error
         self.module._compiled_call_impl = None  # Module.__call__ now runs eager for good
         twice = (" The failed call had already run part of the model and updated buffers in place (e.g. BatchNorm "
