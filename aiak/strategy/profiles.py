@@ -84,17 +84,20 @@ def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *
     return path
 
 
-def _merge(parent: Mapping[str, Any], child: Mapping[str, Any]) -> Dict[str, Any]:
-    """Child over parent; mapping sections merge key by key, everything else is replaced.
+def _replaces_parent_section(key: str, value: Any, old: Any) -> bool:
+    """An ``optimizer`` section naming a different optimizer replaces the parent's section instead of merging
+    into it (a parent's LAMB hyper-parameters mean nothing to LARS or to ``keep``)."""
+    return key == "optimizer" and isinstance(value, Mapping) and isinstance(old, Mapping) \
+        and "name" in value and value["name"] != old.get("name")
 
-    Exception: an ``optimizer`` section naming a different optimizer replaces the parent's section (a
-    parent's LAMB hyper-parameters mean nothing to LARS or to ``keep``).
-    """
+
+def _merge(parent: Mapping[str, Any], child: Mapping[str, Any]) -> Dict[str, Any]:
+    """Child over parent; mapping sections merge key by key (but see :func:`_replaces_parent_section`),
+    everything else is replaced."""
     out = dict(parent)
     for key, value in child.items():
         old = out.get(key)
-        if key == "optimizer" and isinstance(value, Mapping) and isinstance(old, Mapping) \
-                and "name" in value and value["name"] != old.get("name"):
+        if _replaces_parent_section(key, value, old):
             out[key] = dict(value)
         elif isinstance(value, Mapping) and isinstance(old, Mapping):
             out[key] = _merge(old, value)
@@ -127,11 +130,14 @@ class _Chain:
         if ref is not None:
             parent = self._parent(ref, source, path, seen)
         merged = _merge(parent, data)
-        if isinstance(data.get("optimizer"), Mapping) and "name" in data["optimizer"] \
-                and data["optimizer"]["name"] != parent.get("optimizer", {}).get("name"):
-            self.origins = {k: v for k, v in self.origins.items() if not k.startswith("optimizer.")}
+        if _replaces_parent_section("optimizer", data.get("optimizer"), parent.get("optimizer")):
+            self._forget("optimizer")
         self.origins.update({k: source for k in _key_paths(data)})
         return merged
+
+    def _forget(self, key: str) -> None:
+        """Drop the origins of ``key`` and of every key inside it."""
+        self.origins = {k: v for k, v in self.origins.items() if k != key and not k.startswith(key + ".")}
 
     def _parent(self, ref: Any, source: str, path: Optional[Path], seen: List[str]) -> Dict[str, Any]:
         if not isinstance(ref, str):
@@ -149,7 +155,7 @@ class _Chain:
         parent = self.resolve(data, str(parent_path), parent_path, seen + [key])
         for own in ("name", "description", "match", "extends"):  # the profile's own, never inherited
             parent.pop(own, None)
-            self.origins = {k: v for k, v in self.origins.items() if k != own and not k.startswith(own + ".")}
+            self._forget(own)
         return parent
 
 
