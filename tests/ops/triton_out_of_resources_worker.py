@@ -9,6 +9,7 @@ BLOCK_M=16, an H100/H200 has 232,448). Three scenarios, each on its own shape (t
 per shape): the forward cannot launch; the backward cannot launch; a launch fails with another error,
 which must not be taken for a resource limit.
 """
+import contextlib
 import json
 import logging
 import os
@@ -94,33 +95,34 @@ def _calls(n, d, with_mask):
     return calls
 
 
-def forward_cannot_launch():
-    FWD.error = SHARED_MEMORY_ERROR
+@contextlib.contextmanager
+def _launches_raise(recorder, error):
+    recorder.error = error
     try:
-        return _calls(256, 128, with_mask=True)
+        yield
     finally:
-        FWD.error = None
+        recorder.error = None
+
+
+def forward_cannot_launch():
+    with _launches_raise(FWD, SHARED_MEMORY_ERROR):
+        return _calls(256, 128, with_mask=True)
 
 
 def backward_cannot_launch():
-    BWD.error = SHARED_MEMORY_ERROR
-    try:
+    with _launches_raise(BWD, SHARED_MEMORY_ERROR):
         return _calls(256, 128, with_mask=False)
-    finally:
-        BWD.error = None
 
 
 def other_launch_error():
     q, k, v, bias, mask, _ = _inputs(49, 32, with_mask=True)
     warned = len(WARNINGS.messages)
-    FWD.error = RuntimeError("an unrelated launch failure")
-    try:
-        window_attention(q, k, v, bias, mask, backend="triton")
-        raised = None
-    except RuntimeError as err:
-        raised = str(err)
-    finally:
-        FWD.error = None
+    raised = None
+    with _launches_raise(FWD, RuntimeError("an unrelated launch failure")):
+        try:
+            window_attention(q, k, v, bias, mask, backend="triton")
+        except RuntimeError as err:
+            raised = str(err)
     launches = FWD.launches
     out = window_attention(q, k, v, bias, mask, backend="triton")  # not remembered: the kernel runs again
     return {"raised": raised, "warnings": WARNINGS.messages[warned:], "launches_after": FWD.launches - launches,
