@@ -6,9 +6,8 @@ autotuner can switch algorithms between steps on the same DDP object (a DDP acce
 
 How a bucket is processed. The hook divides the bucket by the world size and hands it to the state's worker,
 one daemon thread that runs each bucket's stages as straight-line code, bucket after bucket in the order the
-hook received them (DDP
-launches buckets in index order on every rank), so every process group sees its collectives in the same order
-on every rank. Each collective is issued with ``async_op=True`` and waited (``work.wait()``) right where its
+hook received them (DDP launches buckets in index order on every rank), so every process group sees its
+collectives in the same order on every rank. Each collective is issued with ``async_op=True`` and waited (``work.wait()``) right where its
 result is read: on gloo that blocks the worker thread, not the autograd thread; on NCCL it makes the worker's
 current CUDA stream wait for the collective, which is exactly the dependency the next stage needs. On CUDA
 the hook records an event on the caller's current stream; the worker runs on its own comm stream, which
