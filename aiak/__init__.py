@@ -18,10 +18,11 @@ _LAZY = {
     "StrategyError": ("aiak.strategy.schema", "StrategyError"),
     "load_strategy": ("aiak.strategy.profiles", "load_strategy"),
     "select_strategy": ("aiak.strategy.select", "select_strategy"),
+    "last_decision": ("aiak.api", "last_decision"),
     "clip_grad_norm_": ("aiak.optim.accumulation", "clip_grad_norm_"),
     "clip_grad_value_": ("aiak.optim.accumulation", "clip_grad_value_"),
 }
-_SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "cli")
+_SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "tune", "cli")
 
 __all__ = list(_LAZY) + list(_SUBPACKAGES)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
@@ -13,6 +13,7 @@ from aiak.rollback import Snapshot
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import model_device, resolve_strategy
 from aiak.summary import Summary, compact
+from aiak.tune import decision as decisions
 
 logger = logging.getLogger("aiak")
 _last_summary: Optional[Summary] = None
@@ -27,6 +28,10 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     profile name, a YAML path, a dict or an :class:`aiak.Strategy`. ``device`` moves the model there first
     (default: where its parameters already are).
 
+    With ``tune`` on (the default for ``"auto"``), candidate strategies are first timed on copies of the
+    model and optimizer and on the loader's first batches, which the returned loader then yields first
+    (:mod:`aiak.tune.trials`); ``aiak.last_decision()`` says what was chosen and why.
+
     All or nothing: the strategy is validated before anything is touched, and if a later step fails, the
     model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.rollback`) before
     the error propagates.
@@ -35,23 +40,46 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     if getattr(getattr(model, "module", model), "_aiak_optimized", False):
         raise RuntimeError("this model was already passed through aiak.optimize() (its hooks and casts would apply "
                            "twice); optimize a freshly built model, loading the state_dict into it if needed")
-    s, reasons = resolve_strategy(strategy, model, optimizer, loader, device=device)
-    snapshot = Snapshot(model, optimizer, scheduler, loader)
+    selection = resolve_strategy(strategy, model, optimizer, loader, device=device)
+    s, tuning, given_loader = selection.strategy, None, loader
+    if s.tune:
+        from aiak.tune.trials import run_trials
+
+        tuning = run_trials(selection, model, optimizer, loader, model_device(model, device))
+        s, loader = tuning.strategy, tuning.loader
+    snapshot = Snapshot(model, optimizer, scheduler, given_loader)
     try:
-        model, optimizer, loader, summary = apply_strategy(s, reasons, model, optimizer, loader, scheduler, device)
+        applied = apply_strategy(s, selection.reasons, model, optimizer, loader, scheduler, device)
     except BaseException:
         snapshot.restore()
+        if tuning is not None and tuning.restore_rng is not None:
+            tuning.restore_rng()
         raise
-    _last_summary = summary
-    logger.info("%s", summary.render())
-    result = (model, optimizer, loader)
+    _last_summary = applied.summary
+    decision = decisions.build(selection, s, tuning, applied.summary)
+    decisions.record(decision)
+    logger.info("%s", decision.render())
+    result = (applied.model, applied.optimizer, applied.loader)
     return result + (scheduler,) if scheduler is not None else result
 
 
-def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, loader, scheduler, device):
-    """Steps 2-7 of ../shared/DESIGN.md on a validated strategy; returns ``(model, optimizer, loader, summary)``.
+@dataclass
+class Applied:
+    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary and the step controller."""
 
-    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`).
+    model: Any
+    optimizer: Any
+    loader: Any
+    summary: Summary
+    controller: Optional[StepController]
+
+
+def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, loader, scheduler, device,
+                   *, distributed: bool = True) -> Applied:
+    """Steps 2-7 of ../shared/DESIGN.md on a validated strategy.
+
+    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`),
+    and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
     """
     dev = model_device(model, device)
     if model is not None and device is not None:
@@ -94,7 +122,7 @@ def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, load
         model._aiak_optimized = True
 
     # 5. distributed wrapping and communication hook
-    wrapped = comm.wrap_distributed(model, s.comm, dev)
+    wrapped = comm.wrap_distributed(model, s.comm, dev) if distributed else model
     if wrapped is not model:
         if precision.master is not None:
             precision.master.broadcast_(src=0)
@@ -112,11 +140,8 @@ def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, load
     summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
                 type(loader).__name__ if loader is not None else "no loader")
 
-    if s.tune:  # measuring whole candidate strategies during warm-up is not built yet (comm.autotune is)
-        warnings.warn("aiak: tune: true is not implemented yet (only comm.autotune measures candidates); skipped",
-                      stacklevel=3)
-    summary.add("tune", s.tune, "skipped: not implemented yet" if s.tune else "off")
-    return model, optimizer, loader, summary
+    summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
+    return Applied(model, optimizer, loader, summary, controller)
 
 
 def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:
@@ -124,6 +149,12 @@ def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:
         return "single process: no DDP"
     state = getattr(wrapped, "aiak_comm_state", None)
     return f"DDP, {state.describe() if state is not None else 'built-in allreduce'}"
+
+
+def last_decision() -> Optional["decisions.Decision"]:
+    """The record of the most recent ``optimize()``: strategy, knobs with source and reason, trials
+    (:mod:`aiak.tune.decision`); ``.to_dict()`` is JSON-ready."""
+    return decisions.last_decision()
 
 
 def last_summary() -> Optional[Summary]:

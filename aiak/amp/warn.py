@@ -4,10 +4,13 @@
 The warning is attributed to the first frame outside aiak and torch (the user's ``aiak.optimize(...)`` or
 training-loop line: aiak's hooks and patched functions run below torch's ``Module.__call__`` and
 ``clip_grad.py``), however deep it was raised, so Python's warning filters and the printed location refer
-to the user's code. ``warn_once`` says a thing once per process.
+to the user's code. ``warn_once`` says a thing once per process. Inside :func:`quiet` nothing is said and no
+``warn_once`` key is spent (the strategy trials apply candidates there; only the winner speaks).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import warnings
@@ -19,6 +22,7 @@ _AIAK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _LIBRARY_DIRS = (_AIAK_DIR + os.sep, _TORCH_DIR + os.sep)
 _warned: Set[str] = set()
+_quiet_depth = 0
 
 
 def _user_stacklevel() -> int:
@@ -32,13 +36,33 @@ def _user_stacklevel() -> int:
 
 def warn(message: str, category: type = UserWarning) -> None:
     """Warn at the user's line."""
+    if _quiet_depth:
+        return
     warnings.warn(message, category, stacklevel=_user_stacklevel())
 
 
 def warn_once(key: str, message: str, category: type = UserWarning) -> bool:
     """:func:`warn` the first time ``key`` is seen in this process; True if it warned now."""
-    if key in _warned:
+    if key in _warned or _quiet_depth:
         return False
     _warned.add(key)
     warn(message, category)
     return True
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence aiak's warnings (without spending ``warn_once`` keys), other libraries' warnings and the ``aiak``
+    logger below ERROR, for the duration."""
+    global _quiet_depth
+    logger = logging.getLogger("aiak")
+    level = logger.level
+    _quiet_depth += 1
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        _quiet_depth -= 1
+        logger.setLevel(level)

@@ -15,32 +15,28 @@ Each rank measures; timings are max-reduced (a step is as slow as the slowest ra
 fastest and broadcasts it, so every rank runs the same algorithm. The tuner's own tensors (timings, the
 choice, the cache broadcast) live on :func:`group_device`: CPU for gloo, the current CUDA device for NCCL,
 which has no CPU path. Step times come from a :class:`StepClock`: CUDA events on the stream, not host time.
-Results are cached in a JSON file keyed by model signature (class + parameter shapes), world size, local
-size, device type, torch version and perf mode; writes are atomic (temp file + ``os.replace``); a corrupt
-cache is ignored with a warning.
+Results are cached in the one tuning cache (:mod:`aiak.tune.cache`, shared with the strategy trials), keyed
+by model signature (class + parameter shapes), world size, local size, device type, torch version and perf
+mode.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from aiak.comm.hooks import CommState, average
+from aiak.tune.cache import TuneCache as _SharedCache
 
 logger = logging.getLogger("aiak")
 PERF_MODES = ("comm", "step")
-CACHE_ENV = "AIAK_TUNE_CACHE"
 
 
 @dataclass(frozen=True)
@@ -69,53 +65,20 @@ def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_t
             f"|torch={torch.__version__}|{perf_mode}")
 
 
-def default_cache_path() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aiak" / "comm_tune.json"
-
-
-class TuneCache:
-    """A JSON file ``{key: {hierarchical, compression, bucket_mb, ...}}``."""
-
-    def __init__(self, path: Optional[os.PathLike] = None):
-        self.path = Path(path) if path is not None else default_cache_path()
-
-    def _read(self) -> Dict[str, dict]:
-        try:
-            data = json.loads(self.path.read_text())
-            if not isinstance(data, dict):
-                raise ValueError(f"top level is {type(data).__name__}, expected an object")
-            return data
-        except FileNotFoundError:
-            return {}
-        except (ValueError, OSError) as e:
-            warnings.warn(f"aiak.comm: ignoring unreadable tuning cache {self.path} ({e}); it will be rewritten",
-                          stacklevel=2)
-            return {}
+class TuneCache(_SharedCache):
+    """The shared tuning cache (:class:`aiak.tune.cache.TuneCache`), read and written as :class:`CommChoice`."""
 
     def get(self, key: str) -> Optional[CommChoice]:
-        entry = self._read().get(key)
+        entry = self.get_entry(key)
         try:
             return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
         except (TypeError, KeyError, ValueError):
-            if entry is not None:
+            if entry is not None or key in self._read():
                 warnings.warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {self.path}", stacklevel=2)
             return None
 
     def put(self, key: str, choice: CommChoice, **extra) -> None:
-        data = self._read()
-        data[key] = {**asdict(choice), **extra}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        self.put_entry(key, {**asdict(choice), **extra})
 
 
 # -- where the tuner's tensors live --------------------------------------------------------------

@@ -89,7 +89,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
 
     ``options`` are the ``comm:`` keys the schema lacks yet (fields of :class:`~aiak.strategy.schema.CommConfig`): ``perf_mode``
     (``comm`` | ``step``), ``tune_steps`` (timed runs or steps per candidate, default 3), ``tune_cache``
-    (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/comm_tune.json``), ``tune_int8`` (let the tuner
+    (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/tune.json``), ``tune_int8`` (let the tuner
     pick int8, default False: it changes numerics), ``deadlock_guard`` (default False), ``timeout_s`` (guard
     timeout, default 300), ``compress_intra`` (default False), ``int8_block`` (2048), ``pipeline_mb``
     (hierarchical pipeline chunk, default 2; 0 = whole buckets). An explicit option beats a ``cfg`` field.

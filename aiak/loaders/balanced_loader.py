@@ -59,24 +59,25 @@ def sample_lengths(dataset: Any) -> Optional[List[int]]:
         count = len(dataset)
     except TypeError:
         return None
-
-    def measure(sample: Any) -> int:
-        if isinstance(sample, torch.Tensor):
-            return int(sample.shape[0]) if sample.dim() else 1
-        if isinstance(sample, dict):
-            sample = sample["input_ids"] if "input_ids" in sample else next(iter(sample.values()))
-            return measure(sample)
-        if isinstance(sample, (tuple, list)) and sample and hasattr(sample[0], "__len__"):
-            return measure(sample[0])
-        return len(sample)
-
     try:
-        lengths = [measure(dataset[i]) for i in range(count)]
+        lengths = [sample_length(dataset[i]) for i in range(count)]
     except Exception:  # unmeasurable samples: the caller skips balancing with a warning
         return None
     logger.info("aiak loader.balanced: read %d samples once to measure their lengths; give the dataset a "
                 "`lengths` attribute to skip this", count)
     return lengths
+
+
+def sample_length(sample: Any) -> int:
+    """The length of one sample, by the rule of :func:`sample_lengths` (raises when it has none)."""
+    if isinstance(sample, torch.Tensor):
+        return int(sample.shape[0]) if sample.dim() else 1
+    if isinstance(sample, dict):
+        sample = sample["input_ids"] if "input_ids" in sample else next(iter(sample.values()))
+        return sample_length(sample)
+    if isinstance(sample, (tuple, list)) and sample and hasattr(sample[0], "__len__"):
+        return sample_length(sample[0])
+    return len(sample)
 
 
 def balance_loader(loader: Any, *, rank: Optional[int] = None, world_size: Optional[int] = None,

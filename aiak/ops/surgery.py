@@ -19,7 +19,8 @@ from torch import nn
 
 from aiak.ops import swin_fused
 
-__all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops"]
+__all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
+           "is_window_attention"]
 
 logger = logging.getLogger("aiak")
 
@@ -140,10 +141,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _looks_like_window_attention(module: nn.Module) -> bool:
+def is_window_attention(module: nn.Module) -> bool:
+    """True for a module that looks like Swin window attention, fusable or not (SwinV2 included): one holding a
+    ``relative_position_bias_table`` parameter itself, or a class named ``*Attention*`` with a
+    ``relative_position_bias`` submodule or SwinV2's cosine-attention parameters. Broader than the fusing
+    policies: surgery uses it to warn about look-alikes it leaves alone, and the auto-selector's model probe
+    (:mod:`aiak.strategy.probes`) counts window-attention modules with it."""
     return ("relative_position_bias_table" in dict(module.named_parameters(recurse=False))
             or hasattr(module, "relative_position_bias") and "Attention" in type(module).__name__
             or _is_cosine_attention(module) and "Attention" in type(module).__name__)
+
+
+_looks_like_window_attention = is_window_attention  # the name before it was public
 
 
 def _check_bare(model: nn.Module, what: str) -> None:
@@ -177,13 +186,13 @@ def replace_window_attention(model: nn.Module) -> int:
             handled.append(name)
             continue
         label = f"{name or '<root>'} ({type(module).__name__})"
-        if _is_cosine_attention(module) and _looks_like_window_attention(module):
+        if _is_cosine_attention(module) and is_window_attention(module):
             skipped.append(f"{label}: SwinV2 cosine attention with a learned logit scale")
             handled.append(name)
             continue
         policy = next((p for p in _POLICIES if p.matches(module)), None)
         if policy is None:
-            if _looks_like_window_attention(module):
+            if is_window_attention(module):
                 skipped.append(f"{label}: unrecognised window-attention structure")
                 handled.append(name)
             continue

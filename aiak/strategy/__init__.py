@@ -1,8 +1,13 @@
-"""Strategies: the validated schema, built-in profiles, and the resolution used by ``optimize``."""
-from aiak.strategy.profiles import list_profiles, load_strategy, profiles_dir
+"""Strategies: the validated schema, the YAML profiles, the ``match:`` rules and the probes they are evaluated
+against, and the resolution used by ``optimize`` (``"auto"`` composed from the rules)."""
+from aiak.strategy.probes import MODULE_KINDS, Probes, probe
+from aiak.strategy.profiles import list_profiles, load_strategy, profiles_dir, user_profile_dirs
+from aiak.strategy.rules import match_profile
 from aiak.strategy.schema import (CommConfig, LoaderConfig, Match, OptimizerConfig, Precision, Strategy,
-                                  StrategyError)
-from aiak.strategy.select import resolve_strategy, select_strategy
+                                  StrategyError, TuneConfig)
+from aiak.strategy.select import Knob, Selection, compose, resolve_strategy, select, select_strategy
 
 __all__ = ["Strategy", "StrategyError", "Precision", "OptimizerConfig", "LoaderConfig", "CommConfig", "Match",
-           "load_strategy", "list_profiles", "profiles_dir", "select_strategy", "resolve_strategy"]
+           "TuneConfig", "load_strategy", "list_profiles", "profiles_dir", "user_profile_dirs", "select_strategy",
+           "resolve_strategy", "select", "compose", "Selection", "Knob", "Probes", "probe", "MODULE_KINDS",
+           "match_profile"]

@@ -1,16 +1,23 @@
-"""Built-in YAML profiles and ``load_strategy``: name, YAML path or dict -> validated ``Strategy``.
+"""YAML profiles and ``load_strategy``: name, YAML path or dict -> validated ``Strategy``.
 
-Profiles live in the top-level ``configs/`` folder of a source checkout and ship inside the wheel as the
-package ``aiak.configs``; both places are searched. ``extends: <name or path>`` inherits another profile:
-the parent is loaded (recursively), then the child's keys override it section by section.
+Built-in profiles live in the top-level ``configs/`` folder of a source checkout and ship inside the wheel as
+the package ``aiak.configs``; both places are searched. User profiles live in the folders of the search path
+(:func:`user_profile_dirs`): those of ``AIAK_PROFILE_PATH`` (``os.pathsep``-separated, in order), then
+``~/.config/aiak/profiles/``. A name is looked up among the built-ins first, then in those folders in order.
+``extends: <name or path>`` inherits another profile: the parent is loaded (recursively), then the child's
+keys override it section by section.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple, Union
 
-from aiak.strategy.schema import Strategy, StrategyError, did_you_mean
+from aiak.strategy.schema import Strategy, StrategyError, TuneConfig, did_you_mean
+
+PROFILE_PATH_ENV = "AIAK_PROFILE_PATH"
+USER_PROFILE_DIR = Path("~/.config/aiak/profiles")
 
 
 def profiles_dir() -> Path:
@@ -22,8 +29,44 @@ def profiles_dir() -> Path:
     raise FileNotFoundError(f"aiak's built-in profiles were not found next to {here} (broken install?)")
 
 
-def list_profiles() -> List[str]:
-    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+def user_profile_dirs() -> List[Path]:
+    """The user profile folders, in search order: ``AIAK_PROFILE_PATH``'s, then ``~/.config/aiak/profiles/``."""
+    listed = [Path(p).expanduser() for p in os.environ.get(PROFILE_PATH_ENV, "").split(os.pathsep) if p]
+    return listed + [USER_PROFILE_DIR.expanduser()]
+
+
+def _yaml_files(folder: Path) -> List[Path]:
+    """The ``*.yaml`` / ``*.yml`` files of ``folder``, sorted by name; none when it does not exist."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+@dataclass(frozen=True)
+class ProfileFile:
+    """One profile file in evaluation order. ``name`` is its file name without the suffix, or its path when a
+    profile found earlier (a built-in first) has that name, since only the first one loads by name."""
+
+    name: str
+    path: Path
+    builtin: bool
+
+
+def profile_files() -> List[ProfileFile]:
+    """Every profile the auto-selector evaluates, in its order: the built-ins sorted by name, then each user
+    folder of :func:`user_profile_dirs` in turn, sorted by name."""
+    found = [ProfileFile(p.stem, p, True) for p in _yaml_files(profiles_dir())]
+    names = {f.name for f in found}
+    for folder in user_profile_dirs():
+        for path in _yaml_files(folder):
+            found.append(ProfileFile(str(path) if path.stem in names else path.stem, path, False))
+            names.add(path.stem)
+    return found
+
+
+def list_profiles(user: bool = True) -> List[str]:
+    """Names ``load_strategy`` accepts: the built-in profiles and (``user``) those of the user folders, sorted."""
+    return sorted(f.name for f in profile_files() if (f.builtin or user) and f.name == f.path.stem)
 
 
 def _yaml_loader():
@@ -61,12 +104,18 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
     return data
 
 
+def names_a_file(spec: str) -> bool:
+    """A strategy string is a path (ends in .yaml/.yml or holds a path separator), else a profile name."""
+    return spec.endswith((".yaml", ".yml")) or os.sep in spec
+
+
 def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *, top_level: bool = True) -> Path:
-    """A built-in profile name, or a YAML path (relative paths also tried beside the extending file).
+    """A profile name (the built-ins, then the user folders), or a YAML path (relative paths also tried beside
+    the extending file).
 
     ``where`` says who asked (``strategy`` or ``<file>: extends``), so the error names it; ``top_level`` is
     False for an ``extends`` (where "auto", which is no file, cannot be named)."""
-    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+    if names_a_file(name_or_path):
         candidates = [Path(name_or_path)]
         if relative_to is not None and not Path(name_or_path).is_absolute():
             candidates.insert(0, relative_to.parent / name_or_path)
@@ -75,13 +124,13 @@ def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *
                 return c
         raise StrategyError(f"{where}: strategy file {name_or_path!r} not found "
                             f"(looked at {', '.join(str(c) for c in candidates)})")
-    path = profiles_dir() / f"{name_or_path}.yaml"
-    if not path.is_file():
+    by_name = next((f.path for f in profile_files() if f.name == name_or_path), None)
+    if by_name is None:
         names = list_profiles()
         choices = ["auto"] + names if top_level else names
         raise StrategyError(f"{where}: unknown profile {name_or_path!r}{did_you_mean(name_or_path, choices)}; "
                             f"choices: {choices}, or a path to a .yaml file" + (" or a dict" if top_level else ""))
-    return path
+    return by_name
 
 
 def _replaces_parent_section(key: str, value: Any, old: Any) -> bool:
@@ -123,8 +172,13 @@ class _Chain:
     def __init__(self):
         self.origins: Dict[str, str] = {}
         self.problems: List[str] = []
+        self.files: List[Path] = []  # every file read, the extending one first
 
     def resolve(self, data: Mapping[str, Any], source: str, path: Optional[Path], seen: List[str]) -> Dict[str, Any]:
+        if path is not None:
+            self.files.append(path)
+        if "tune" in data:  # `tune: true` means {enabled: true}: merged key by key over a parent's mapping
+            data = {**data, "tune": TuneConfig.normalise(data["tune"])}
         parent: Dict[str, Any] = {}
         ref = data.get("extends")
         if ref is not None:
@@ -160,13 +214,41 @@ class _Chain:
 
 
 def load_strategy(spec: Union[str, os.PathLike, Mapping[str, Any], Strategy]) -> Strategy:
-    """Built-in profile name, YAML path, dict (same shape as the YAML) or ``Strategy`` -> ``Strategy``.
+    """Built-in or user profile name, YAML path, dict (same shape as the YAML) or ``Strategy`` -> ``Strategy``.
 
     Every mistake (of the file and of the files it extends) is reported at once, in one
     :class:`StrategyError`, each with its file, key path and suggestion.
     """
     if isinstance(spec, Strategy):
         return spec
+    return _load(spec)[0]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A loaded profile as the auto-selector overlays it."""
+
+    file: ProfileFile
+    strategy: Strategy
+    has_match: bool              # a profile without a ``match:`` key never takes part in auto
+    sets: FrozenSet[str]         # dotted key paths it or its extends chain sets (default.yaml's excepted)
+    files: Tuple[Path, ...]      # the file, then every file it extends
+
+    @property
+    def name(self) -> str:
+        return self.file.name
+
+
+def load_profile(file: ProfileFile) -> Profile:
+    """Load and validate one profile file, remembering which keys it sets (see :class:`Profile`)."""
+    strategy, chain, data = _load(file.path)
+    default = (profiles_dir() / "default.yaml").resolve()
+    sets = frozenset(k for k, src in chain.origins.items() if Path(src).resolve() != default)
+    return Profile(file, strategy, "match" in data, sets, tuple(chain.files))
+
+
+def _load(spec: Union[str, os.PathLike, Mapping[str, Any]]) -> Tuple[Strategy, "_Chain", Dict[str, Any]]:
+    """``(strategy, chain, the file's own data)``; raises one :class:`StrategyError` listing every problem."""
     if isinstance(spec, Mapping):
         source, path, data = "<dict>", None, dict(spec)
     elif isinstance(spec, (str, os.PathLike)):
@@ -185,4 +267,4 @@ def load_strategy(spec: Union[str, os.PathLike, Mapping[str, Any], Strategy]) ->
         raise StrategyError(chain.problems + e.problems) from None
     if chain.problems:
         raise StrategyError(chain.problems)
-    return strategy
+    return strategy, chain, data

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Union
 
 PRECISION_LEVELS = ("O0", "O1", "O2")
 PRECISION_DTYPES = ("fp16", "bf16")
@@ -36,12 +36,25 @@ def _choices(*values: Any) -> Dict[str, Any]:
     return {"choices": tuple(values)}
 
 
+_GRAMMAR = {"grammar": True}  # checked by aiak.strategy.rules.parse_condition instead of by its annotation
+
+
 @dataclass
 class Match:
-    """Conditions the auto-selector checks before proposing this profile (unused by ``optimize``)."""
+    """When the auto-selector overlays this profile (unused by ``optimize`` with a named strategy): every
+    condition given must hold. The grammar is :mod:`aiak.strategy.rules` (README: "How ``auto`` chooses");
+    an empty list or None is no condition, so ``Match()`` (``match: {}``) matches everything."""
 
-    modules: List[str] = field(default_factory=list)
-    cuda_capability: Optional[str] = None
+    modules: Union[List[str], Dict[str, List[str]]] = field(default_factory=list, metadata=_GRAMMAR)
+    device: Optional[str] = field(default=None, metadata=_GRAMMAR)
+    cuda_capability: Optional[str] = field(default=None, metadata=_GRAMMAR)
+    cpu_features: Union[List[str], Dict[str, List[str]]] = field(default_factory=list, metadata=_GRAMMAR)
+    world_size: Union[int, str, None] = field(default=None, metadata=_GRAMMAR)
+    nodes: Union[int, str, None] = field(default=None, metadata=_GRAMMAR)
+    params: Union[int, str, None] = field(default=None, metadata=_GRAMMAR)
+    optimizer: List[str] = field(default_factory=list, metadata=_GRAMMAR)
+    variable_length: Optional[bool] = field(default=None, metadata=_GRAMMAR)
+    loader: Optional[bool] = field(default=None, metadata=_GRAMMAR)
 
 
 @dataclass
@@ -120,6 +133,43 @@ class CommConfig:
 
 
 @dataclass
+class TuneConfig:
+    """Measured trials: time up to ``candidates`` strategies for ``steps`` steps each on the first batches and
+    keep the fastest that passes the numerics gate (``aiak.tune``), within ``max_seconds`` if given.
+
+    YAML takes ``tune: true | false`` or a mapping; a mapping means enabled unless it says ``enabled: false``.
+    ``bool(tune)`` is ``enabled``.
+    """
+
+    enabled: bool = False
+    candidates: int = 4
+    steps: int = 3
+    max_seconds: Optional[float] = None
+    _SHAPE: ClassVar[str] = "true, false or a mapping {enabled, candidates, steps, max_seconds}"  # for errors
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+    @staticmethod
+    def normalise(value: Any) -> Any:
+        """``tune:`` as written -> the mapping it means (``true`` -> ``{enabled: true}``, a mapping without
+        ``enabled`` -> enabled); anything else is returned as it is, for the validation to report."""
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if isinstance(value, Mapping) and "enabled" not in value:
+            return {"enabled": True, **value}
+        return value
+
+    def _problems(self, where: "_Where", path: str) -> List[str]:
+        problems = [f"{where(path + key)} must be >= 1, got {getattr(self, key)}"
+                    for key in ("candidates", "steps") if getattr(self, key) < 1]
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            problems.append(f"{where(path + 'max_seconds')} must be > 0 seconds or null (no limit), "
+                            f"got {self.max_seconds}")
+        return problems
+
+
+@dataclass
 class Strategy:
     """A validated strategy: what ``aiak.optimize`` applies, knob by knob."""
 
@@ -138,7 +188,7 @@ class Strategy:
     fused_ops: List[str] = field(default_factory=list, metadata=_choices(*FUSED_OPS))
     comm: CommConfig = field(default_factory=CommConfig)
     cpu_affinity: bool = False
-    tune: bool = False
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -259,7 +309,8 @@ def _build(cls: type, data: Any, where: _Where, path: str, problems: List[str]) 
     """An instance of the dataclass ``cls`` from ``data``; every bad key is appended to ``problems`` (and
     left at its default) so that all mistakes are reported together."""
     if not isinstance(data, Mapping):
-        problems.append(f"{where(path)} must be a mapping, got {type(data).__name__} {data!r}")
+        shape = getattr(cls, "_SHAPE", "a mapping")
+        problems.append(f"{where(path)} must be {shape}, got {type(data).__name__} {data!r}")
         return cls()
     before = len(problems)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -279,10 +330,15 @@ def _build(cls: type, data: Any, where: _Where, path: str, problems: List[str]) 
             continue
         f = fields[key]
         if dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
-            kwargs[key] = _build(type(f.default_factory()), value, where, f"{path}{key}.", problems)
+            section = type(f.default_factory())
+            kwargs[key] = _build(section, getattr(section, "normalise", lambda v: v)(value), where,
+                                 f"{path}{key}.", problems)
             continue
         try:
-            kwargs[key] = _check_value(value, str(f.type), f.metadata.get("choices", ()))
+            if f.metadata.get("grammar"):
+                kwargs[key] = _parse_condition(key, value)
+            else:
+                kwargs[key] = _check_value(value, str(f.type), f.metadata.get("choices", ()))
         except _Invalid as e:
             problems.append(f"{where(path + key)}{e}")
     if rest is not None:
@@ -292,6 +348,17 @@ def _build(cls: type, data: Any, where: _Where, path: str, problems: List[str]) 
     if check_section is not None and len(problems) == before:  # needs the section's own keys to be valid
         problems.extend(check_section(where, path))
     return built
+
+
+def _parse_condition(key: str, value: Any) -> Any:
+    """A ``match:`` condition checked by the grammar (:mod:`aiak.strategy.rules`, imported here because it
+    builds on this module)."""
+    from aiak.strategy.rules import MatchSyntaxError, parse_condition
+
+    try:
+        return parse_condition(key, value)
+    except MatchSyntaxError as e:
+        raise _Invalid(str(e)) from None
 
 
 def check_comm(comm: CommConfig, source: str) -> None:

@@ -1,96 +1,252 @@
-"""Strategy resolution for ``optimize()``, and the (for now conservative) auto-selector.
+"""Strategy resolution for ``optimize()``: a named strategy is loaded; ``"auto"`` is composed from the profiles'
+``match:`` rules, with the profile that set each knob and why.
 
-``strategy="auto"`` starts from the ``default`` profile (numerically identical to plain PyTorch) and turns
-on only what cannot change the math (layouts, prefetching, algorithm choice; results stay within float
-rounding of plain PyTorch) and is known to help on the detected hardware. Every choice comes with
-a reason, so ``aiak explain`` and the log can say why each knob is what it is.
+How ``"auto"`` composes (README, "How ``auto`` chooses"):
+
+1. probe the hardware, process group, model, loader and optimizer (:func:`aiak.strategy.probes.probe`);
+2. start from ``default.yaml`` (plain PyTorch);
+3. evaluate the profiles in order (:func:`aiak.strategy.profiles.profile_files`): the built-in ones sorted by
+   name, then each folder of ``AIAK_PROFILE_PATH``, then ``~/.config/aiak/profiles/``, each sorted by name.
+   A profile without a ``match:`` key is skipped (it is used only by name). Each one whose ``match:`` holds is
+   overlaid on the strategy built so far; it contributes only the keys it or its ``extends`` chain sets
+   (``default.yaml``'s values are not re-applied), later profiles win knob by knob, and an ``optimizer``
+   section naming another optimizer replaces the whole section.
+
+No hardware or model policy is written here: the rules are the YAML files. One guard is kept, because it is
+a fact and not a policy: a composition that would run fp16 where the probes found no fp16 hardware keeps the
+precision it had before that profile, and says why.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Set, Tuple
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-import torch
 from torch import nn
 
-from aiak.strategy.profiles import load_strategy
-from aiak.strategy.schema import Strategy
+from aiak.strategy.probes import Probes, model_device, model_features, probe
+from aiak.strategy.profiles import (Profile, _load, _merge, _replaces_parent_section, load_profile, load_strategy,
+                                    names_a_file, profile_files)
+from aiak.strategy.rules import match_profile
+from aiak.strategy.schema import Strategy, StrategyError
+
+__all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",
+           "model_device", "leaves", "put_leaf"]
 
 Reasons = Dict[str, str]
+NOT_KNOBS = ("name", "extends", "description", "match")
+DEFAULT_REASON = "no profile that matched sets it: default.yaml's value (plain PyTorch)"
 
 
-def model_features(model: Optional[nn.Module]) -> Set[str]:
-    """Tags describing the model, matched against profiles' ``match.modules``."""
-    tags: Set[str] = set()
-    if model is None:
-        return tags
-    for m in model.modules():
-        name = type(m).__name__.lower()
-        if isinstance(m, (nn.Conv2d, nn.Conv3d)):
-            tags.add("conv2d" if isinstance(m, nn.Conv2d) else "conv3d")
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            tags.add("batchnorm")
-        if isinstance(m, nn.LayerNorm) or "layernorm" in name:
-            tags.add("layernorm")
-        if isinstance(m, nn.MultiheadAttention) or name.endswith(("selfattention", "attention")):
-            tags.add("multihead_attention")
-        if "windowattention" in name or hasattr(m, "relative_position_bias_table") or "swin" in name:
-            tags.add("window_attention")
-    return tags
+@dataclass
+class Knob:
+    """One leaf of the strategy: its value, who set it and why."""
+
+    value: Any
+    source: str      # "default" | "profile:<name>" | "user"   (the tuner adds "measured")
+    reason: str
 
 
-def model_device(model: Optional[nn.Module], device: Any = None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if model is not None:
-        for p in model.parameters():
-            return p.device
-    return torch.device("cpu")
+@dataclass
+class Selection:
+    """What the selector decided, knob by knob, and on what evidence."""
+
+    strategy: Strategy            # the pick; for auto its name is "auto"
+    knobs: Dict[str, Knob]        # every leaf key path of strategy.to_dict() but name/extends/description/match
+    matched: List[str]            # names of the profiles that matched, in evaluation order
+    skipped: Dict[str, str]       # profile name -> why it did not match
+    probes: Probes
+    profiles_digest: str          # sha1 over every profile file evaluated (part of the tuning cache key)
+
+    @property
+    def reasons(self) -> Dict[str, str]:
+        """``{key path: reason}`` for every knob, plus ``"*"``: one line saying how the strategy was chosen."""
+        if self.matched or self.skipped:
+            summary = (f"auto: default.yaml, then each profile whose match: holds, in order: "
+                       f"{', '.join(self.matched) or 'none'} ({len(self.skipped)} skipped: {', '.join(self.skipped)})")
+        else:
+            summary = f"strategy {self.strategy.name!r} given explicitly" + (
+                f": {self.strategy.description}" if self.strategy.description else "")
+        return {"*": summary, **{path: knob.reason for path, knob in self.knobs.items()}}
+
+
+# -- entry points -------------------------------------------------------------------------------------------
+def select(model: Optional[nn.Module], optimizer=None, loader=None, *, device: Any = None) -> Selection:
+    """The auto-selector (rules only, no trials): probe, then :func:`compose`."""
+    return compose(probe(model, optimizer, loader, device))
 
 
 def select_strategy(model: Optional[nn.Module], optimizer=None, loader=None, *,
                     device: Any = None) -> Tuple[Strategy, Reasons]:
-    """The auto-selector: ``(Strategy, reasons)``; reasons map each changed knob to the rule that chose it."""
-    base = load_strategy("default")
-    data = base.to_dict()
-    data["name"] = "auto"
-    data["description"] = "default profile + knobs that keep the math and help on the detected hardware"
-    reasons: Reasons = {"*": "auto: started from the 'default' profile (plain PyTorch numerics)"}
-    dev = model_device(model, device)
-    features = model_features(model)
-    if loader is not None:
-        data["loader"]["prefetch"] = 2
-        reasons["loader.prefetch"] = ("a loader was given: a background thread keeps 2 batches ready so loading "
-                                      "overlaps the step (same batches, same order)")
-        if dev.type == "cuda":
-            data["loader"]["pin_memory"] = True
-            reasons["loader.pin_memory"] = "CUDA device: pinned host memory makes non-blocking copies possible"
-    if "conv2d" in features:
-        data["channels_last"] = True
-        reasons["channels_last"] = ("Conv2d layers: NHWC is the layout oneDNN (CPU) and cuDNN (CUDA) convolve fastest; "
-                                    "a layout change only (same function, float rounding may differ)")
-    if dev.type == "cuda" and ("conv2d" in features or "conv3d" in features):
-        data["cudnn_benchmark"] = True
-        reasons["cudnn_benchmark"] = "CUDA + convolutions: let cuDNN pick the fastest algorithm per shape"
-    for knob in ("tf32", "precision", "grad_accumulation", "optimizer", "fused_ops", "comm"):
-        reasons.setdefault(knob, "kept at default: changes numerics, so only a named profile turns it on")
-    return Strategy.from_dict(data, source="auto"), reasons
+    """The auto-selector's rules (no trials): ``(Strategy, reasons)``, reasons naming the rule behind each knob."""
+    selection = select(model, optimizer, loader, device=device)
+    return selection.strategy, selection.reasons
 
 
-def resolve_strategy(spec: Any, model=None, optimizer=None, loader=None, *, device: Any = None
-                     ) -> Tuple[Strategy, Reasons]:
-    """``optimize()``'s first step: "auto" -> the auto-selector; anything else -> ``load_strategy``."""
+def resolve_strategy(spec: Any, model=None, optimizer=None, loader=None, *, device: Any = None) -> Selection:
+    """``optimize()``'s first step: ``"auto"`` -> :func:`select`; anything else -> ``load_strategy``, each knob
+    that differs from ``default.yaml`` attributed to the profile (``profile:<name>``, for a profile name) or to
+    the user (a path, dict or ``Strategy``)."""
     if isinstance(spec, str) and spec == "auto":
-        return select_strategy(model, optimizer, loader, device=device)
-    strategy = load_strategy(spec)
-    reasons: Reasons = {"*": f"strategy {strategy.name!r} given explicitly"
-                             + (f": {strategy.description}" if strategy.description else "")}
-    chosen, default = strategy.to_dict(), load_strategy("default").to_dict()
-    for key, value in chosen.items():
-        if key in ("name", "extends", "description", "match"):
+        return select(model, optimizer, loader, device=device)
+    if isinstance(spec, (str, os.PathLike)):
+        strategy, chain, _ = _load(spec)
+        files, extra = chain.files, b""
+    else:
+        strategy, files = load_strategy(spec), []
+        extra = json.dumps(strategy.to_dict(), sort_keys=True, default=str).encode()
+    named = isinstance(spec, str) and not names_a_file(spec)
+    source = f"profile:{spec}" if named else "user"
+    what = f"profile {spec!r}" if named else f"the strategy given ({_describe_spec(spec)})"
+    default = dict(leaves(load_strategy("default").to_dict()))
+    knobs = {}
+    for path, value in leaves(strategy.to_dict()):
+        if path in default and value == default[path]:
+            knobs[path] = Knob(value, "default", f"{what} leaves it at default.yaml's value")
+        else:
+            was = f"default: {_show(default[path])}" if path in default else "not in default.yaml"
+            knobs[path] = Knob(value, source, f"set by {what} ({was})")
+    return Selection(strategy, knobs, [], {}, probe(model, optimizer, loader, device), _digest(files, extra))
+
+
+# -- composition --------------------------------------------------------------------------------------------
+def compose(probes: Probes) -> Selection:
+    """The strategy the profiles' rules compose for ``probes`` (a machine, model and loader, real or described).
+
+    Every profile is loaded and validated first; all their problems are raised together as one
+    :class:`StrategyError`, so a broken user profile is reported, never silently left out.
+    """
+    profiles, problems = [], []
+    for file in profile_files():
+        try:
+            profiles.append(load_profile(file))
+        except StrategyError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise StrategyError(problems)
+    data = load_strategy("default").to_dict()
+    knobs: Dict[str, Knob] = {}  # only the knobs a profile set; the rest are default's
+    matched: List[str] = []
+    skipped: Dict[str, str] = {}
+    for profile in profiles:
+        if not profile.has_match:
+            skipped[profile.name] = "no match: section (used only when named)"
             continue
-        pairs = ([(f"{key}.{k}", v, default[key].get(k)) for k, v in value.items()] if isinstance(value, dict)
-                 else [(key, value, default.get(key))])
-        for path, new, old in pairs:
-            if new != old:
-                reasons[path] = f"set by strategy {strategy.name!r} (default: {old})"
-    return strategy, reasons
+        ok, why = match_profile(profile.strategy.match, probes)
+        if not ok:
+            skipped[profile.name] = why
+            continue
+        matched.append(profile.name)
+        data = _overlay(data, knobs, profile, why, probes)
+    data.update(name="auto", extends=None, description=f"composed by the auto-selector from {', '.join(matched)}")
+    strategy = _validated(data, knobs, matched)
+    all_knobs = {path: knobs.get(path) or Knob(value, "default", DEFAULT_REASON)
+                 for path, value in leaves(strategy.to_dict())}
+    files = [path for profile in profiles for path in profile.files]
+    return Selection(strategy, all_knobs, matched, skipped, probes, _digest(files))
+
+
+def _overlay(data: Dict[str, Any], knobs: Dict[str, Knob], profile: Profile, why: str, probes: Probes
+             ) -> Dict[str, Any]:
+    """``data`` with the keys ``profile`` sets put over it; ``knobs`` updated in place."""
+    contribution: Dict[str, Any] = {}
+    for path, value in leaves(profile.strategy.to_dict()):
+        if path in profile.sets:
+            put_leaf(contribution, path, value)
+    if _replaces_parent_section("optimizer", contribution.get("optimizer"), data.get("optimizer")):
+        for path in [p for p in knobs if p.startswith("optimizer.")]:
+            del knobs[path]
+    precision_before = dict(data["precision"])
+    knobs_before = {p: k for p, k in knobs.items() if p.startswith("precision.")}
+    merged = _merge(data, contribution)
+    source = f"profile:{profile.name}"
+    reason = f"profile {profile.name!r} matched ({why}): {profile.strategy.description}"
+    for path, value in leaves(contribution):
+        knobs[path] = Knob(value, source, reason)
+    refused = _fp16_refused(merged["precision"], probes)
+    if refused:
+        merged["precision"] = precision_before
+        for path, value in leaves({"precision": precision_before}):
+            kept = knobs_before.get(path) or Knob(value, "default", DEFAULT_REASON)
+            knobs[path] = Knob(value, kept.source, f"{kept.reason}; kept although profile {profile.name!r} asks for "
+                                                   f"fp16: {refused}")
+        _warn_fp16_refused(profile, refused)
+    return merged
+
+
+def _fp16_refused(precision: Dict[str, Any], probes: Probes) -> Optional[str]:
+    """Why fp16 cannot be composed here, or None when the precision is not fp16 or the device has fp16."""
+    if precision["level"] == "O0" or precision["dtype"] != "fp16" or probes.fp16_native:
+        return None
+    if probes.device == "cuda":
+        capability = probes.cuda_capability
+        found = f"compute capability {capability[0]}.{capability[1]}" if capability else "no CUDA device found"
+        return f"this GPU has no fp16 tensor cores ({found}, they need 7.0 or newer)"
+    from aiak.amp.emulation import FP16_CPU_COST
+
+    return f"this {probes.device} has no fp16 hardware, so fp16 would be emulated: {FP16_CPU_COST}"
+
+
+def _warn_fp16_refused(profile: Profile, refused: str) -> None:
+    from aiak.amp.warn import warn_once
+
+    warn_once(f"auto-fp16-refused:{profile.file.path}",
+              f"aiak: strategy 'auto' ignored the fp16 precision of profile {profile.name!r} ({profile.file.path}): "
+              f"{refused}")
+
+
+def _validated(data: Dict[str, Any], knobs: Dict[str, Knob], matched: List[str]) -> Strategy:
+    """The composed strategy, validated; an impossible combination names the profiles that set its knobs."""
+    try:
+        return Strategy.from_dict(data, source="auto")
+    except StrategyError as e:
+        setters = ", ".join(f"{path} = {_show(k.value)} from {k.source}" for path, k in knobs.items())
+        raise StrategyError(e.problems + [f"auto: the profiles that matched ({', '.join(matched)}) set {setters}; "
+                                          f"change the profile that conflicts"]) from None
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def leaves(data: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """``(dotted path, value)`` of every leaf knob (mappings are walked; lists and scalars are leaves)."""
+    for key, value in data.items():
+        if not prefix and key in NOT_KNOBS:
+            continue
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def put_leaf(tree: Dict[str, Any], path: str, value: Any) -> None:
+    *sections, key = path.split(".")
+    for section in sections:
+        tree = tree.setdefault(section, {})
+    tree[key] = value
+
+
+def _digest(files: Iterable[Path], extra: bytes = b"") -> str:
+    """sha1 over the name and bytes of each file (once each, in order), then ``extra``."""
+    sha, seen = hashlib.sha1(), set()
+    for path in files:
+        key = Path(path).resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        sha.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+    sha.update(extra)
+    return sha.hexdigest()
+
+
+def _describe_spec(spec: Any) -> str:
+    if isinstance(spec, Strategy):
+        return "an aiak.Strategy"
+    if isinstance(spec, (str, os.PathLike)):
+        return os.fspath(spec)
+    return "a dict"
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)

@@ -1,0 +1,138 @@
+"""The decision record: what ``optimize()`` applied, every knob's source and reason, and what was measured.
+
+A public contract (code outside this repository reads it; ../shared/DESIGN.md): ``aiak.last_decision()``
+returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready and holds
+
+* ``strategy``: the applied strategy as a dict;
+* ``knobs``: ``{key path: {"value", "source", "reason"}}``, source one of ``default``, ``profile:<name>``,
+  ``measured`` (the trials changed the rules' pick) or ``user``;
+* ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
+* ``tuning_seconds`` and ``cache_hit``;
+
+plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why no trial ran, if so).
+:meth:`Decision.render` is the one table the ``aiak`` logger prints at ``optimize()`` and ``aiak explain`` shows.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from aiak.tune.candidates import flatten
+
+_last: Optional["Decision"] = None
+
+
+@dataclass
+class Decision:
+    strategy: Dict[str, Any]
+    knobs: Dict[str, Dict[str, Any]]
+    trials: List[Dict[str, Any]] = field(default_factory=list)
+    tuning_seconds: float = 0.0
+    cache_hit: bool = False
+    matched: List[str] = field(default_factory=list)
+    not_matched: Dict[str, str] = field(default_factory=dict)
+    probes: Dict[str, Any] = field(default_factory=dict)
+    tuning: str = ""
+    effects: List[List[str]] = field(default_factory=list)   # [knob, value, what was done] from the summary
+
+    def to_dict(self) -> Dict[str, Any]:
+        return json.loads(json.dumps({
+            "strategy": self.strategy, "knobs": self.knobs, "trials": self.trials,
+            "tuning_seconds": self.tuning_seconds, "cache_hit": self.cache_hit, "matched": self.matched,
+            "not_matched": self.not_matched, "probes": self.probes, "tuning": self.tuning}, default=_jsonable))
+
+    def render(self, full: bool = False) -> str:
+        """The table: knobs (value, source, reason), trials, what each step did. ``full=False`` (the log) leaves
+        out the knobs still at plain PyTorch's defaults; ``aiak explain`` shows them all."""
+        name = self.strategy.get("name", "?")
+        out = [f"aiak.optimize: strategy {name!r}"
+               + (f"; rules matched: {', '.join(self.matched)}" if self.matched else "")]
+        shown = {p: k for p, k in self.knobs.items() if full or k["source"] != "default"}
+        rows = [(path, _fmt(k["value"]), k["source"], k["reason"]) for path, k in shown.items()]
+        widths = [max(len(r[i]) for r in rows + [("knob", "value", "source", "")]) for i in range(3)]
+        widths[1] = min(widths[1], 24)
+        out.append(f"  {'knob':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason")
+        for path, value, source, reason in rows:
+            out.append(f"  {path:<{widths[0]}}  {value:<{widths[1]}}  {source:<{widths[2]}}  {reason}")
+        if len(shown) < len(self.knobs):
+            out.append(f"  ({len(self.knobs) - len(shown)} other knobs at plain PyTorch's defaults; "
+                       f"`aiak explain` lists every one)")
+        if self.trials:
+            head = "cached trials" if self.cache_hit else "trials"
+            out.append(f"  {head} ({self.tuning_seconds:.2f} s{', cache hit: none run now' if self.cache_hit else ''}):")
+            out.append(f"    {'candidate':<22} {'step ms':>8} {'spread':>15} {'vs plain':>8} {'grad cos':>9}  verdict")
+            for t in self.trials:
+                ms = f"{t['step_ms']:.2f}" if t["step_ms"] else "-"
+                spread = "-" if not t["step_ms_spread"] else f"{t['step_ms_spread'][0]:.1f}-{t['step_ms_spread'][1]:.1f}"
+                ratio = f"{t['speedup']:.2f}x" if t.get("speedup") else "-"
+                cos = f"{t['grad_cosine']:.5f}" if t.get("grad_cosine") is not None else "-"
+                verdict = ("kept: " if t["accepted"] else "dropped: ") + t["why"]
+                out.append(f"    {t['label']:<22} {ms:>8} {spread:>15} {ratio:>8} {cos:>9}  {verdict}")
+        elif self.tuning:
+            out.append(f"  trials: {self.tuning}")
+        effects = [e for e in self.effects if full or any(p == e[0] or p.startswith(e[0] + ".") for p in shown)]
+        if effects:
+            out.append("  applied:")
+            width = max(len(k) for k, _, _ in effects)
+            out += [f"    {k:<{width}}  {effect}" for k, _, effect in effects]
+        return "\n".join(out)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
+def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None) -> Decision:
+    """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied),
+    ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did)."""
+    from aiak.tune.trials import changed_knobs
+
+    measured = changed_knobs(tuning, selection.strategy) if tuning is not None and not tuning.cache_hit else {}
+    cached = changed_knobs(tuning, selection.strategy) if tuning is not None and tuning.cache_hit else {}
+    trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
+    winner = next((t for t in trials if "chosen" in t["why"]), None)
+    knobs: Dict[str, Dict[str, Any]] = {}
+    for path, value in flatten(applied.to_dict()).items():
+        knob = selection.knobs.get(path)
+        if path in measured or path in cached:
+            ms = f" at {winner['step_ms']:.2f} ms/step" if winner and winner["step_ms"] else ""
+            how = "cached decision of earlier trials" if path in cached else "trials"
+            reason = (f"{how}: candidate {tuning.label!r} was the fastest accepted{ms}; the rules' pick had "
+                      f"{_fmt(knob.value) if knob else '?'}")
+            knobs[path] = {"value": value, "source": "measured", "reason": reason}
+        elif knob is not None:
+            knobs[path] = {"value": value, "source": knob.source, "reason": knob.reason}
+        else:
+            knobs[path] = {"value": value, "source": "default", "reason": "plain PyTorch's setting"}
+    probes = selection.probes.to_dict() if hasattr(selection.probes, "to_dict") else {}
+    tuning_note = ""
+    if tuning is None:
+        tuning_note = "off (tune: false)" if not getattr(selection.strategy, "tune", False) else "not run"
+    elif tuning.skipped:
+        tuning_note = f"skipped: {tuning.skipped}"
+    effects = [list(line) for line in summary.lines] if summary is not None else []
+    return Decision(strategy=applied.to_dict(), knobs=knobs, trials=trials,
+                    tuning_seconds=tuning.seconds if tuning is not None else 0.0,
+                    cache_hit=bool(tuning is not None and tuning.cache_hit), matched=list(selection.matched),
+                    not_matched=dict(selection.skipped), probes=probes, tuning=tuning_note, effects=effects)
+
+
+def record(decision: Decision) -> None:
+    global _last
+    _last = decision
+
+
+def last_decision() -> Optional[Decision]:
+    """The record of the most recent ``optimize()`` (None before the first)."""
+    return _last
