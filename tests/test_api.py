@@ -1,6 +1,7 @@
 """``aiak.optimize``: the contract (order of returned objects, default == plain PyTorch, logging)."""
 import copy
 import logging
+import warnings
 import subprocess
 import sys
 
@@ -63,14 +64,17 @@ def test_optimize_logs_a_one_screen_summary(caplog):
 
 
 def test_auto_says_what_it_detected(caplog):
+    from aiak.strategy.probes import has_native_bf16_cpu
+
     caplog.set_level(logging.INFO, logger="aiak")
     model = DemoNet(width=8)
     loader = DataLoader(synthetic_dataset(32, image_size=8), batch_size=8)
     strategy, reasons = aiak.select_strategy(model, None, loader)
-    assert strategy.name == "auto" and strategy.precision.level == "O0"
-    assert "default" in reasons["*"] and "loader.prefetch" in reasons
+    assert strategy.name == "auto" and strategy.channels_last and "channels_last" in reasons["channels_last"]
+    assert (strategy.precision.level == "O1") == has_native_bf16_cpu()   # bf16 only where the CPU has it
+    assert strategy.precision.dtype == "bf16" and "loader.prefetch" in reasons
     aiak.optimize(model, None, loader)
-    assert "auto" in caplog.text and "default" in caplog.text
+    assert "strategy 'auto'" in caplog.text and "rules matched: auto_base" in caplog.text
 
 
 def test_bad_strategy_fails_before_touching_anything():
@@ -96,23 +100,35 @@ def test_import_aiak_imports_no_optional_dependency_and_never_touches_cuda():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_auto_keeps_the_math_within_float_rounding():
-    """auto may change layouts and prefetching, never the function: a few steps match plain PyTorch."""
+def test_auto_changes_the_math_only_through_a_gated_candidate():
+    """auto may turn on bf16 only after its gradients matched fp32's on the user's batch; whatever it picks,
+    training reaches plain PyTorch's loss (4 epochs of the demo model: within 5%, measured gap < 1%)."""
+    from aiak.tune.gate import MIN_COSINE
+
     def setup():
         torch.manual_seed(0)
         model = DemoNet(width=8)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        loader = DataLoader(synthetic_dataset(64, image_size=8), batch_size=16, shuffle=True,
+        loader = DataLoader(synthetic_dataset(256, image_size=8), batch_size=16, shuffle=True,
                             generator=torch.Generator().manual_seed(0))
         return model, opt, loader
 
-    plain = _loop(*setup())
+    def final_loss(model, opt, loader):
+        for _ in range(4):
+            for x, y in loader:
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return float(loss)
+
+    plain = final_loss(*setup())
     model, opt, loader = aiak.optimize(*setup())  # strategy="auto"
-    assert aiak.api.last_summary().effect("channels_last").startswith("on")
-    assert type(loader).__name__ == "PrefetchLoader"
-    trained = _loop(model, opt, loader)
-    for (k, a), b in zip(plain.state_dict().items(), trained.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
+    decision = aiak.last_decision().to_dict()
+    chosen = next(t for t in decision["trials"] if "chosen" in t["why"])
+    if decision["strategy"]["precision"]["level"] != "O0":
+        assert chosen["accepted"] and chosen["grad_cosine"] >= MIN_COSINE
+    assert abs(final_loss(model, opt, loader) - plain) <= 0.05 * plain + 0.02
 
 
 def test_optimizing_the_same_model_twice_is_refused():
@@ -122,7 +138,9 @@ def test_optimizing_the_same_model_twice_is_refused():
         aiak.optimize(model, strategy="default")
 
 
-def test_a_knob_that_is_not_built_yet_warns_and_is_skipped():
-    with pytest.warns(UserWarning, match="tune: true is not implemented yet"):
+def test_tune_without_an_optimizer_and_loader_says_why_and_applies_the_pick():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         aiak.optimize(nn.Linear(2, 2), strategy={"tune": True})
-    assert aiak.api.last_summary().effect("tune").startswith("skipped")
+    decision = aiak.last_decision().to_dict()
+    assert decision["trials"] == [] and "need a model, an optimizer and a loader" in decision["tuning"]

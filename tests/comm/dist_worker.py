@@ -307,6 +307,49 @@ def scenario_int8_nan_hierarchical(rank):
     return nan_recovery(rank, {"hierarchical": True, "bucket_mb": 0.001})
 
 
+class SkewedNet(nn.Module):
+    """A small CNN whose speed depends on the rank, deliberately: rank 3 is slow under bf16 autocast, rank 1
+    refuses channels_last inputs (an error on one rank only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        rank = dist.get_rank()
+        if rank == 3 and torch.is_autocast_enabled("cpu"):
+            time.sleep(0.15)
+        if rank == 1 and x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+            raise RuntimeError("rank 1 refuses channels_last")
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def scenario_tune_skewed(rank):
+    """4 ranks tune one strategy: the slowest rank's times and any rank's failure decide for everyone."""
+    import aiak
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = SkewedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    data = TensorDataset(torch.randn(64, 3, 12, 12, generator=g), torch.randint(0, 5, (64,), generator=g))
+    loader = DataLoader(data, batch_size=8)
+    strategy = {"extends": "default", "channels_last": True, "precision": {"level": "O1", "dtype": "bf16"},
+                "loader": {"prefetch": 1}, "tune": {"candidates": 5, "steps": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
+    decision = aiak.last_decision().to_dict()
+    for x, y in loader:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"decision": decision, "weights": {k: v.clone() for k, v in ddp.state_dict().items()}}
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])

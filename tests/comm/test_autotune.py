@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aiak.comm.autotune import CommChoice, TuneCache, cache_key, default_cache_path, gradient_bucket_sizes
+from aiak.comm.autotune import CommChoice, TuneCache, cache_key, gradient_bucket_sizes
+from aiak.tune.cache import default_cache_path
 
 
 def test_cache_roundtrip_and_atomic_merge(tmp_path):

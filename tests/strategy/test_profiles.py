@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import aiak
-from aiak.strategy import Strategy, StrategyError, list_profiles, load_strategy
+from aiak.strategy import Match, Strategy, StrategyError, list_profiles, load_strategy
 
-BUILT_IN = ["cnn", "default", "large_batch", "multi_node", "swin", "transformer"]
+BUILT_IN = ["auto_base", "channels_last", "cnn", "cpu_bf16", "cuda", "cuda_bf16", "default", "large_batch",
+            "multi_node", "multi_node_comm", "swin", "transformer", "window_attention"]
 
 
 def test_all_built_in_profiles_exist_and_validate():
@@ -16,7 +17,15 @@ def test_all_built_in_profiles_exist_and_validate():
         s = load_strategy(name)
         assert isinstance(s, Strategy)
         assert s.name == name
-        assert s.description, f"profile {name} has no description"
+        assert s.description and "\n" not in s.description, f"profile {name} needs a one-line description"
+
+
+def test_only_profiles_that_change_the_training_itself_lack_a_match_section():
+    """LAMB and accumulation (large_batch, multi_node) and plain PyTorch (default) apply only when named."""
+    from aiak.strategy.profiles import load_profile, profile_files
+
+    without = [f.name for f in profile_files() if not load_profile(f).has_match]
+    assert without == ["default", "large_batch", "multi_node"]
 
 
 def test_default_profile_turns_everything_off():
@@ -24,6 +33,7 @@ def test_default_profile_turns_everything_off():
     assert (s.tf32, s.channels_last, s.compile, s.cudnn_benchmark) == (False, False, False, False)
     assert s.precision.level == "O0" and s.grad_accumulation == 1 and s.optimizer.name == "keep"
     assert s.loader.prefetch == 0 and s.fused_ops == [] and s.comm.compression == "none"
+    assert not s.tune and s.match == Match()
 
 
 def test_extends_inherits_then_overrides_section_by_section(tmp_path):

@@ -1,0 +1,190 @@
+"""Measured trials are invisible to the user's run, gate numerics, are cached, and are recorded.
+
+The central property (issue 11): after ``optimize()`` with trials, the loop sees every batch exactly once
+and, step for step, the weights are bit-identical to a run that applied the winning strategy from step 0
+(CPU, deterministic model).
+"""
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import aiak
+from aiak.demo import DemoNet, synthetic_dataset
+from aiak.strategy.select import resolve_strategy
+from aiak.tune.replay import ReplayLoader
+from aiak.tune.trials import run_trials
+
+SOURCES = ("default", "measured", "user")
+
+
+def setup(seed=0, n=256, batch_size=32, width=8):
+    torch.manual_seed(seed)
+    model = DemoNet(width=width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(synthetic_dataset(n, image_size=16, seed=seed), batch_size=batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(seed))
+    return model, optimizer, loader
+
+
+def train(model, optimizer, loader, epochs=1):
+    seen = []
+    for _ in range(epochs):
+        for x, y in loader:
+            seen.append(y.tolist())
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return seen
+
+
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+TUNED = {"extends": "default", "channels_last": True, "precision": {"level": "O1", "dtype": "bf16"},
+         "loader": {"prefetch": 2}, "tune": {"candidates": 4, "steps": 3}}
+
+
+@pytest.mark.parametrize("strategy", ["auto", TUNED])
+def test_run_with_trials_is_bit_identical_to_the_winner_from_step_0(strategy):
+    model, optimizer, loader = setup()
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
+    decision = aiak.last_decision().to_dict()
+    assert not decision["cache_hit"] and len(decision["trials"]) >= 3   # trials really ran
+    seen = train(model, optimizer, loader, epochs=2)
+    rng_after = torch.get_rng_state()
+
+    winner = copy.deepcopy(decision["strategy"])
+    winner["tune"] = {"enabled": False}
+    ref_model, ref_optimizer, ref_loader = setup()
+    ref_model, ref_optimizer, ref_loader = aiak.optimize(ref_model, ref_optimizer, ref_loader, strategy=winner)
+    expected = train(ref_model, ref_optimizer, ref_loader, epochs=2)
+
+    assert seen == expected                                   # every batch once, in the loader's own order
+    a, b = state(model), state(ref_model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ from the winner's run"
+    assert torch.equal(rng_after, torch.get_rng_state())
+
+
+def test_trials_leave_the_users_objects_exactly_as_they_were():
+    model, optimizer, loader = setup()
+    train(model, optimizer, [next(iter(loader))])            # momentum buffers exist: state to disturb
+    before_model, before_opt = state(model), copy.deepcopy(optimizer.state_dict())
+    switches = (torch.get_num_threads(), torch.backends.cudnn.benchmark)
+    selection = resolve_strategy(TUNED, model, optimizer, loader)
+    tuning = run_trials(selection, model, optimizer, loader, torch.device("cpu"))
+    assert len(tuning.trials) >= 3 and all(t.samples_ms for t in tuning.trials if t.accepted)
+    after = state(model)
+    assert all(torch.equal(before_model[k], after[k]) for k in after)
+    assert before_model.keys() == after.keys() and all(after[k].dtype == before_model[k].dtype for k in after)
+    opt = optimizer.state_dict()
+    assert opt["param_groups"] == before_opt["param_groups"]
+    assert all(torch.equal(opt["state"][i]["momentum_buffer"], before_opt["state"][i]["momentum_buffer"])
+               for i in opt["state"])
+    assert type(model) is DemoNet and not model._forward_hooks and not model._forward_pre_hooks
+    assert "step" not in vars(optimizer)                     # not patched by a candidate's step controller
+    assert isinstance(tuning.loader, ReplayLoader) and tuning.loader.pending == 3
+    assert (torch.get_num_threads(), torch.backends.cudnn.benchmark) == switches
+
+
+def test_a_scheduler_and_step_counting_loop_see_nothing_extra():
+    model, optimizer, loader = setup()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, loader, scheduler = aiak.optimize(model, optimizer, loader, strategy=TUNED, scheduler=scheduler)
+    assert aiak.last_decision().trials
+    assert scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 0.05
+    assert optimizer.state_dict()["state"] == {}              # no trial step reached the user's optimizer
+    assert len(train(model, optimizer, loader)) == len(setup()[2])
+
+
+def test_cache_hit_runs_no_trial_and_gives_the_same_strategy():
+    model, optimizer, loader = setup()
+    aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    first = aiak.last_decision().to_dict()
+    model, optimizer, loader = setup()
+    _, _, wrapped = aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    second = aiak.last_decision().to_dict()
+    assert not first["cache_hit"] and second["cache_hit"]
+    assert second["strategy"] == first["strategy"]
+    inner = getattr(wrapped, "loader", wrapped)
+    assert not isinstance(inner, ReplayLoader)               # no batch was borrowed
+    # a different batch shape is a different key
+    model, optimizer, _ = setup()
+    other = DataLoader(synthetic_dataset(128, image_size=16), batch_size=16)
+    aiak.optimize(model, optimizer, other, strategy=TUNED)
+    assert not aiak.last_decision().cache_hit
+
+
+def test_decision_record_is_json_and_every_knob_has_a_source_and_a_reason():
+    model, optimizer, loader = setup()
+    aiak.optimize(model, optimizer, loader)
+    d = aiak.last_decision().to_dict()
+    json.dumps(d)
+    assert {"strategy", "knobs", "trials", "tuning_seconds", "cache_hit"} <= set(d)
+    for path, knob in d["knobs"].items():
+        assert set(knob) >= {"value", "source", "reason"}
+        assert knob["source"] in SOURCES or knob["source"].startswith("profile:"), (path, knob)
+        assert knob["reason"], path
+    for t in d["trials"]:
+        assert {"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why"} <= set(t)
+    assert d["tuning_seconds"] > 0
+    assert sum(t["accepted"] and "chosen" in t["why"] for t in d["trials"]) == 1
+    text = aiak.last_decision().render()
+    assert "trials" in text and "plain" in text
+
+
+def test_gate_drops_a_candidate_whose_gradients_overflow():
+    bad = {"extends": "default", "precision": {"level": "O2", "dtype": "fp16", "loss_scale": 1e30},
+           "tune": {"candidates": 3, "steps": 2}}
+    model, optimizer, loader = setup(n=128)
+    aiak.optimize(model, optimizer, loader, strategy=bad)
+    d = aiak.last_decision().to_dict()
+    mine = next(t for t in d["trials"] if t["label"] == "custom" or t["strategy"].get("precision.dtype") == "fp16")
+    assert not mine["accepted"] and "inf or NaN" in mine["why"]
+    assert d["strategy"]["precision"]["loss_scale"] != 1e30 or d["strategy"]["precision"]["level"] == "O0"
+    assert d["knobs"]["precision.level"]["source"] == "measured"
+
+
+def test_candidate_that_fails_is_dropped_and_the_run_goes_on():
+    class RefusesChannelsLast(DemoNet):
+        def forward(self, x):
+            if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+                raise RuntimeError("this model refuses channels_last inputs")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = RefusesChannelsLast(width=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    _, _, loader = setup()
+    aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    d = aiak.last_decision().to_dict()
+    dropped = [t for t in d["trials"] if not t["accepted"]]
+    assert dropped and all("refuses channels_last" in t["why"] for t in dropped)
+    assert d["strategy"]["channels_last"] is False or d["strategy"]["loader"]["prefetch"] == 0
+
+
+def test_no_loader_means_no_trials_and_says_why():
+    model, optimizer, _ = setup()
+    aiak.optimize(model, optimizer, None, strategy=TUNED)
+    d = aiak.last_decision().to_dict()
+    assert d["trials"] == [] and "need" in d["tuning"]
+
+
+def test_bf16_candidates_pass_the_gate_on_real_models():
+    timm = pytest.importorskip("timm")
+    for name, kwargs in (("resnet18", {}), ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8})):
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = TensorDataset(torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)))
+        loader = DataLoader(data, batch_size=8)
+        strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"},
+                    "tune": {"candidates": 4, "steps": 2}}
+        aiak.optimize(model, optimizer, loader, strategy=strategy)
+        trials = aiak.last_decision().to_dict()["trials"]
+        half = [t for t in trials if t["strategy"].get("precision.level") in ("O1", "O2")]
+        assert half and all(t["accepted"] for t in half), (name, [(t["label"], t["why"]) for t in half])
