@@ -212,18 +212,30 @@ def _call(model: nn.Module, batch: Any) -> Any:
 class _Contender:
     """A candidate applied to its own copy of the model and optimizer."""
 
-    def __init__(self, candidate: Candidate, model: nn.Module, optimizer: Any, device: torch.device):
-        from aiak.api import apply_strategy
-
+    def __init__(self, candidate: Candidate, device: torch.device):
         self.candidate = candidate
         self.record = TrialRecord(candidate.label, {k: _plain(v) for k, v in candidate.changes.items()})
-        self.bare, optimizer = copy.deepcopy((model, optimizer))
-        s = candidate.strategy
-        applied = apply_strategy(s, {}, self.bare, optimizer, None, None, device, distributed=False)
-        self.model, self.optimizer, self.controller = applied.model, applied.optimizer, applied.controller
         self.device = device
-        self.channels_last = s.channels_last and s.loader.prefetch > 0
+        self.channels_last = candidate.strategy.channels_last and candidate.strategy.loader.prefetch > 0
         self.failed = ""
+
+    def build(self, model: nn.Module, optimizer: Any) -> None:
+        """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded)."""
+        from aiak.api import apply_strategy
+
+        try:
+            with amp_warn.quiet():
+                self.bare, optimizer = copy.deepcopy((model, optimizer))
+                applied = apply_strategy(self.candidate.strategy, {}, self.bare, optimizer, None, None, self.device,
+                                         distributed=False)
+            self.model, self.optimizer, self.controller = applied.model, applied.optimizer, applied.controller
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot be applied is dropped, not fatal
+            self.fail(f"could not be applied: {_describe(e)}")
+
+    def fail(self, why: str) -> None:
+        self.failed = self.failed or why
+        self.record.why = self.failed
+        self.record.accepted = False
 
     def switches(self) -> None:
         from aiak import amp
@@ -348,30 +360,20 @@ def _reduce_max(values: List[float], group) -> List[float]:
 
 
 def _build(candidates: List[Candidate], model, optimizer, device, group) -> List[_Contender]:
-    built: List[Any] = []
-    for c in candidates:
-        try:
-            with amp_warn.quiet():
-                built.append(_Contender(c, model, optimizer, device))
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot be applied is dropped, not fatal
-            failed = _Contender.__new__(_Contender)
-            failed.candidate, failed.failed = c, f"could not be applied: {_describe(e)}"
-            failed.record = TrialRecord(c.label, {k: _plain(v) for k, v in c.changes.items()}, why=failed.failed)
-            built.append(failed)
+    built = [_Contender(c, device) for c in candidates]
+    for b in built:
+        b.build(model, optimizer)
     flags = _reduce_max([1.0 if b.failed else 0.0 for b in built], group)
     for b, flag in zip(built, flags):
-        if flag and not b.failed:
-            b.failed = "could not be applied on another rank"
-            b.record.why = b.failed
+        if flag:
+            b.fail("could not be applied on another rank")
     return built
 
 
 def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) -> None:
     """One step each on batch 0 from the same RNG state; gradients gated against plain fp32's."""
-    reference = None
-    order = sorted(contenders, key=lambda c: c.candidate.label != "plain")  # plain first: the reference
     grads: Dict[int, Dict[str, torch.Tensor]] = {}
-    for c in order:
+    for c in sorted(contenders, key=lambda c: c.candidate.label != "plain"):  # plain first: the reference
         if c.failed:
             continue
         rng.restore()
@@ -384,16 +386,13 @@ def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) ->
                 if device.type == "cuda":
                     c.record.peak_mem_mb = torch.cuda.max_memory_allocated(device) / 2**20
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
-            c.failed = _describe(e)
+            c.fail(_describe(e))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if c.candidate.label == "plain":
-            reference = grads.get(id(c))
-    packed = []
+    reference = next((grads.get(id(c)) for c in contenders if c.candidate.label == "plain"), None)
+    packed = []  # per contender: failed, -cosine, norm difference, non-finite; max-reduced over ranks
     for c in contenders:
-        result = None
-        if not c.failed and reference is not None:
-            result = gate.compare(grads[id(c)], reference)
+        result = gate.compare(grads[id(c)], reference) if not c.failed and reference is not None else None
         packed += [1.0 if c.failed else 0.0,
                    -(result.cosine if result and result.finite else -1.0),
                    result.norm_diff if result and result.finite else float("inf"),
@@ -401,33 +400,32 @@ def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) ->
     reduced = _reduce_max(packed, group)
     for i, c in enumerate(contenders):
         failed, neg_cos, norm_diff, nonfinite = reduced[4 * i:4 * i + 4]
-        if failed and not c.failed:
-            c.failed = "failed on another rank"
-        if c.failed:
-            c.record.why = c.record.why or c.failed
+        if failed:
+            c.fail("failed on another rank")
             continue
         result = gate.GateResult(-neg_cos, norm_diff, not nonfinite)
         c.record.grad_cosine, c.record.grad_norm_diff = result.cosine, result.norm_diff
-        if reference is None and not c.candidate.neutral:
-            c.failed = "no fp32 reference to gate against (plain PyTorch failed)"
-            c.record.why = c.failed
-        elif c.candidate.label == "plain" or c.candidate.neutral:
-            c.record.why = "numerics-neutral: no gate needed" if c.candidate.label != "plain" else "fp32 reference"
+        if c.candidate.label == "plain":
+            c.record.why = "plain PyTorch: the fp32 reference"
+        elif c.candidate.neutral:
+            c.record.why = "numerics-neutral: no gate needed"
+        elif reference is None:
+            c.fail("no fp32 reference to gate against (plain PyTorch failed)")
         elif not result.passed:
-            c.failed = result.why()
-            c.record.why = c.failed
+            c.fail(result.why())
         else:
             c.record.why = result.why()
 
 
 def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, group) -> None:
+    """Rounds of one step per candidate (order rotating), until ``cfg.steps`` rounds or the budget is spent."""
     from aiak.comm.autotune import StepClock
 
     active = [c for c in contenders if not c.failed]
-    budget = cfg.max_seconds
+    budget, previous = cfg.max_seconds, None
     for r in range(max(cfg.steps, MIN_TIMED_ROUNDS)):
         shift = r % max(len(active), 1)
-        times = []
+        seconds: Dict[int, float] = {}
         for c in active[shift:] + active[:shift]:
             clock = StepClock(c.device)
             try:
@@ -435,27 +433,25 @@ def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, grou
                     c.switches()
                     t0 = clock.mark()
                     c.step(batches[(r + 1) % len(batches)], want_grads=False)
-                    times.append((c, clock.seconds(t0, clock.mark())))
+                    seconds[id(c)] = clock.seconds(t0, clock.mark())
             except Exception as e:  # noqa: BLE001
-                c.failed = _describe(e)
-                times.append((c, float("inf")))
-        by_contender = dict((id(c), t) for c, t in times)
-        reduced = _reduce_max([by_contender[id(c)] for c in active] + [time.perf_counter() - start], group)
+                c.fail(_describe(e))
+                seconds[id(c)] = float("inf")
+        reduced = _reduce_max([seconds[id(c)] for c in active] + [time.perf_counter() - start], group)
         for c, t in zip(active, reduced[:-1]):
             if t == float("inf"):
-                c.failed = c.failed or "failed on another rank"
-                c.record.why = c.failed
+                c.fail("failed on another rank")
             else:
                 c.record.samples_ms.append(t * 1e3)
         active = [c for c in active if not c.failed]
         elapsed = reduced[-1]
-        if budget is None:
+        round_seconds, previous = elapsed - (previous if previous is not None else elapsed), elapsed
+        if budget is None:  # default: 5% of a 200-step run at plain PyTorch's speed
             plain = next((c for c in active if c.candidate.label == "plain"), None)
-            if plain is not None and plain.record.samples_ms:
+            if plain is not None:
                 budget = BUDGET_FRACTION * BUDGET_RUN_STEPS * min(plain.record.samples_ms) / 1e3
         done = r + 1
-        if done >= MIN_TIMED_ROUNDS and (done >= cfg.steps or budget is None
-                                          or elapsed + elapsed / (done + 1) > budget):
+        if done >= MIN_TIMED_ROUNDS and (done >= cfg.steps or budget is None or elapsed + round_seconds > budget):
             break
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
     for c in contenders:
@@ -506,10 +502,6 @@ def _decide(contenders: List[_Contender], group) -> _Contender:
         dist.broadcast(t, src=0, group=group)
         index = int(t)
     winner = contenders[index]
-    for c in contenders:
-        if c.failed:
-            c.record.why = c.record.why or c.failed
-            c.record.accepted = False
     for c in accepted:
         tail = f"{c.record.speedup:.2f}x plain (rounds {c.record.speedup_spread[0]:.2f}-{c.record.speedup_spread[1]:.2f})"
         c.record.why = f"{c.record.why}; {tail}" + ("; chosen" if c is winner else "")
