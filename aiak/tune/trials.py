@@ -72,7 +72,7 @@ class TrialRecord:
     accepted: bool = False
     why: str = ""
 
-    speedup: Optional[float] = None             # median over rounds of plain's time / this one's, same round
+    speedup: Optional[float] = None             # median (low) over rounds of plain's time / this one's, same round
     speedup_spread: Optional[List[float]] = None  # [min, max] of those per-round ratios
 
     def to_dict(self) -> Dict[str, Any]:
@@ -461,7 +461,7 @@ def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, grou
             c.record.step_ms_spread = [min(s), max(s)]
             if plain is not None and len(plain.record.samples_ms) == len(s):
                 ratios = [p / t for p, t in zip(plain.record.samples_ms, s)]
-                c.record.speedup = statistics.median(ratios)
+                c.record.speedup = statistics.median_low(ratios)  # of an even count, the lower: conservative
                 c.record.speedup_spread = [min(ratios), max(ratios)]
 
 
