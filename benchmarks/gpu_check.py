@@ -1,8 +1,10 @@
 """One script that checks and times every CUDA path of aiak on one GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only core,amp,loaders,optim,ops,comm] [--budget-s 420]
+    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm] [--budget-s 420]
 
 Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals),
+auto (the probe on CUDA, the CUDA rules, trials timed with CUDA events and their peak memory, winner >= plain,
+final loss vs fp32, cache hit),
 amp (capability probe, exact norm layers under O2 fp16, torch's clip_grad_norm_ under O2 + accumulation,
 inductor through aiak), loaders (side-stream copy hidden under compute, record_stream, CUDA-resident source
 batches, DALI GPU output), optim (LAMB/LARS on CUDA), ops (Triton window attention: correctness, the largest
@@ -166,9 +168,74 @@ def _with_tf32(step):
     return run
 
 
+def auto_checks(device: str = "cuda", width: int = 64, batch: int = 128, size: int = 32) -> list:
+    """The auto-selector on a GPU: the probe reads the device right, the rules match the CUDA profiles, the
+    trials run on CUDA (event-timed, peak memory recorded), pick a strategy at least as fast as plain fp32,
+    train to fp32's loss, and a second call is a cache hit. ``device="cpu"`` dry-runs it on CPU."""
+    import aiak
+    from aiak.demo import DemoNet, synthetic_dataset
+    from aiak.strategy.probes import probe
+    from aiak.strategy.select import select
+    from torch.utils.data import DataLoader
+
+    rows = []
+    dev = torch.device(device)
+
+    def setup():
+        torch.manual_seed(0)
+        model = DemoNet(width=width).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loader = DataLoader(synthetic_dataset(batch * 40, image_size=size), batch_size=batch, shuffle=True,
+                            generator=torch.Generator().manual_seed(0), drop_last=True)
+        return model, opt, loader
+
+    model, opt, loader = setup()
+    p = probe(model, opt, loader)
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    rows.append(_row("auto: probe reads the device", p.device == dev.type and (cap is None or tuple(p.cuda_capability) == cap)
+                     and p.bf16_native == (cap is not None and cap >= (8, 0)),
+                     "device, capability, bf16 (goal match torch)", f"{p.device} {p.cuda_capability} bf16={p.bf16_native}"))
+    sel = select(model, opt, loader)
+    want = ({"cuda", "cnn"} | ({"cuda_bf16"} if cap >= (8, 0) else set())) if cap else set()
+    rows.append(_row("auto: CUDA rules match", want <= set(sel.matched), "matched (goal cuda, cnn, cuda_bf16 on sm80+)",
+                     ", ".join(sel.matched)))
+
+    def train(model, opt, loader, steps=30):
+        for i, (x, y) in enumerate(loader):
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == steps:
+                break
+        return float(loss.detach())
+
+    plain_loss = train(*setup())
+    model, opt, loader = aiak.optimize(*setup())
+    d = aiak.last_decision().to_dict()
+    chosen = next((t for t in d["trials"] if "chosen" in t["why"]), None)
+    rows.append(_row("auto: trials ran on the device", len(d["trials"]) >= 3 and chosen is not None
+                     and (dev.type != "cuda" or all(t["peak_mem_mb"] for t in d["trials"] if t["accepted"])),
+                     "trials, peak memory (goal >= 3, recorded)",
+                     "; ".join(f"{t['label']} {t['speedup'] and round(t['speedup'], 2)}x" for t in d["trials"])))
+    rows.append(_row("auto: winner vs plain in the trials", chosen is not None and chosen["speedup"] >= 0.98,
+                     "speedup (goal >= 0.98x)", f"{chosen['label']} {chosen['speedup']:.2f}x, tuning {d['tuning_seconds']:.2f} s"
+                     if chosen else "none"))
+    loss = train(model, opt, loader)
+    rows.append(_row("auto: final loss vs fp32", abs(loss - plain_loss) <= 0.05 * plain_loss + 1e-3,
+                     "30 steps (goal within 5%)", f"{loss:.4f} vs {plain_loss:.4f}"))
+    aiak.optimize(*setup())
+    rows.append(_row("auto: second call is a cache hit", aiak.last_decision().cache_hit, "cache_hit (goal true)",
+                     str(aiak.last_decision().cache_hit)))
+    return rows
+
+
 def section(name: str):
     if name == "core":
         return core_checks()
+    if name == "auto":
+        return auto_checks()
     if name == "amp":
         from precision_cpu import gpu_checks
         return gpu_checks()
@@ -184,12 +251,12 @@ def section(name: str):
     if name == "comm":
         from comm_netns import gpu_checks
         return gpu_checks()
-    raise ValueError(f"--only: unknown section {name!r}; valid: core, amp, loaders, optim, ops, comm")
+    raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="core,amp,loaders,optim,ops,comm")
+    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
