@@ -120,7 +120,7 @@ def test_auto_changes_the_math_only_through_a_gated_candidate():
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-        return float(loss)
+        return float(loss.detach())
 
     plain = final_loss(*setup())
     model, opt, loader = aiak.optimize(*setup())  # strategy="auto"
