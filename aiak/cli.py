@@ -25,17 +25,42 @@ def _cmd_profiles(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    import aiak
-    from aiak.api import last_summary
-    from aiak.demo import make_setup
+    """What a strategy (default auto) picks for a model SPEC on this machine, knob by knob, and why.
 
-    model, optimizer, loader = make_setup(n=256)
-    logging.getLogger("aiak").setLevel(logging.WARNING)
-    aiak.optimize(model, optimizer, loader, strategy=args.strategy)
-    summary = last_summary()
-    print(f"What strategy {args.strategy!r} applies to the built-in demo model ({type(model).__name__}: "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters, on {next(model.parameters()).device}):\n")
-    print(summary.render(with_reasons=True))
+    Without ``--tune`` the rules' pick only: nothing is trained. With ``--tune`` the strategy is applied to the
+    model (``optimize()``, trials included for auto), which takes a few training steps per candidate.
+    """
+    import torch
+
+    from aiak import model_spec
+    from aiak.strategy import load_strategy
+
+    if args.strategy != "auto":
+        load_strategy(args.strategy)  # a misspelt profile fails before any model is built
+    batch_size = None
+    if args.batch_size is not None:  # checked here, not by argparse, so that a mistake is one "aiak:" line
+        batch_size = int(args.batch_size) if args.batch_size.strip().lstrip("-").isdigit() else None
+        if batch_size is None or batch_size < 1:
+            raise model_spec.ModelSpecError(f"--batch-size must be a whole number >= 1, got {args.batch_size}")
+    shape = model_spec.parse_input_shape(args.input_shape) if args.input_shape is not None else None
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise model_spec.ModelSpecError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise model_spec.ModelSpecError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise model_spec.ModelSpecError(f"--device {args.device}: CUDA is not available here (aiak doctor says why)")
+    setup = model_spec.build(args.model, batch_size=batch_size, input_shape=shape)
+    logging.getLogger("aiak").setLevel(logging.WARNING)  # optimize() logs the same table at INFO
+
+    from aiak.tune import explain
+
+    decision = explain(setup.model, setup.optimizer, setup.loader, strategy=args.strategy, tune=args.tune,
+                       device=device)
+    mode = "measured (--tune)" if args.tune else "rules only, nothing trained (--tune measures)"
+    print(f"model {setup.description}; device {device}; {mode}\n")
+    print(decision.render(full=True))  # every knob, also those left at the defaults
     return 0
 
 
@@ -49,7 +74,8 @@ def _cmd_demo(args) -> int:
     print(f"\n  {'run':<10} {'steps':>6} {'samples/s':>11} {'final loss':>11}")
     for r in (baseline, optimized):
         print(f"  {r.name:<10} {r.steps:>6} {r.throughput:>11.1f} {r.final_loss:>11.4f}")
-    print(f"\n  speedup (throughput ratio aiak/baseline): {optimized.throughput / baseline.throughput:.2f}x")
+    print(f"\n  speedup (throughput ratio aiak/baseline): {optimized.throughput / baseline.throughput:.2f}x"
+          f" (aiak's time includes its optimize() call, {optimized.setup_seconds:.2f} s: the trials of 'auto')")
     return 0
 
 
@@ -150,8 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.set_defaults(fn=_cmd_bench)
 
-    p = sub.add_parser("explain", help="what a strategy applies to the demo model, knob by knob, and why")
-    p.add_argument("strategy", nargs="?", default="auto")
+    p = sub.add_parser("explain", help="what a strategy (default: auto) picks for a model on this machine, and why")
+    p.add_argument("strategy", nargs="?", default="auto", help="auto, a profile name, or a YAML path (default: auto)")
+    p.add_argument("--model", default="demo", metavar="SPEC",
+                   help="demo, timm:NAME, torchvision:NAME, hf:TYPE or path/to/file.py:factory (default: demo; "
+                        "random weights, nothing downloaded)")
+    p.add_argument("--batch-size", default=None, metavar="N", help="default: 64 for demo, 32 otherwise")
+    p.add_argument("--input-shape", default=None, metavar="C,H,W",
+                   help="image size (e.g. 3,64,64), or one number, the sequence length, for a text model")
+    p.add_argument("--tune", action="store_true", help="measure the candidates (trials) instead of the rules only")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.set_defaults(fn=_cmd_explain)
 
     p = sub.add_parser("doctor", help="what this machine offers aiak (CUDA, extras, backends)")
@@ -166,11 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from aiak.model_spec import ModelSpecError
     from aiak.strategy import StrategyError
 
     try:
         return args.fn(args)
-    except StrategyError as e:
+    except (StrategyError, ModelSpecError) as e:
         print(f"aiak: {e}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,5 @@
 """Benchmarks stay runnable: every script imports, and the quick ones run end to end on CPU."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,28 @@ def test_overhead_quick_reports_the_ratio():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "default / plain =" in out.stdout
+
+
+def test_auto_quick_sweeps_the_space_and_charges_auto_its_tuning(tmp_path):
+    report = tmp_path / "auto.json"
+    out = subprocess.run([sys.executable, "benchmarks/auto.py", "--quick", "--json", str(report)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {r["model"]: r for r in json.loads(report.read_text())["results"]}
+    assert set(results) == {"demo", "mlp"}
+    # exhaustive without compile: 3 precisions x channels_last on/off (DemoNet has convolutions; the MLP none)
+    oracle = {m: sorted(row["label"] for row in r["rows"] if row["label"] not in ("plain", "auto", "auto effective"))
+              for m, r in results.items()}
+    assert oracle["demo"] == sorted(["fp32", "fp32 +cl", "O1 bf16", "O1 bf16 +cl", "O2 bf16", "O2 bf16 +cl"])
+    assert oracle["mlp"] == sorted(["fp32", "O1 bf16", "O2 bf16"])
+    for r in results.values():
+        rows = {row["label"]: row for row in r["rows"]}
+        assert "cache hit" not in r["auto_note"] and r["auto_tuning_s"] > 0  # a fresh cache: the trials ran
+        assert r["auto_optimize_s"] >= r["auto_tuning_s"]
+        # the effective step carries optimize()'s time over 200 steps
+        extra = rows["auto effective"]["median_ms"] - rows["auto"]["median_ms"]
+        assert extra == pytest.approx(r["auto_optimize_s"] / 200 * 1e3, rel=1e-6)
+        assert {g["goal"] for g in r["goals"]} >= {"auto effective / oracle best", "auto effective / plain",
+                                                   "final loss"}
+    assert "demo: auto effective / plain" in {g["goal"] for g in results["demo"]["goals"]}
+    assert out.stdout.count("goal >= ") >= 5 and "oracle best" in out.stdout
