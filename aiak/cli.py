@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a small built-in model, baseline vs optimized (CPU, < 1 minute)")
     p.add_argument("--strategy", default="auto", help="auto, a profile name, or a YAML path (default: auto)")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=6400, help="default 6400: 200 steps over 2 epochs of batch 64")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=_cmd_demo)

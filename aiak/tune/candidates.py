@@ -9,6 +9,10 @@ In order of preference (the order breaks ties within noise, and ``tune.candidate
    and the speed auto must never fall below;
 4. one-knob variants of the pick: O2 <-> O1, bf16 <-> fp16, channels_last flipped, fused ops off, compile on.
 
+What a trial step does not exercise (:data:`UNTIMED_KEYS`: the loader, DDP communication, process affinity,
+the tuning settings) is the pick's in every candidate, plain included: the trial feeds the borrowed batches
+itself and runs without DDP, so those knobs could not be told apart; the rules set them.
+
 A variant is only proposed where it can run well: fp16 or bf16 only where the device computes it natively
 (``probes.fp16_native`` / ``bf16_native``; emulated half precision runs 7-30x slower on this CPU,
 benchmarks/precision_cpu.py), O2 only with an optimizer, channels_last only for models with Conv2d, and
@@ -28,6 +32,7 @@ from aiak.tune.gate import is_neutral
 # torch 2.14), far beyond the default budget (5% of 200 steps); so compile is a candidate only when
 # tune.max_seconds allows at least this much.
 COMPILE_MIN_BUDGET_S = 60.0
+UNTIMED_KEYS = ("loader", "comm", "cpu_affinity", "tune")
 
 
 @dataclass
@@ -63,11 +68,9 @@ def _variant(pick: Strategy, label: str, changes: Dict[str, Any]) -> Strategy:
 def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds: Optional[float],
                          has_optimizer: bool) -> List[Candidate]:
     """Up to ``limit`` distinct candidates (plain PyTorch always among them), in order of preference."""
-    plain = load_strategy("default")
-    plain_data = plain.to_dict()
-    plain_data["name"] = "plain"
-    plain_data["tune"] = pick.to_dict()["tune"]
-    plain_data["cpu_affinity"] = pick.cpu_affinity  # process-wide: the same for every candidate
+    plain_data = load_strategy("default").to_dict()
+    picked = pick.to_dict()
+    plain_data.update({key: picked[key] for key in UNTIMED_KEYS}, name="plain")
     plain = Strategy.from_dict(plain_data, source="<candidate plain>")
     changed = differences(pick, plain)
     neutral_changes = {k: v for k, v in changed.items() if is_neutral([k])}

@@ -70,18 +70,23 @@ def compare(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tenso
         missing = sorted(set(reference) ^ set(candidate))[:3]
         raise ValueError(f"numerics gate: parameters differ between candidate and reference (e.g. {missing})")
     names = sorted(reference)
-    if not names:
-        return GateResult(1.0, 0.0, True)
-    a = torch.cat([candidate[n].reshape(-1).double() for n in names])
-    b = torch.cat([reference[n].reshape(-1).double() for n in names])
-    finite = bool(torch.isfinite(a).all())
-    na, nb = float(a.norm()), float(b.norm())
+    dot = norm_a = norm_b = 0.0
+    finite = True
+    for n in names:  # per tensor (no concatenated copy); each partial sum in float64
+        a, b = candidate[n].reshape(-1), reference[n].reshape(-1)
+        if not bool(torch.isfinite(a).all()):
+            finite = False
+            break
+        dot += float(torch.dot(a, b).double())
+        norm_a += float(torch.dot(a, a).double())
+        norm_b += float(torch.dot(b, b).double())
     if not finite:
         return GateResult(float("nan"), float("inf"), False)
+    na, nb = math.sqrt(norm_a), math.sqrt(norm_b)
     if nb == 0.0:
         same = na == 0.0
         return GateResult(1.0 if same else 0.0, 0.0 if same else math.inf, True)
-    cosine = float(torch.dot(a, b) / (na * nb)) if na > 0 else 0.0
+    cosine = dot / (na * nb) if na > 0 else 0.0
     return GateResult(cosine, abs(na / nb - 1.0), True)
 
 

@@ -198,7 +198,8 @@ def test_reasons_and_the_public_tuple(model_probes):
     reasons = selection.reasons
     assert reasons["*"].startswith("auto: default.yaml, then each profile whose match: holds, in order: "
                                    "auto_base, channels_last, cpu_bf16")
-    assert reasons["channels_last"].startswith("profile 'channels_last' matched (modules: conv2d (found 20 conv2d))")
+    assert reasons["channels_last"].startswith("profile 'channels_last' matched (modules all of [conv2d, batchnorm] "
+                                                "(found 20 conv2d, 20 batchnorm))")
     assert reasons["precision.level"].startswith("profile 'cpu_bf16' matched (device: cpu (found cpu); "
                                                  "cpu_features any of [avx512_bf16, amx_bf16] (found avx512_bf16))")
     assert reasons["tf32"] == "no profile that matched sets it: default.yaml's value (plain PyTorch)"
