@@ -46,9 +46,9 @@ def test_auto_quick_sweeps_the_space_and_charges_auto_its_tuning(tmp_path):
         rows = {row["label"]: row for row in r["rows"]}
         assert "cache hit" not in r["auto_note"] and r["auto_tuning_s"] > 0  # a fresh cache: the trials ran
         assert r["auto_optimize_s"] >= r["auto_tuning_s"]
-        # the effective step carries optimize()'s time over 200 steps
+        # the effective step carries optimize()'s time (and any warm-up excess) over 200 steps
         extra = rows["auto effective"]["median_ms"] - rows["auto"]["median_ms"]
-        assert extra == pytest.approx(r["auto_optimize_s"] / 200 * 1e3, rel=1e-6)
+        assert extra >= r["auto_optimize_s"] / 200 * 1e3 * (1 - 1e-6)
         assert {g["goal"] for g in r["goals"]} >= {"auto effective / oracle best", "auto effective / plain",
                                                    "final loss"}
     assert "demo: auto effective / plain" in {g["goal"] for g in results["demo"]["goals"]}
