@@ -9,6 +9,7 @@ keys override it section by section.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,23 @@ def _yaml_loader():
 
 
 def _read_yaml(path: Path) -> Dict[str, Any]:
+    """The mapping a strategy file holds (a fresh copy: callers merge into it).
+
+    Parsed once per file version (path, modification time, size): ``auto`` reads every profile and each one's
+    ``extends`` chain on every ``optimize()``, and parsing them all again took ~0.1 s of a 0.4 s ``optimize()``
+    of the demo (cProfile, 13 profiles, 27 reads).
+    """
+    import copy
+
+    try:
+        stat = os.stat(path)
+    except OSError as e:
+        raise StrategyError(f"{path}: cannot be read: {e}") from None
+    return copy.deepcopy(_parse_yaml(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_yaml(path: str, mtime_ns: int, size: int) -> Dict[str, Any]:
     import yaml
 
     try:
