@@ -21,9 +21,17 @@ from aiak.tune.trials import run_trials
 SOURCES = ("default", "measured", "user")
 
 
-def setup(seed=0, n=256, batch_size=32, width=8):
+class DropoutNet(DemoNet):
+    """Draws from the global RNG every step: trials that did not put the RNG back would change the run."""
+
+    def __init__(self, width):
+        super().__init__(width=width)
+        self.head.insert(2, nn.Dropout(0.3))
+
+
+def setup(seed=0, n=256, batch_size=32, width=8, dropout=False):
     torch.manual_seed(seed)
-    model = DemoNet(width=width)
+    model = DropoutNet(width) if dropout else DemoNet(width=width)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(synthetic_dataset(n, image_size=16, seed=seed), batch_size=batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(seed))
@@ -49,9 +57,9 @@ TUNED = {"extends": "default", "channels_last": True, "precision": {"level": "O1
          "loader": {"prefetch": 2}, "tune": {"candidates": 4, "steps": 3}}
 
 
-@pytest.mark.parametrize("strategy", ["auto", TUNED])
-def test_run_with_trials_is_bit_identical_to_the_winner_from_step_0(strategy):
-    model, optimizer, loader = setup()
+@pytest.mark.parametrize("strategy,dropout", [("auto", False), (TUNED, False), (TUNED, True)])
+def test_run_with_trials_is_bit_identical_to_the_winner_from_step_0(strategy, dropout):
+    model, optimizer, loader = setup(dropout=dropout)
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
     decision = aiak.last_decision().to_dict()
     assert not decision["cache_hit"] and len(decision["trials"]) >= 3   # trials really ran
@@ -60,7 +68,7 @@ def test_run_with_trials_is_bit_identical_to_the_winner_from_step_0(strategy):
 
     winner = copy.deepcopy(decision["strategy"])
     winner["tune"] = {"enabled": False}
-    ref_model, ref_optimizer, ref_loader = setup()
+    ref_model, ref_optimizer, ref_loader = setup(dropout=dropout)
     ref_model, ref_optimizer, ref_loader = aiak.optimize(ref_model, ref_optimizer, ref_loader, strategy=winner)
     expected = train(ref_model, ref_optimizer, ref_loader, epochs=2)
 
