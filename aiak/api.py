@@ -49,7 +49,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         s, loader = tuning.strategy, tuning.loader
     snapshot = Snapshot(model, optimizer, scheduler, given_loader)
     try:
-        applied = apply_strategy(s, selection.reasons, model, optimizer, loader, scheduler, device)
+        applied = apply_strategy(s, model, optimizer, loader, scheduler, device)
     except BaseException:
         snapshot.restore()
         if tuning is not None and tuning.restore_rng is not None:
@@ -74,7 +74,7 @@ class Applied:
     controller: Optional[StepController]
 
 
-def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, loader, scheduler, device,
+def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
                    *, distributed: bool = True) -> Applied:
     """Steps 2-7 of ../shared/DESIGN.md on a validated strategy.
 
@@ -84,7 +84,7 @@ def apply_strategy(s: Strategy, reasons: dict, model: nn.Module, optimizer, load
     dev = model_device(model, device)
     if model is not None and device is not None:
         model.to(dev)
-    summary = Summary(s.name, reasons)
+    summary = Summary()
 
     # 2. global switches
     summary.add("tf32", s.tf32, amp.apply_tf32(s.tf32, dev))

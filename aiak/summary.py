@@ -1,7 +1,6 @@
-"""The one-screen summary ``optimize()`` logs (logger ``aiak``) and ``aiak explain`` prints.
-
-One line per knob: its value, what was actually done (or why it was skipped), and the reason the strategy
-chose it. Nothing here decides anything; it only records.
+"""What each step of ``apply_strategy`` actually did, knob by knob: the "applied" part of the decision record
+(:mod:`aiak.tune.decision`, which ``optimize()`` logs and ``aiak explain`` prints). Nothing here decides
+anything; it only records.
 """
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ from typing import Dict, List, Tuple
 
 @dataclass
 class Summary:
-    strategy_name: str
-    reasons: Dict[str, str] = field(default_factory=dict)
     lines: List[Tuple[str, str, str]] = field(default_factory=list)  # (knob, value, effect)
 
     def add(self, knob: str, value: object, effect: str) -> None:
@@ -20,21 +17,6 @@ class Summary:
 
     def effect(self, knob: str) -> str:
         return next((e for k, _, e in self.lines if k == knob), "")
-
-    def render(self, with_reasons: bool = False) -> str:
-        width_k = max([len(k) for k, _, _ in self.lines] + [4])
-        width_v = min(max([len(v) for _, v, _ in self.lines] + [5]), 28)
-        out = [f"aiak.optimize: strategy {self.strategy_name!r}"]
-        if "*" in self.reasons:
-            out.append(f"  ({self.reasons['*']})")
-        for knob, value, effect in self.lines:
-            out.append(f"  {knob:<{width_k}}  {value:<{width_v}}  {effect}")
-            if with_reasons:
-                for key, why in self.reasons.items():
-                    if key == knob or key.startswith(knob + "."):
-                        label = "" if key == knob else f"{key}: "
-                        out.append(f"  {'':<{width_k}}  {'':<{width_v}}  why: {label}{why}")
-        return "\n".join(out)
 
 
 def compact(section: object, always: Tuple[str, ...]) -> Dict[str, object]:

@@ -69,11 +69,11 @@ class TuneCache(_SharedCache):
     """The shared tuning cache (:class:`aiak.tune.cache.TuneCache`), read and written as :class:`CommChoice`."""
 
     def get(self, key: str) -> Optional[CommChoice]:
-        entry = self.get_entry(key)
+        entry = self._read().get(key)
         try:
             return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
         except (TypeError, KeyError, ValueError):
-            if entry is not None or key in self._read():
+            if entry is not None:
                 warnings.warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {self.path}", stacklevel=2)
             return None
 

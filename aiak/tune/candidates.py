@@ -15,7 +15,7 @@ itself and runs without DDP, so those knobs could not be told apart; the rules s
 
 A variant is only proposed where it can run well: fp16 or bf16 only where the device computes it natively
 (``probes.fp16_native`` / ``bf16_native``; emulated half precision runs 7-30x slower on this CPU,
-benchmarks/precision_cpu.py), O2 only with an optimizer, channels_last only for models with Conv2d, and
+benchmarks/precision_cpu.py), channels_last only for models with Conv2d, and
 compile only when the tuning budget can pay for compiling (:data:`COMPILE_MIN_BUDGET_S`).
 """
 from __future__ import annotations
@@ -65,8 +65,7 @@ def _variant(pick: Strategy, label: str, changes: Dict[str, Any]) -> Strategy:
     return Strategy.from_dict(data, source=f"<candidate {label}>")
 
 
-def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds: Optional[float],
-                         has_optimizer: bool) -> List[Candidate]:
+def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds: Optional[float]) -> List[Candidate]:
     """Up to ``limit`` distinct candidates (plain PyTorch always among them), in order of preference."""
     plain_data = load_strategy("default").to_dict()
     picked = pick.to_dict()
@@ -78,7 +77,7 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
 
     p = pick.precision
     native = {"bf16": bool(getattr(probes, "bf16_native", False)), "fp16": bool(getattr(probes, "fp16_native", False))}
-    if p.level == "O1" and has_optimizer:
+    if p.level == "O1":  # trials always have an optimizer (O2 needs one for its fp32 master weights)
         proposals.append(("O2", _variant(pick, "O2", {"precision.level": "O2"})))
     if p.level == "O2":
         proposals.append(("O1", _variant(pick, "O1", {"precision.level": "O1"})))

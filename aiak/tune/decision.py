@@ -96,18 +96,17 @@ def _jsonable(value: Any) -> Any:
 def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None) -> Decision:
     """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied),
     ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did)."""
-    from aiak.tune.trials import changed_knobs
+    from aiak.tune.candidates import differences
 
-    measured = changed_knobs(tuning, selection.strategy) if tuning is not None and not tuning.cache_hit else {}
-    cached = changed_knobs(tuning, selection.strategy) if tuning is not None and tuning.cache_hit else {}
+    measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)
     knobs: Dict[str, Dict[str, Any]] = {}
     for path, value in flatten(applied.to_dict()).items():
         knob = selection.knobs.get(path)
-        if path in measured or path in cached:
+        if path in measured:
             ms = f" at {winner['step_ms']:.2f} ms/step" if winner and winner["step_ms"] else ""
-            how = "cached decision of earlier trials" if path in cached else "trials"
+            how = "cached decision of earlier trials" if tuning.cache_hit else "trials"
             reason = (f"{how}: candidate {tuning.label!r} was the fastest accepted{ms}; the rules' pick had "
                       f"{_fmt(knob.value) if knob else '?'}")
             knobs[path] = {"value": value, "source": "measured", "reason": reason}

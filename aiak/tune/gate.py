@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
@@ -93,10 +93,3 @@ def compare(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tenso
 def is_neutral(changed_keys, neutral=NEUTRAL_KEYS) -> bool:
     """True when every changed key path is numerics-neutral."""
     return all(any(k == n or k.startswith(n + ".") for n in neutral) for k in changed_keys)
-
-
-def worst(results: Optional[list]) -> Optional[GateResult]:
-    """The lowest-cosine result of several ranks' gates (all must pass)."""
-    if not results:
-        return None
-    return min(results, key=lambda r: (r.finite, r.cosine if not math.isnan(r.cosine) else -1.0))

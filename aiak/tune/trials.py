@@ -48,7 +48,7 @@ from aiak.amp import warn as amp_warn
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.cache import TuneCache
-from aiak.tune.candidates import Candidate, candidate_strategies, differences
+from aiak.tune.candidates import Candidate, candidate_strategies
 from aiak.tune.replay import borrow
 
 BUDGET_FRACTION = 0.05     # the issue's budget: 5% ...
@@ -104,7 +104,7 @@ class _Rng:
         self.python = random.getstate()
         np = sys.modules.get("numpy")
         self.numpy = np.random.get_state() if np is not None else None
-        self.generators = [g for g in {id(g): g for g in _generators(loader)}.values()]
+        self.generators = list({id(g): g for g in _generators(loader)}.values())
         self.generator_states = [g.get_state() for g in self.generators]
 
     def restore(self) -> None:
@@ -182,21 +182,22 @@ def decision_key(model: nn.Module, optimizer: Any, loader: Any, probes: Any, pro
 
 # -- one trial step -------------------------------------------------------------------------------
 def trial_loss(output: Any, batch: Any) -> torch.Tensor:
-    """The loss the trial step backpropagates (see the module docstring)."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
+    """The loss the trial step backpropagates (see the module docstring); class scores are read by
+    :func:`aiak.model_spec.logits_of`, the one reading of a model's output."""
+    from aiak.model_spec import logits_of
+
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss.float()
-    if not isinstance(output, torch.Tensor):
-        output = getattr(output, "logits", None) if not isinstance(output, (tuple, list)) else output[0]
-        if not isinstance(output, torch.Tensor):
-            output = next(t for t in iter_tensors(output) if t.is_floating_point())
+    try:
+        logits = logits_of(output)
+    except TypeError:  # no class scores (a backbone's features): any floating output makes the compute real
+        logits = next(t for t in iter_tensors(output) if t.is_floating_point())
     target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
-    if (isinstance(target, torch.Tensor) and output.dim() == 2 and target.dim() == 1
-            and not target.is_floating_point() and target.shape[0] == output.shape[0]):
-        return nn.functional.cross_entropy(output.float(), target.to(output.device))
-    return output.float().square().mean()
+    if (isinstance(target, torch.Tensor) and logits.dim() == 2 and target.dim() == 1
+            and not target.is_floating_point() and target.shape[0] == logits.shape[0]):
+        return nn.functional.cross_entropy(logits.float(), target.to(logits.device))
+    return logits.float().square().mean()
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
@@ -226,7 +227,7 @@ class _Contender:
         try:
             with amp_warn.quiet():
                 self.bare, optimizer = copy.deepcopy((model, optimizer))
-                applied = apply_strategy(self.candidate.strategy, {}, self.bare, optimizer, None, None, self.device,
+                applied = apply_strategy(self.candidate.strategy, self.bare, optimizer, None, None, self.device,
                                          distributed=False)
             self.model, self.optimizer, self.controller = applied.model, applied.optimizer, applied.controller
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be applied is dropped, not fatal
@@ -315,8 +316,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
                       skipped="the loader gave no batch", restore_rng=before.restore)
     switches = Snapshot()
     try:
-        candidates = candidate_strategies(pick, selection.probes, limit=cfg.candidates, max_seconds=cfg.max_seconds,
-                                          has_optimizer=True)
+        candidates = candidate_strategies(pick, selection.probes, limit=cfg.candidates, max_seconds=cfg.max_seconds)
         contenders = _build(candidates, model, optimizer, device, group)
         _warm_up(contenders, batches, after, device, group)
         _timed_rounds(contenders, batches, cfg, start, group)
@@ -506,8 +506,3 @@ def _decide(contenders: List[_Contender], group) -> _Contender:
         tail = f"{c.record.speedup:.2f}x plain (rounds {c.record.speedup_spread[0]:.2f}-{c.record.speedup_spread[1]:.2f})"
         c.record.why = f"{c.record.why}; {tail}" + ("; chosen" if c is winner else "")
     return winner
-
-
-def changed_knobs(tuning: Tuning, pick: Strategy) -> Dict[str, Any]:
-    """Key paths where the trials' winner differs from the rules' pick (their source becomes ``measured``)."""
-    return differences(tuning.strategy, pick)

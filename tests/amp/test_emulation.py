@@ -10,7 +10,6 @@ import torch
 
 import aiak
 from aiak.amp import emulation, warn
-from aiak.api import last_summary
 from aiak.demo import DemoNet
 from aiak.strategy import probes
 
@@ -68,7 +67,7 @@ def test_fp16_on_cpu_warns_once_per_process_with_the_cost_and_the_alternative(mo
     else:
         assert "precision.level: O0 (fp32)" in message
     assert found[0].filename == __file__  # attributed to the user's optimize() line, not to aiak's internals
-    assert "fp16 emulated on cpu" in last_summary().render()  # and the summary says so
+    assert "fp16 emulated on cpu" in aiak.last_decision().render()  # and the decision record says so
 
 
 def test_bf16_on_this_cpu_warns_only_without_bf16_hardware(monkeypatch):

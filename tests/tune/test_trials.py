@@ -196,3 +196,20 @@ def test_bf16_candidates_pass_the_gate_on_real_models():
         trials = aiak.last_decision().to_dict()["trials"]
         half = [t for t in trials if t["strategy"].get("precision.level") in ("O1", "O2")]
         assert half and all(t["accepted"] for t in half), (name, [(t["label"], t["why"]) for t in half])
+
+
+def test_trial_loss_reads_each_kind_of_output():
+    from types import SimpleNamespace
+
+    from aiak.tune.trials import trial_loss
+
+    logits, labels = torch.randn(4, 3), torch.tensor([0, 2, 1, 0])
+    ce = nn.functional.cross_entropy(logits, labels)
+    assert torch.equal(trial_loss(logits, (torch.zeros(4, 1), labels)), ce)              # logits + int labels
+    assert torch.equal(trial_loss((logits, torch.randn(4, 3)), (None, labels)), ce)      # (logits, aux)
+    hf_loss = torch.tensor(1.5)
+    assert trial_loss(SimpleNamespace(loss=hf_loss, logits=logits), {}) is not None
+    assert torch.equal(trial_loss({"loss": hf_loss, "logits": logits}, {}), hf_loss)     # the model's own loss
+    features = {"last_hidden_state": torch.ones(2, 5, 4) * 3}                           # a backbone: no scores
+    assert torch.equal(trial_loss(features, {}), torch.tensor(9.0))
+    assert torch.equal(trial_loss(logits, logits), logits.square().mean())              # no labels
