@@ -46,11 +46,9 @@ spread straddles the goal is flagged "(within noise)".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import itertools
 import json
-import logging
 import os
 import statistics
 import sys
@@ -70,6 +68,7 @@ from optimizers import time_round_robin  # noqa: E402
 
 import aiak  # noqa: E402
 from aiak import model_spec  # noqa: E402
+from aiak.amp.warn import quiet  # noqa: E402  (silences aiak without spending its warn-once keys)
 
 RUN_STEPS = 200            # the run length auto's tuning cost is spread over (issue 11)
 LOSS_TAIL = 10             # final loss = mean of the last 10 steps
@@ -202,20 +201,6 @@ class Contender:
         return float(loss.detach())
 
 
-@contextlib.contextmanager
-def _quiet_aiak():
-    """aiak's INFO table and its emulation warnings are not what is measured here; errors still show."""
-    log = logging.getLogger("aiak")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        log.setLevel(level)
-
-
 def _changed_knobs(decision) -> str:
     """auto's pick as the knobs that differ from plain PyTorch, e.g. ``precision.level=O1, channels_last=true``."""
     from aiak.strategy.profiles import load_strategy
@@ -229,7 +214,7 @@ def _changed_knobs(decision) -> str:
 
 def build_auto(case: ModelCase, batch_size: int, samples: int) -> Contender:
     setup = make_setup(case, batch_size, samples)
-    with _quiet_aiak():
+    with quiet():
         t0 = time.perf_counter()
         model, optimizer, loader = aiak.optimize(setup.model, setup.optimizer, setup.loader)
         wall = time.perf_counter() - t0
@@ -246,7 +231,7 @@ def build_contenders(case: ModelCase, batch_size: int, samples: int, compile_too
     out = [Contender("plain", setup.model, setup.optimizer, setup.loader)]
     for label, strategy in oracle_space(setup, compile_too=compile_too).items():
         s = make_setup(case, batch_size, samples)
-        with _quiet_aiak():
+        with quiet():
             model, optimizer, loader = aiak.optimize(s.model, s.optimizer, s.loader, strategy=strategy)
         out.append(Contender(label, model, optimizer, loader))
     out.append(build_auto(case, batch_size, samples))
@@ -301,7 +286,7 @@ def final_loss(case: ModelCase, batch_size: int, samples: int, steps: int, strat
     setup = make_setup(case, batch_size, samples)
     model, optimizer, loader = setup.model, setup.optimizer, setup.loader
     if strategy is not None:
-        with _quiet_aiak():
+        with quiet():
             model, optimizer, loader = aiak.optimize(model, optimizer, loader, **({} if strategy == "auto" else
                                                                                  {"strategy": strategy}))
     c = Contender("loss", model, optimizer, loader)
