@@ -350,6 +350,16 @@ def scenario_tune_skewed(rank):
     return {"decision": decision, "weights": {k: v.clone() for k, v in ddp.state_dict().items()}}
 
 
+def scenario_probe(rank):
+    """The distribution probes and the rules that follow from them, as each rank finds them."""
+    from aiak.strategy import select
+
+    selection = select(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()))
+    p = selection.probes
+    return {"world_size": p.world_size, "local_size": p.local_size, "nodes": p.nodes, "backend": p.backend,
+            "matched": selection.matched, "strategy": selection.strategy.to_dict(), "digest": selection.profiles_digest}
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
