@@ -1,6 +1,6 @@
 """One script that checks and times every CUDA path of aiak on one GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm] [--budget-s 420]
+    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor] [--budget-s 420]
 
 Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals),
 auto (the probe on CUDA, the CUDA rules, trials timed with CUDA events and their peak memory, winner >= plain,
@@ -251,12 +251,15 @@ def section(name: str):
     if name == "comm":
         from comm_netns import gpu_checks
         return gpu_checks()
-    raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm")
+    if name == "doctor":
+        from aiak.doctor import gpu_checks
+        return gpu_checks()
+    raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm, doctor")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm")
+    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -31,7 +31,7 @@ def test_wheel_contains_all_packages_and_profiles(tmp_path):
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     core = {re.split(r"[<>=!~; ]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
     test_extra = {re.split(r"[<>=!~; ]", r, maxsplit=1)[0] for r in requires if r.endswith('extra == "test"')}
-    assert core == {"torch", "pyyaml"}, core
+    assert core == {"torch", "pyyaml", "numpy"}, core
     assert {"timm", "torchvision", "transformers", "triton"} <= test_extra, test_extra
 
     # installed into a scratch target (no deps): the profiles are found inside the package
