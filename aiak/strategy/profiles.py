@@ -143,6 +143,10 @@ def _locate(name_or_path: str, where: str, relative_to: Optional[Path] = None, *
         raise StrategyError(f"{where}: strategy file {name_or_path!r} not found "
                             f"(looked at {', '.join(str(c) for c in candidates)})")
     by_name = next((f.path for f in profile_files() if f.name == name_or_path), None)
+    if by_name is None and name_or_path == "auto" and top_level:
+        raise StrategyError(f"{where}: 'auto' is no file of fixed knobs: aiak.optimize(strategy='auto') composes "
+                            "them per model and machine from the profiles' match: rules; `aiak explain --model "
+                            "SPEC` shows what it picks")
     if by_name is None:
         names = list_profiles()
         choices = ["auto"] + names if top_level else names

@@ -154,6 +154,15 @@ def test_profile_names_get_a_suggestion_and_the_choices_include_auto(name, sugge
     assert "'auto'" in message.split("choices:")[1] and "'cnn'" in message
 
 
+def test_loading_auto_says_what_auto_is_instead_of_listing_it_among_the_choices():
+    """``load_strategy("auto")`` (and ``aiak profiles auto``) once said "unknown profile 'auto'; choices:
+    ['auto', ...]": auto is no file, its knobs are composed per model."""
+    with pytest.raises(StrategyError) as err:
+        load_strategy("auto")
+    message = str(err.value)
+    assert "unknown profile" not in message and "aiak explain --model" in message and "match:" in message
+
+
 def test_unknown_extends_names_the_file_and_the_key(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("extends: cnnn\ntf32: true\n")
