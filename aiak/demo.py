@@ -1,19 +1,21 @@
 """The built-in demo: a small CNN with BatchNorm trained on synthetic images, baseline vs optimized.
 
-Used by ``aiak demo`` (train both and compare), ``aiak bench`` (time both) and ``aiak explain`` (what a
-strategy applies to this model). CPU-sized by default: the whole demo runs in well under a minute.
+Used by ``aiak demo`` (train both, alternating them in rounds, and compare), and as the ``demo`` model SPEC
+of ``aiak bench`` and ``aiak explain``. CPU-sized by default: the whole demo runs in about a minute.
 """
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Iterator, Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from aiak.measure import Contender, Speedup, alternate, speedup
+from aiak.progress import Board
 
 
 class DemoNet(nn.Module):
@@ -42,22 +44,6 @@ def synthetic_dataset(n: int = 2048, image_size: int = 32, num_classes: int = 10
     return TensorDataset(images, labels)
 
 
-@dataclass
-class RunResult:
-    name: str
-    steps: int
-    samples: int
-    seconds: float                 # the training loop
-    final_loss: float
-    setup_seconds: float = 0.0     # aiak.optimize() before it (the trials of strategy "auto" included)
-
-    @property
-    def throughput(self) -> float:
-        """Samples per second over the loop and its setup: aiak's tuning cost is paid out of its speedup."""
-        total = self.seconds + self.setup_seconds
-        return self.samples / total if total > 0 else float("nan")
-
-
 def make_setup(seed: int = 0, n: int = 2048, batch_size: int = 64, lr: float = 0.05, width: int = 32):
     torch.manual_seed(seed)
     model = DemoNet(width=width)
@@ -67,15 +53,11 @@ def make_setup(seed: int = 0, n: int = 2048, batch_size: int = 64, lr: float = 0
     return model, optimizer, loader
 
 
-def train(model, optimizer, loader, epochs: int = 1, name: str = "", progress: Optional[Callable] = None,
-          device: Any = "cpu") -> RunResult:
-    """A plain training loop, exactly what a user writes; aiak never asks for a different one."""
+def training_steps(model, optimizer, loader, epochs: int, device: Any = "cpu") -> Iterator[torch.Tensor]:
+    """A plain training loop, exactly what a user writes (aiak never asks for a different one), one step
+    per ``next()``: each yields that step's loss."""
     criterion = nn.CrossEntropyLoss()
     model.train()
-    steps = samples = 0
-    loss = torch.zeros(())
-    start = time.perf_counter()
-    total = epochs * len(loader)
     for _ in range(epochs):
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -83,39 +65,67 @@ def train(model, optimizer, loader, epochs: int = 1, name: str = "", progress: O
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            steps += 1
-            samples += x.shape[0]
-            if progress is not None:
-                progress(name, steps, total, loss)
-    seconds = time.perf_counter() - start
-    return RunResult(name, steps, samples, seconds, float(loss.detach()))
+            yield loss
 
 
-def progress_bar(name: str, step: int, total: int, loss: torch.Tensor, width: int = 30, stream=sys.stderr) -> None:
-    if step != total and step % max(1, total // 50):
-        return
-    filled = int(width * step / total)
-    stream.write(f"\r  {name:<10} [{'#' * filled}{'.' * (width - filled)}] {step}/{total}  loss {float(loss):.4f}")
-    if step == total:
-        stream.write("\n")
-    stream.flush()
+class DemoError(ValueError):
+    """Demo arguments that leave no room for an honest measurement; the message names them."""
 
 
-def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 2048, batch_size: int = 64, show_progress: bool = True,
-             seed: int = 0):
-    """Train the demo model twice from the same initial weights: plain PyTorch, then ``aiak.optimize``."""
+@dataclass
+class DemoResult:
+    """Both runs of :func:`run_demo`: the same steps, the same data, alternated in rounds."""
+
+    baseline: Contender
+    optimized: Contender
+    speedup: Speedup            # of the training steps, per round
+    setup_seconds: float        # aiak.optimize() (the trials of "auto" included), paid once before the steps
+    batch_size: int
+    warmup: int                 # steps per side before the timing (they train too)
+
+    @property
+    def end_to_end(self) -> float:
+        """Baseline seconds / aiak's seconds over every step, aiak's optimize() included: what a run of this
+        length gains once the tuning is paid for (one sum per side, so no interval of its own)."""
+        base = sum(self.baseline.warmup_seconds) + sum(self.baseline.step_seconds)
+        mine = sum(self.optimized.warmup_seconds) + sum(self.optimized.step_seconds) + self.setup_seconds
+        return base / mine
+
+
+def plan(epochs: int, n: int, batch_size: int, rounds: int, warmup: int) -> Tuple[int, int, int]:
+    """``(steps per side, steps per round, warm-up steps)`` of a demo; :class:`DemoError` when the steps do not
+    fill ``warmup`` steps and ``rounds`` rounds of at least one step."""
+    steps = epochs * (n // batch_size)
+    if steps < warmup + rounds:
+        raise DemoError(f"--epochs {epochs} x (--samples {n} // --batch-size {batch_size}) = {steps} steps, fewer "
+                        f"than --warmup {warmup} + --rounds {rounds}: give more samples or epochs, or fewer rounds")
+    per_round = (steps - warmup) // rounds
+    return steps, per_round, steps - rounds * per_round
+
+
+def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size: int = 64, *, rounds: int = 10,
+             warmup: int = 5, show_progress: bool = True, seed: int = 0) -> DemoResult:
+    """Train the demo model twice from the same weights on the same batches, plain PyTorch and
+    ``aiak.optimize(strategy=...)``, alternating the two in ``rounds`` rounds after ``warmup`` steps each
+    (:func:`aiak.measure.alternate`). Steps that do not fill a round are added to the warm-up, so both
+    sides train every step of ``epochs`` epochs."""
     import aiak
 
-    progress = progress_bar if show_progress else None
+    steps, per_round, warmup = plan(epochs, n, batch_size, rounds, warmup)
+
     model, optimizer, loader = make_setup(seed, n, batch_size)
     init = copy.deepcopy(model.state_dict())
-    baseline = train(model, optimizer, loader, epochs, "baseline", progress)
+    baseline = Contender("baseline", training_steps(model, optimizer, loader, epochs).__next__)
 
     model, optimizer, loader = make_setup(seed, n, batch_size)
     model.load_state_dict(init)
     start = time.perf_counter()
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
     setup = time.perf_counter() - start
-    optimized = train(model, optimizer, loader, epochs, "aiak", progress)
-    optimized.setup_seconds = setup
-    return baseline, optimized
+    optimized = Contender("aiak", training_steps(model, optimizer, loader, epochs).__next__)
+
+    with Board({"baseline": steps, "aiak": steps}, enabled=show_progress) as board:
+        alternate([baseline, optimized], warmup=warmup, rounds=rounds, steps_per_round=per_round,
+                  progress=lambda c, done, total: board.update(c.name, done, c.loss if c.loss == c.loss else None))
+    return DemoResult(baseline, optimized, speedup(baseline.round_seconds, optimized.round_seconds), setup,
+                      batch_size, warmup)
