@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=whole_number(1), default=6400,
                    help="synthetic images; 6400 = 200 steps over 2 epochs of batch 64")
     p.add_argument("--batch-size", type=whole_number(1), default=64, help="images per step")
-    p.add_argument("--rounds", type=whole_number(1), default=10,
+    p.add_argument("--rounds", type=whole_number(1), default=20,
                    help="the timed steps are cut into this many rounds, alternating baseline and aiak; the "
                         "speedup is the median of the rounds' ratios (6 or more for a verdict)")
     p.add_argument("--warmup", type=whole_number(0), default=5,

@@ -232,7 +232,7 @@ def test_help_describes_every_option_with_its_default():
     for option in ("--model", "--strategy", "--batch-size", "--input-shape", "--steps", "--warmup", "--rounds",
                    "--device", "--json", "--trace", "--plot", "--no-progress"):
         assert option in text
-    for default in ("(default: demo)", "(default: auto)", "(default: 30)", "(default: 5)", "(default: 10)",
+    for default in ("(default: demo)", "(default: auto)", "(default: 40)", "(default: 5)", "(default: 20)",
                     "(default: 64 for demo, 32 otherwise)"):
         assert default in text, default
 

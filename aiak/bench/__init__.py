@@ -67,11 +67,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--input-shape", type=input_shape, default=None, metavar="C,H,W",
                         help="image size (e.g. 3,64,64), or one number, the sequence length, for a text model "
                              "(default: the model's own)")
-    parser.add_argument("--steps", type=whole_number(1), default=30, metavar="N",
+    parser.add_argument("--steps", type=whole_number(1), default=40, metavar="N",
                         help="timed steps per contender, cut into --rounds rounds (at least --rounds)")
     parser.add_argument("--warmup", type=whole_number(0), default=5, metavar="N",
                         help="untimed steps per contender first, alternating (they train too)")
-    parser.add_argument("--rounds", type=whole_number(1), default=10, metavar="N",
+    parser.add_argument("--rounds", type=whole_number(1), default=20, metavar="N",
                         help="rounds of alternation; the speedup is the median of their ratios (6 or more for a "
                              "verdict)")
     parser.add_argument("--device", type=device_type, default=None, metavar="D",
