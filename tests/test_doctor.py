@@ -551,7 +551,7 @@ def test_json_is_one_object_with_every_field(tmp_path, capsys):
 
 
 # -- the real command on this machine -------------------------------------------------------------------------
-def _installed(dist):
+def installed_version(dist):
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -581,7 +581,7 @@ def test_doctor_on_this_machine_prints_a_parsable_report():
     # DALI ran in a subprocess and triton was only looked up: a broken one cannot crash doctor itself
     modules = json.loads(out.stderr.split(MODULES_MARK)[1].splitlines()[0])
     assert modules == {"triton": False, "dali": False}
-    if _installed("nvidia-dali-cuda120"):
+    if installed_version("nvidia-dali-cuda120"):
         dali = next(line for line in out.stdout.splitlines() if line.split()[1:2] == ["dali"])
         assert dali.split()[0] == "pass" and "a one-batch pipeline ran" in dali, dali
 

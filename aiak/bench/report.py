@@ -4,9 +4,6 @@ from __future__ import annotations
 import statistics
 from typing import List
 
-
-
-
 from aiak.bench.runs import Entry, Memory, World
 
 

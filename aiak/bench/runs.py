@@ -12,9 +12,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-
-
-
 SEED = 0
 TRACE_STEPS = 3
 DIST_TIMEOUT_S = 300             # every collective of a torchrun job: a rank that disappears fails the job then

@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Sequence
 
 from aiak.cli_args import whole_number
 from aiak.doctor.checks import Check, checks, filter_names, parse_ifname_filter, recommended_workers
-from aiak.doctor.machine import (EXIT_CODES, FAIL, NAME_WIDTH, PASS, WARN, ExtraFacts, GpuFacts, Machine, TorchFacts,
-                                 _one_line, run_probe)
+from aiak.doctor.machine import (EXIT_CODES, FAIL, NAME_WIDTH, PASS, WARN, ExtraFacts, GpuFacts, Machine,
+                                 TorchFacts, one_line, run_probe)
 
 __all__ = ["add_arguments", "run", "main", "checks", "Check", "Machine", "TorchFacts", "GpuFacts", "ExtraFacts",
            "render", "report", "summary", "exit_code", "filter_names", "parse_ifname_filter", "recommended_workers",
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, machine: Optional[Machine] = None) -> int:
         m = machine if machine is not None else Machine.here(probe_extras=not getattr(args, "no_probes", False))
         results = checks(m, getattr(args, "num_workers", None))
     except Exception as e:  # reading the machine is guarded piece by piece; this is the last net
-        results = [Check("doctor", WARN, f"could not read this machine: {_one_line(f'{type(e).__name__}: {e}')}",
+        results = [Check("doctor", WARN, f"could not read this machine: {one_line(f'{type(e).__name__}: {e}')}",
                          "rerun aiak doctor --json and attach it to an aiak issue")]
     try:
         print(json.dumps(report(results)) if getattr(args, "json", False) else render(results), flush=True)

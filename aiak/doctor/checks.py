@@ -7,8 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-
-from aiak.doctor.machine import (AMPERE, CUDA_MIN_DRIVER, DALI_DISTS, ExtraFacts, FAIL, GDR_LEVELS, GIB, GpuFacts, MIB, Machine, NCCL_DEBUG_LEVELS, NCCL_PATH_TYPES, PASS, PEERMEM_MODULES, WARN, WHEEL_FOR_DRIVER, _installed, _one_line, _read)
+from aiak.doctor.machine import (AMPERE, CUDA_MIN_DRIVER, DALI_DISTS, FAIL, GDR_LEVELS, GIB, MIB, NCCL_DEBUG_LEVELS,
+                                 NCCL_PATH_TYPES, PASS, PEERMEM_MODULES, WARN, WHEEL_FOR_DRIVER, ExtraFacts,
+                                 GpuFacts, installed_version, Machine, one_line, read_small_file)
 
 
 @dataclass
@@ -36,10 +37,10 @@ def interfaces(m: Machine) -> List[Interface]:
     root = m.sys / "class" / "net"
     found = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        state = _read(path / "operstate") or "unknown"
-        flags = _parse_int(_read(path / "flags"), base=16) or 0
-        speed = _parse_int(_read(path / "speed"))
-        loopback = path.name == "lo" or _read(path / "type") == "772" or bool(flags & 0x8)
+        state = read_small_file(path / "operstate") or "unknown"
+        flags = _parse_int(read_small_file(path / "flags"), base=16) or 0
+        speed = _parse_int(read_small_file(path / "speed"))
+        loopback = path.name == "lo" or read_small_file(path / "type") == "772" or bool(flags & 0x8)
         up = state == "up" or (state == "unknown" and bool(flags & 0x1))
         found.append(Interface(path.name, state, speed if speed and speed > 0 else None, loopback, up))
     return found
@@ -97,9 +98,9 @@ def rdma_devices(m: Machine) -> List[Tuple[str, str]]:
         ports = sorted((dev / "ports").iterdir()) if (dev / "ports").is_dir() else []
         parts = []
         for port in ports:
-            state = (_read(port / "state") or "").partition(":")[2].strip() or "state unknown"
-            layer = _read(port / "link_layer") or ""
-            rate = (_read(port / "rate") or "").split("(")[0].strip()
+            state = (read_small_file(port / "state") or "").partition(":")[2].strip() or "state unknown"
+            layer = read_small_file(port / "link_layer") or ""
+            rate = (read_small_file(port / "rate") or "").split("(")[0].strip()
             parts.append(" ".join(p for p in (f"port {port.name}", layer, rate, state) if p))
         found.append((dev.name, "; ".join(parts) or "no ports listed"))
     return found
@@ -111,7 +112,7 @@ def _rdma_active(description: str) -> bool:
 
 def nvidia_driver(m: Machine) -> Tuple[bool, Optional[str], int]:
     """(an NVIDIA driver is present, its version, how many /dev/nvidiaN device nodes)."""
-    text = _read(m.proc / "driver" / "nvidia" / "version")
+    text = read_small_file(m.proc / "driver" / "nvidia" / "version")
     version = None
     if text:
         match = re.search(r"Module\b.*?\s(\d{3,}\.\d+(?:\.\d+)?)\b", text)
@@ -129,7 +130,7 @@ def torch_install_command(m: Machine, cpu: bool = False, capability: Optional[Tu
     driver: cu126, which runs on any >= 525 driver), or with ``cpu`` the CPU build. With a GPU's
     ``capability``: CUDA 12.8+ builds dropped GPUs below sm 7.5 (cu126 still has them), and Blackwell
     (sm 10.0+) needs a 12.8+ build."""
-    base = (m.torch.version or _installed("torch") or "").split("+")[0]
+    base = (m.torch.version or installed_version("torch") or "").split("+")[0]
     pin = f"torch=={base}" if base else "torch"
     major = _driver_major(nvidia_driver(m)[1])
     tag = next((t for floor, t in WHEEL_FOR_DRIVER if major is not None and major >= floor), "cu126")
@@ -142,7 +143,7 @@ def torch_install_command(m: Machine, cpu: bool = False, capability: Optional[Tu
 
 def loaded_modules(m: Machine) -> Optional[set]:
     """Kernel modules loaded (/proc/modules, else /sys/module); None when neither can be read."""
-    text = _read(m.proc / "modules")
+    text = read_small_file(m.proc / "modules")
     if text is not None:
         return {line.split()[0] for line in text.splitlines() if line.split()}
     root = m.sys / "module"
@@ -151,14 +152,14 @@ def loaded_modules(m: Machine) -> Optional[set]:
 
 def cgroup_cpu_limit(m: Machine) -> Optional[float]:
     """The container's CPU quota in cores (cgroup v2 cpu.max, else v1 cfs quota/period); None when unlimited."""
-    v2 = _read(m.sys / "fs" / "cgroup" / "cpu.max")
+    v2 = read_small_file(m.sys / "fs" / "cgroup" / "cpu.max")
     if v2:
         quota, _, period = v2.partition(" ")
         if quota != "max" and _parse_int(quota) and _parse_int(period):
             return int(quota) / int(period)
         return None
-    quota = _parse_int(_read(m.sys / "fs" / "cgroup" / "cpu" / "cpu.cfs_quota_us"))
-    period = _parse_int(_read(m.sys / "fs" / "cgroup" / "cpu" / "cpu.cfs_period_us"))
+    quota = _parse_int(read_small_file(m.sys / "fs" / "cgroup" / "cpu" / "cpu.cfs_quota_us"))
+    period = _parse_int(read_small_file(m.sys / "fs" / "cgroup" / "cpu" / "cpu.cfs_period_us"))
     return quota / period if quota and quota > 0 and period else None
 
 
@@ -322,7 +323,7 @@ def check_cpu(m: Machine) -> Check:
     from aiak.strategy.probes import NATIVE_BF16_CPU_FLAGS
 
     path = m.proc / "cpuinfo"
-    text = _read(path)
+    text = read_small_file(path)
     if text is None:
         if not m.linux:
             return Check("cpu", PASS, f"n/a: {path} exists on Linux only; bf16 support unknown")
@@ -685,8 +686,8 @@ def checks(m: Machine, num_workers: Optional[int] = None) -> List[Check]:
             result = check(m, num_workers) if check is check_workers else check(m)
         except Exception as e:
             name = check.__name__.replace("check_", "")
-            result = Check(name, WARN, f"could not check: {_one_line(f'{type(e).__name__}: {e}')}",
+            result = Check(name, WARN, f"could not check: {one_line(f'{type(e).__name__}: {e}')}",
                            "rerun aiak doctor --json and attach it to an aiak issue")
         out.extend(result if isinstance(result, list) else [result])
-    return [Check(c.name, c.status, _one_line(c.detail), _one_line(c.fix)) for c in out]
+    return [Check(c.name, c.status, one_line(c.detail), one_line(c.fix)) for c in out]
 

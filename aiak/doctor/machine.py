@@ -77,14 +77,14 @@ class TorchFacts:
             try:
                 import torch
             except Exception as e:  # a broken install is what doctor is for
-                facts.import_error = _one_line(f"{type(e).__name__}: {e}")
+                facts.import_error = one_line(f"{type(e).__name__}: {e}")
                 return facts
         facts.version = torch.__version__
         facts.cuda, facts.hip = torch.version.cuda, getattr(torch.version, "hip", None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             facts.cuda_available = _guarded(facts.errors, "cuda", torch.cuda.is_available, False)
-        facts.cuda_warning = _one_line(str(caught[0].message)) if caught else ""
+        facts.cuda_warning = one_line(str(caught[0].message)) if caught else ""
         if facts.cuda_available:
             def gpus():
                 return [GpuFacts(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)),
@@ -170,7 +170,7 @@ def _guarded(errors: Dict[str, str], key: str, read: Callable, default):
     try:
         return read()
     except Exception as e:
-        errors[key] = _one_line(f"{type(e).__name__}: {e}")
+        errors[key] = one_line(f"{type(e).__name__}: {e}")
         return default
 
 
@@ -197,7 +197,7 @@ def _version_text(version) -> str:
     return ".".join(str(v) for v in version) if isinstance(version, (tuple, list)) else str(version)
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
@@ -206,7 +206,7 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _read(path: Path) -> Optional[str]:
+def read_small_file(path: Path) -> Optional[str]:
     """The stripped text of a small file, None when it is absent or unreadable (sysfs raises EINVAL often)."""
     try:
         return path.read_text(encoding="utf-8", errors="replace").strip()
@@ -214,7 +214,7 @@ def _read(path: Path) -> Optional[str]:
         return None
 
 
-def _installed(dist: str) -> Optional[str]:
+def installed_version(dist: str) -> Optional[str]:
     from importlib import metadata
 
     try:
@@ -286,7 +286,7 @@ def run_probe(code: str, args: Sequence[str] = (), timeout: float = PROBE_TIMEOU
     except subprocess.TimeoutExpired:
         return False, f"did not finish in {timeout:.0f} s", time.perf_counter() - start
     except OSError as e:  # no writable temp dir, or the interpreter cannot be started
-        return False, f"could not run the probe: {_one_line(e)}", time.perf_counter() - start
+        return False, f"could not run the probe: {one_line(e)}", time.perf_counter() - start
     seconds = time.perf_counter() - start
     if out.returncode == 0:
         return True, _last_line(out.stdout), seconds
@@ -296,10 +296,10 @@ def run_probe(code: str, args: Sequence[str] = (), timeout: float = PROBE_TIMEOU
 
 def probe_extras_here(torch_facts: TorchFacts, run_probes: bool = True) -> Dict[str, ExtraFacts]:
     """triton, DALI and apex on this machine: installed versions and, with ``run_probes``, whether they run."""
-    dali = next((d for d in DALI_DISTS if _installed(d)), DALI_DISTS[0])
-    extras = {"triton": ExtraFacts("triton", _installed("triton")),
-              "dali": ExtraFacts(dali, _installed(dali)),
-              "apex": ExtraFacts("apex", _installed("apex"))}
+    dali = next((d for d in DALI_DISTS if installed_version(d)), DALI_DISTS[0])
+    extras = {"triton": ExtraFacts("triton", installed_version("triton")),
+              "dali": ExtraFacts(dali, installed_version(dali)),
+              "apex": ExtraFacts("apex", installed_version("apex"))}
     if not run_probes or torch_facts.version is None:
         return extras
     gpu = torch_facts.cuda_available and bool(torch_facts.gpus) and torch_facts.hip is None
