@@ -1,6 +1,6 @@
 """One script that checks and times every CUDA path of aiak on one GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor] [--budget-s 420]
+    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor,bench] [--budget-s 420]
 
 Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals),
 auto (the probe on CUDA, the CUDA rules, trials timed with CUDA events and their peak memory, winner >= plain,
@@ -9,7 +9,8 @@ amp (capability probe, exact norm layers under O2 fp16, torch's clip_grad_norm_ 
 inductor through aiak), loaders (side-stream copy hidden under compute, record_stream, CUDA-resident source
 batches, DALI GPU output), optim (LAMB/LARS on CUDA), ops (Triton window attention: correctness, the largest
 admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream order, NaN recovery and
-autotune on a one-rank NCCL group). Every row compares what it measured to its goal and says ok or NO.
+autotune on a one-rank NCCL group), doctor (what it reads of the GPUs, NCCL, Triton and DALI on the GPU),
+bench (``aiak bench`` on resnet18: CUDA memory, CUDA kernels in its trace, default = plain). Every row compares what it measured to its goal and says ok or NO.
 Exit status 1 if any check failed. Without CUDA it prints why and exits 0 having checked nothing (so it is
 safe to run anywhere).
 """
@@ -231,6 +232,42 @@ def auto_checks(device: str = "cuda", width: int = 64, batch: int = 128, size: i
     return rows
 
 
+def bench_checks() -> list:
+    """``aiak bench`` on the GPU (subprocess, as a user runs it): CUDA memory figures, the profiler's CUDA
+    kernels in the trace, ``default`` within noise of plain PyTorch with the same loss, auto at least plain."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "aiak.cli", "bench", "--model", "timm:resnet18", "--batch-size", "64",
+               "--steps", "40", "--rounds", "20", "--strategy", "default", "--strategy", "auto", "--json",
+               "--no-progress", "--trace", tmp]
+        t = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        seconds = time.perf_counter() - t
+        rows = [_row("bench: runs", out.returncode == 0, "exit code (goal 0)",
+                     f"{out.returncode} in {seconds:.0f} s {out.stderr.strip().splitlines()[-1:] if out.returncode else ''}")]
+        if out.returncode != 0:
+            return rows
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        default, auto = report["strategies"]["default"], report["strategies"]["auto"]
+        rows.append(_row("bench: CUDA memory", report["mem_kind"] == "cuda" and (auto["peak_mem_mb"] or 0) > 0,
+                         "mem_kind, auto peak MB (goal cuda, > 0)", f"{report['mem_kind']}, {auto['peak_mem_mb']}"))
+        # cuDNN's backward kernels may add in another order from run to run: the losses agree to 1e-3, not bits
+        same_loss = abs(default["final_loss"] - report["baseline"]["final_loss"]) <= 1e-3 * max(
+            1.0, abs(report["baseline"]["final_loss"]))
+        rows.append(_row("bench: default = plain", default["verdict"] == "within noise" and same_loss,
+                         "verdict, loss (goal noise, 1e-3)", f"{default['verdict']} {default['speedup']:.2f}x, "
+                         f"{default['final_loss']} vs {report['baseline']['final_loss']}"))
+        rows.append(_row("bench: auto >= plain", auto["verdict"] != "slower", "verdict (goal not slower)",
+                         f"{auto['verdict']} {auto['speedup']:.2f}x"))
+        trace = json.loads(Path(report["traces"]["auto"]).read_text())["traceEvents"]
+        kernels = sum(e.get("cat") == "kernel" for e in trace)
+        rows.append(_row("bench: trace has CUDA kernels", kernels > 0, "kernel events (goal > 0)", kernels))
+    return rows
+
+
 def section(name: str):
     if name == "core":
         return core_checks()
@@ -254,12 +291,15 @@ def section(name: str):
     if name == "doctor":
         from aiak.doctor import gpu_checks
         return gpu_checks()
-    raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm, doctor")
+    if name == "bench":
+        return bench_checks()
+    raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm, doctor, "
+                     "bench")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor")
+    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor,bench")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
