@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def run_example(script: str, *args: str, timeout: float = 240) -> subprocess.Com
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=timeout)
-    assert out.returncode == 0, f"{script} {' '.join(args)} exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, \
+        f"{script} {' '.join(args)} exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 
 
@@ -110,19 +112,31 @@ def _netns_usable() -> str:
 
 @pytest.mark.slow
 @pytest.mark.skipif(bool(_netns_usable()), reason=_netns_usable() or "-")
-def test_multinode_local_runs_4_ranks_on_2_nodes_that_end_with_identical_weights():
+def test_multinode_local_runs_4_ranks_on_2_nodes_that_end_with_identical_weights(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "LOCAL_TIMEOUT": "200", "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-    out = subprocess.run(["bash", str(EXAMPLES / "multinode.sh"), "--local", "--smoke"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=240)
-    namespaces = re.findall(r"nodes (aiakm\d+n0) \([\d.]+\) and (aiakm\d+n1)", out.stdout)
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    assert namespaces and not any(ns in left for ns in namespaces[0]), f"namespaces left behind: {left}"
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    command = ["bash", str(EXAMPLES / "multinode.sh"), "--local", "--smoke", "--checkpoint", str(tmp_path / "mn.pt")]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    namespaces = [f"aiakm{proc.pid}n0", f"aiakm{proc.pid}n1"]   # the script names them after its own pid
+    try:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)   # its trap ends the ranks and deletes the namespaces
+            stdout, stderr = proc.communicate(timeout=60)
+            pytest.fail(f"multinode.sh --local ran past 240 s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        assert not any(ns in left for ns in namespaces), f"namespaces left behind: {left}"
+    finally:
+        for ns in namespaces:  # only if the script failed to; a no-op otherwise
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    assert f"nodes {namespaces[0]} (10.231.13.1) and {namespaces[1]} (10.231.13.2)" in stdout, stdout[-2000:]
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
 
-    digests = dict(re.findall(r"^rank (\d) ([0-9a-f]{64})$", out.stdout, re.M))
-    assert sorted(digests) == ["0", "1", "2", "3"], out.stdout[-2000:]
+    digests = dict(re.findall(r"^rank (\d) ([0-9a-f]{64})$", stdout, re.M))
+    assert sorted(digests) == ["0", "1", "2", "3"], stdout[-2000:]
     assert len(set(digests.values())) == 1, f"the ranks' weights differ: {digests}"
-    assert re.search(r"aiak.comm: DDP over 4 ranks on 2 node\(s\) x 2 local .*hierarchical\+fp16", out.stdout), \
-        out.stdout[-2000:]
-    before_after(out.stdout.split("\nrank 0 ")[0])  # rank 0's line, printed before the checksums
+    assert re.search(r"aiak.comm: DDP over 4 ranks on 2 node\(s\) x 2 local .*hierarchical\+fp16", stdout), \
+        stdout[-2000:]
+    before_after(stdout.split("\nrank 0 ")[0])  # rank 0's line, printed before the checksums

@@ -1,0 +1,196 @@
+"""docker/Dockerfile, checked without a Docker engine.
+
+Parsed with dockerfile-parse: the base image is NVIDIA's PyTorch container, every ``COPY`` source exists in the
+repository (the build context), and every extra that a ``pip install`` names is declared in pyproject.toml.
+Then the recipe runs for real, as ``docker build`` would run it, in a fresh virtual environment standing in for
+the image's Python: it has no packages of its own and sees this environment's (torch, pip, setuptools, ...)
+through a ``.pth`` file, as the image's Python sees the torch NVIDIA installed. ``ENV``, ``WORKDIR`` and
+``COPY`` are applied under a temporary root and every ``RUN`` step runs with ``/bin/sh -c``; afterwards aiak
+must be installed in that environment and nothing else (torch not replaced), and ``aiak doctor --json`` must
+print a JSON report whose exit code is doctor's exit status.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import tomllib
+from dockerfile_parse import DockerfileParser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def instructions():
+    """The Dockerfile's instructions in order, as ``(INSTRUCTION, value)``."""
+    return [(i["instruction"], i["value"]) for i in DockerfileParser(path=str(DOCKERFILE)).structure]
+
+
+def copy_sources_and_dest(value: str):
+    words = [w for w in shlex.split(value) if not w.startswith("--")]
+    return words[:-1], words[-1]
+
+
+def installed_extras():
+    """Every extra named in a ``pip install`` of a RUN step (``".[a,b]"`` -> a, b)."""
+    extras = []
+    for instruction, value in instructions():
+        if instruction == "RUN" and "pip install" in value:
+            for group in re.findall(r"\.\[([^\]]*)\]", value):
+                extras += [e.strip() for e in group.split(",") if e.strip()]
+    return extras
+
+
+# What a RUN step may call: it runs on this machine too (the slow test below), so nothing that needs the image's
+# package manager or root (apt-get), and pip only to add aiak and its missing small dependencies.
+RUN_COMMANDS = {"pip", "python", "python3", "aiak", "grep", "[", "test", "rm", "mkdir", "cp", "echo"}
+# Packages the base image ships as NVIDIA's own builds: reinstalling one from PyPI would replace or shadow it.
+IMAGE_PACKAGES = re.compile(r"^(torch|torchvision|triton|pytorch-triton|apex|nvidia-dali[\w-]*)([<>=!~\[;@ ]|$)",
+                            re.IGNORECASE)
+
+
+def shell_commands(line: str):
+    """The simple commands of a shell line, each as its words (split at ``&&``, ``||``, ``|``, ``;``; quotes kept
+    together, redirections left out)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands, words, redirect = [], [], False
+    for token in lexer:
+        if token in ("&&", "||", "|", ";"):
+            commands.append(words)
+            words = []
+        elif token in (">", ">>", "<", "2>", "&>"):
+            redirect = True
+        elif redirect:
+            redirect = False
+        else:
+            words.append(token)
+    return [c for c in commands + [words] if c]
+
+
+def run_step_problems():
+    """Why the RUN steps could not run here, or would replace the image's torch (empty: none)."""
+    problems = []
+    for instruction, value in instructions():
+        if instruction != "RUN":
+            continue
+        for words in shell_commands(value):
+            if words[0] not in RUN_COMMANDS:
+                problems.append(f"RUN {value!r}: {words[0]!r} is not one of {sorted(RUN_COMMANDS)}")
+            if words[:2] == ["pip", "install"]:
+                named = [w for w in words[2:] if not w.startswith("-") and IMAGE_PACKAGES.match(w)]
+                if named:
+                    problems.append(f"RUN {value!r}: pip install {named}: the base image ships its own")
+    return problems
+
+
+def test_base_image_is_nvidia_pytorch():
+    base = DockerfileParser(path=str(DOCKERFILE)).baseimage
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", base), base
+
+
+def test_every_copy_source_exists_in_the_repository():
+    copies = [value for instruction, value in instructions() if instruction == "COPY"]
+    assert copies, "the Dockerfile copies nothing"
+    for value in copies:
+        assert "--from" not in value, f"COPY --from is not checked here: {value}"
+        sources, _ = copy_sources_and_dest(value)
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: not in the repository (the build context)"
+    copied = {Path(s).parts[0] for v in copies for s in copy_sources_and_dest(v)[0]}
+    assert {"pyproject.toml", "aiak", "configs"} <= copied  # what `pip install .` needs
+
+
+def test_installed_extras_are_declared_in_pyproject():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = installed_extras()
+    assert extras, "no `pip install .[extra]` step"
+    unknown = [e for e in extras if e not in declared]
+    assert not unknown, f"extras {unknown} are not in pyproject.toml's optional-dependencies {sorted(declared)}"
+
+
+def test_run_steps_only_add_aiak_to_the_image():
+    assert not run_step_problems()
+
+
+def _image_python(venv: Path) -> dict:
+    """A venv without packages of its own that sees this interpreter's site-packages (as the image's Python sees
+    its torch), with a ``pip`` command; returns the environment to run the RUN steps in."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True, timeout=60).stdout.strip())
+    ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (site / "image-packages.pth").write_text("\n".join(ours) + "\n")
+    pip = venv / "bin" / "pip"
+    pip.write_text(f"#!{python}\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n")
+    pip.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PIP_USER")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}", VIRTUAL_ENV=str(venv))
+    return env
+
+
+def _env_pairs(value: str) -> dict:
+    words = shlex.split(value)
+    if words and "=" not in words[0]:          # the legacy form: ENV KEY value with spaces
+        return {words[0]: " ".join(words[1:])}
+    return dict(w.split("=", 1) for w in words)
+
+
+@pytest.mark.slow
+def test_run_steps_install_aiak_in_a_fresh_venv_and_doctor_reports_json(tmp_path):
+    problems = run_step_problems()
+    assert not problems, f"not run here: {problems}"
+    venv, root = tmp_path / "venv", tmp_path / "root"
+    env = _image_python(venv)
+    workdir = root
+    workdir.mkdir(parents=True)
+    ran = []
+    for instruction, value in instructions():
+        if instruction == "ENV":
+            env.update(_env_pairs(value))
+        elif instruction == "WORKDIR":
+            workdir = root / value.lstrip("/")
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif instruction == "COPY":  # Docker's rules: a directory's contents go into dest; a file into a dest/
+            sources, dest = copy_sources_and_dest(value)
+            target = workdir / dest
+            for source in map(ROOT.joinpath, sources):
+                if source.is_dir():
+                    shutil.copytree(source, target, dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                else:
+                    into = dest.endswith("/") or len(sources) > 1
+                    (target if into else target.parent).mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(source, target / source.name if into else target)
+        elif instruction == "RUN":
+            out = subprocess.run(["/bin/sh", "-c", value], cwd=workdir, env=env, capture_output=True, text=True,
+                                 timeout=240)
+            assert out.returncode == 0, \
+                f"RUN {value}\nexit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+            ran.append(value)
+    assert any("pip install" in r for r in ran) and any("aiak doctor" in r for r in ran), ran
+
+    python = venv / "bin" / "python"
+    where = json.loads(subprocess.run(
+        [str(python), "-c", "import json, aiak, torch; print(json.dumps([aiak.__file__, torch.__file__]))"],
+        cwd=tmp_path, env=env, check=True, capture_output=True, text=True, timeout=120).stdout)
+    assert Path(where[0]).is_relative_to(venv), f"aiak imported from {where[0]}, not from the install in {venv}"
+    assert not Path(where[1]).is_relative_to(venv), f"pip installed a torch of its own: {where[1]}"
+    site = Path(where[0]).parent.parent
+    installed = sorted(p.name.split("-")[0] for p in site.glob("*.dist-info"))
+    assert installed == ["aiak"], f"pip installed more than aiak into the image's Python: {installed}"
+
+    doctor = subprocess.run([str(venv / "bin" / "aiak"), "doctor", "--json"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=180)
+    report = json.loads(doctor.stdout)
+    assert isinstance(report, dict) and report["checks"], doctor.stdout[-2000:]
+    assert report["exit_code"] == doctor.returncode in (0, 1, 2), doctor.stderr[-2000:]
