@@ -50,3 +50,61 @@ def test_lambdalr_per_group_lambdas_are_expanded_with_accumulation():
     for g in new_opt.param_groups:
         from_first = id(g["params"][0]) in first
         assert g["lr"] == (1.0 / 3 if from_first else 2.0), (from_first, g["lr"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6),
+    lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4),   # a warm-up: lr < base
+], ids=["cosine", "warmup"])
+def test_a_learning_rate_set_in_the_strategy_is_the_base_of_the_users_schedule(make):
+    """``optimizer: {name: lars, lr: 0.7}`` with the user's SGD(0.1) scheduler: LARS runs the user's schedule
+    around 0.7, as a scheduler built on LARS(0.7) would. (It once ran at the SGD's rate, 0.1, while the
+    decision record said 0.7.)"""
+    def schedule(opt, sched, steps):
+        rates = []
+        for _ in range(steps):
+            rates.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return rates
+
+    model = _model()
+    user = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, lars, _, sched = aiak.optimize(model, user, strategy={"optimizer": {"name": "lars", "lr": 0.7}},
+                                          scheduler=make(user))
+    got = schedule(lars, sched, 6)
+    reference_opt = torch.optim.SGD(_model().parameters(), lr=0.7)
+    want = schedule(reference_opt, make(reference_opt), 6)
+    assert got == pytest.approx(want, rel=1e-6), (got, want)
+    assert all(g["lr"] == lars.param_groups[0]["lr"] for g in lars.param_groups)  # every split group alike
+
+
+def test_without_a_strategy_rate_the_swapped_optimizer_keeps_the_users_schedule_mid_run():
+    model = _model()
+    user = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(user, T_max=6)
+    for _ in range(2):
+        user.step()
+        sched.step()
+    now = user.param_groups[0]["lr"]
+    model, lamb, _, sched = aiak.optimize(model, user, strategy={"optimizer": {"name": "lamb"}}, scheduler=sched)
+    assert [g["lr"] for g in lamb.param_groups] == pytest.approx([now] * len(lamb.param_groups))
+    assert sched.base_lrs == pytest.approx([0.1] * len(lamb.param_groups))
+
+
+def test_one_cycle_keeps_its_own_rates_and_says_the_strategy_rate_is_unused():
+    """OneCycleLR takes its rates from max_lr, not from the optimizer: built on LARS(0.7) it would run the same."""
+    model = _model()
+    user = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(user, max_lr=0.1, total_steps=8)
+    reference_opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    reference = torch.optim.lr_scheduler.OneCycleLR(reference_opt, max_lr=0.1, total_steps=8)
+    with pytest.warns(UserWarning, match="OneCycleLR sets the rates from its own max_lr"):
+        model, lars, _, sched = aiak.optimize(model, user, strategy={"optimizer": {"name": "lars", "lr": 0.7}},
+                                              scheduler=sched)
+    for _ in range(5):
+        assert lars.param_groups[0]["lr"] == pytest.approx(reference_opt.param_groups[0]["lr"])
+        lars.step()
+        sched.step()
+        reference_opt.step()
+        reference.step()
