@@ -35,12 +35,19 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the incoming gradient by ``factor()``, read at backward time."""
+    """Identity forward; backward multiplies the incoming gradient by ``factor()``, read at backward time.
+
+    The forward returns ``x.detach()``: the same memory and version counter as ``x``, no copy, and not a view
+    in autograd's sense. A view made inside a custom Function (``x.view_as(x)``) cannot be modified in place,
+    so a ``loss *= w`` on the model's output (which Hugging Face's Trainer does with its default
+    ``average_tokens_across_devices=True``) raised "Output 0 of _ScaleGrad is a view and is being modified
+    inplace". An in-place op on the output now behaves as it would on the model's own output without aiak.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, factor: Callable[[], float]) -> torch.Tensor:
         ctx.factor = factor
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

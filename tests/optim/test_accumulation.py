@@ -103,12 +103,6 @@ def test_default_strategy_leaves_the_optimizer_unpatched():
     assert opt2 is opt and opt.step == step and not hasattr(opt, "_aiak_steps")
 
 
-def test_closure_is_refused_with_accumulation():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, _ = aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
-    with pytest.raises(RuntimeError, match="closure"):
-        opt.step(lambda: torch.zeros(()))
 
 
 def test_optimizing_the_same_optimizer_twice_is_an_error():
