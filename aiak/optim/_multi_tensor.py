@@ -17,11 +17,12 @@ kernel launches over all tensors, which is what makes foreach fast there.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim import Optimizer
+
+from aiak.amp.warn import warn
 
 # A bucket is a list of (tensor index, start, stop) in flat element coordinates; (i, 0, numel) is whole.
 Piece = Tuple[int, int, int]
@@ -357,8 +358,8 @@ class LayerwiseOptimizer(Optimizer):
             raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
                              f"got {bucket_elems!r}")
         if fused:
-            warnings.warn(f"{type(self).__name__}(fused=True): no apex or Triton kernel ships in this build; "
-                          "using the default multi-tensor path", stacklevel=3)
+            warn(f"{type(self).__name__}(fused=True): no apex or Triton kernel ships in this build; "
+                 "using the default multi-tensor path")
         self._check_group(defaults)
         super().__init__(params, defaults)  # calls add_param_group, which checks every group
         self.bucket_elems = bucket_elems
@@ -384,6 +385,19 @@ class LayerwiseOptimizer(Optimizer):
                     value = saved_state[pid].get(key)
                     if isinstance(value, torch.Tensor):
                         self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
+    def _bucketing(self) -> Tuple[Optional[int], Optional[PlanCache]]:
+        """``(bucket_elems, plan cache)`` for this step.
+
+        Under ``torch.compile`` the step runs as one bucket without cached scratch: the eager path writes its
+        temporaries with ``out=`` into views of a flat scratch buffer, a "mutation on a view chain" that
+        dynamo refuses (``torch.compile(Lamb.step, backend="aot_eager")`` failed at the first ``torch.mul(...,
+        out=...)``), and a compiled graph plans its own temporaries. Same maths, so the same result within
+        fp32 rounding (tests/optim/test_compile_step.py).
+        """
+        if torch.compiler.is_compiling():
+            return 0, None
+        return self.bucket_elems, self._plans
 
     def _begin_step(self, closure):
         """What every ``step`` starts with: evaluate the closure (with grad) and refuse sparse gradients."""

@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from aiak.amp.warn import warn
 from aiak.optim.lamb import Lamb
 from aiak.optim.lars import Lars
 from aiak.optim.param_groups import excluded_parameters, split_param_groups
@@ -101,7 +102,8 @@ def _validated(name: str, hyperparameters: Mapping[str, Any], prefix: str) -> Di
 
 
 def create(name: str, model_or_params: Union[nn.Module, Iterable], **hyperparameters: Any) -> torch.optim.Optimizer:
-    """``create("lamb", model, lr=1e-3, weight_decay=0.01)``: a LAMB or LARS optimizer.
+    """``create("lamb", model, lr=1e-3, weight_decay=0.01)``: a LAMB or LARS optimizer (``lr`` defaults to the
+    optimizer's: 1e-3 for LAMB, 1.0 for LARS, as timm's).
 
     Given a module, parameters are grouped with biases and normalization weights excluded from decay and
     adaptation (unless ``exclude_bias_and_norm=False``); given parameters or groups, they are used as-is.
@@ -109,8 +111,6 @@ def create(name: str, model_or_params: Union[nn.Module, Iterable], **hyperparame
     name = _check_name(name, "create(name)")
     kw = _validated(name, hyperparameters, prefix="")
     exclude = kw.pop("exclude_bias_and_norm", True)
-    if "lr" not in kw:
-        raise ValueError(f"create({name!r}, ...) needs lr")
     if isinstance(model_or_params, nn.Module):
         params = [p for p in model_or_params.parameters() if p.requires_grad]
         groups = [{"params": params}]
@@ -146,8 +146,8 @@ def swap_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
     else:
         groups = [_carried_group(name, optimizer, g) for g in optimizer.param_groups]
         if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
-            warnings.warn(f"optimizer: {type(optimizer).__name__} already has state (moments, momentum); "
-                          f"{name} starts from fresh state", stacklevel=2)
+            warn(f"optimizer: {type(optimizer).__name__} already has state (moments, momentum); "
+                 f"{name} starts from fresh state")
     # The strategy's explicit hyper-parameters win over carried ones, except that a user group with
     # weight_decay 0 beside groups with decay (the user's own no-decay list) keeps 0.
     keep_zero_decay = any(g.get("weight_decay", 0) for g in groups) and optimizer is not None

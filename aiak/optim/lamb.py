@@ -41,7 +41,8 @@ class Lamb(LayerwiseOptimizer):
     Args:
         params: parameters or parameter groups. A group may set ``adapt=False`` to take plain Adam steps
             (trust ratio 1), which is how biases and normalization weights are usually excluded.
-        lr: learning rate. betas: moment decay rates. eps: added to ``sqrt(v_hat)``.
+        lr: learning rate; default 1e-3, timm's (timm 1.0.31 ``timm/optim/lamb.py``: ``lr: float = 1e-3``).
+            betas: moment decay rates. eps: added to ``sqrt(v_hat)``.
         weight_decay: decoupled weight decay, added to the update before the trust ratio.
         bias_correction: divide the moments by ``1 - beta^t`` (the paper does).
         adapt: default of the per-group trust-ratio switch.
@@ -56,7 +57,7 @@ class Lamb(LayerwiseOptimizer):
 
     _fp32_state_keys = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr: float, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, *, bias_correction: bool = True, adapt: bool = True,
                  trust_clip: Optional[float] = None, max_grad_norm: Optional[float] = None,
                  foreach: Optional[bool] = None, bucket_elems: Optional[int] = None, fused: Optional[bool] = None):
@@ -78,6 +79,7 @@ class Lamb(LayerwiseOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = self._begin_step(closure)
+        bucket_elems, plans = self._bucketing()
         grad_scale = clip_coefficient(self.param_groups, self.max_grad_norm)
         for group in self.param_groups:
             params, grads, steps, state = self._gather(group, ("exp_avg", "exp_avg_sq"))
@@ -87,9 +89,10 @@ class Lamb(LayerwiseOptimizer):
             lamb(params, grads, state["exp_avg"], state["exp_avg_sq"], steps, lr=group["lr"], beta1=beta1,
                  beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                  bias_correction=group["bias_correction"], adapt=group["adapt"], trust_clip=group["trust_clip"],
-                 grad_scale=grad_scale, foreach=group["foreach"] is not False, bucket_elems=self.bucket_elems,
-                 plans=self._plans)
-        self._plans.prune()
+                 grad_scale=grad_scale, foreach=group["foreach"] is not False, bucket_elems=bucket_elems,
+                 plans=plans)
+        if plans is not None:
+            plans.prune()
         return loss
 
     def state_dict(self) -> dict:
@@ -207,8 +210,10 @@ def _foreach_direction(plan, k, w, m, v, eps_hat, step_size, weight_decay, out=N
 def _fused_adam_step(device: torch.device, step: int, bias_correction: bool) -> Optional[torch.Tensor]:
     """The step count as the 0-dim fp32 tensor torch's fused Adam kernel reads (``Adam(fused=True)``'s, on
     CPU and CUDA), or ``None`` where that kernel cannot serve: no bias correction (it always applies
-    it), another device, or a torch without it."""
-    if not bias_correction or device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_adam_"):
+    it), another device, a torch without it, or under ``torch.compile`` (its functionalization refuses the
+    in-place kernel; the foreach form is traced instead and the compiler fuses it)."""
+    if (not bias_correction or device.type not in ("cpu", "cuda") or not hasattr(torch, "_fused_adam_")
+            or torch.compiler.is_compiling()):
         return None
     return torch.full((), float(step), dtype=torch.float32, device=device)
 

@@ -36,7 +36,9 @@ class Lars(LayerwiseOptimizer):
 
     Args:
         params: parameters or parameter groups; a group may set ``adapt=False`` for plain SGD momentum.
-        lr: global learning rate. momentum: heavy-ball momentum (0 disables the buffer).
+        lr: global learning rate; default 1.0, timm's (timm 1.0.31 ``timm/optim/lars.py``: ``lr=1.0``; with the
+            trust coefficient 0.001 the layer-wise step is ``0.001 * ||w||``-sized).
+            momentum: heavy-ball momentum (0 disables the buffer).
         weight_decay: L2 decay added to the gradient (and to the trust-ratio denominator).
         trust_coefficient: the paper's eta. eps: guards the trust-ratio denominator.
         nesterov: Nesterov momentum (needs momentum > 0). clip: LARC clipping ``min(local / lr, 1)``.
@@ -46,7 +48,7 @@ class Lars(LayerwiseOptimizer):
 
     _fp32_state_keys = ("momentum_buffer",)
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, *, nesterov: bool = False,
                  clip: bool = False, adapt: bool = True, foreach: Optional[bool] = None,
                  bucket_elems: Optional[int] = None, fused: Optional[bool] = None):
@@ -64,6 +66,7 @@ class Lars(LayerwiseOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = self._begin_step(closure)
+        bucket_elems, plans = self._bucketing()
         for group in self.param_groups:
             params, grads, _, _ = self._gather(group, ())
             if not params:
@@ -80,8 +83,9 @@ class Lars(LayerwiseOptimizer):
             lars(params, grads, buffers, lr=group["lr"], momentum=group["momentum"],
                  weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
                  nesterov=group["nesterov"], clip=group["clip"], adapt=group["adapt"],
-                 foreach=group["foreach"] is not False, bucket_elems=self.bucket_elems, plans=self._plans)
-        self._plans.prune()
+                 foreach=group["foreach"] is not False, bucket_elems=bucket_elems, plans=plans)
+        if plans is not None:
+            plans.prune()
         return loss
 
 
