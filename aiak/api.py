@@ -8,6 +8,8 @@ from typing import Any, Optional
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
+from aiak.distributed_hints import warn_if_unsharded
+from aiak.integrations.wrappers import rewrap_optimizer, unwrap_optimizer
 from aiak.optim.accumulation import StepController
 from aiak.rollback import Snapshot
 from aiak.strategy.schema import Strategy
@@ -35,11 +37,16 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     All or nothing: the strategy is validated before anything is touched, and if a later step fails, the
     model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.rollback`) before
     the error propagates.
+
+    A framework's optimizer wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
+    seen through: the optimizer inside is the one patched, and the wrapper comes back
+    (:mod:`aiak.integrations.wrappers`).
     """
     global _last_summary
     if getattr(getattr(model, "module", model), "_aiak_optimized", False):
         raise RuntimeError("this model was already passed through aiak.optimize() (its hooks and casts would apply "
                            "twice); optimize a freshly built model, loading the state_dict into it if needed")
+    given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
     selection = resolve_strategy(strategy, model, optimizer, loader, device=device)
     s, tuning, given_loader = selection.strategy, None, loader
     if s.tune:
@@ -47,7 +54,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
 
         tuning = run_trials(selection, model, optimizer, loader, model_device(model, device))
         s, loader = tuning.strategy, tuning.loader
-    snapshot = Snapshot(model, optimizer, scheduler, given_loader)
+    snapshot = Snapshot(model, optimizer, scheduler, given_loader, given_optimizer)
     try:
         applied = apply_strategy(s, model, optimizer, loader, scheduler, device)
     except BaseException:
@@ -59,7 +66,8 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     decision = decisions.build(selection, s, tuning, applied.summary)
     decisions.record(decision)
     logger.info("%s", decision.render())
-    result = (applied.model, applied.optimizer, applied.loader)
+    warn_if_unsharded(applied.loader)
+    result = (applied.model, rewrap_optimizer(wrappers, applied.optimizer), applied.loader)
     return result + (scheduler,) if scheduler is not None else result
 
 
@@ -108,7 +116,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     controller = None
     if optimizer is not None and (precision.master or precision.scaler or s.grad_accumulation > 1):
-        controller = StepController(optimizer, s.grad_accumulation, precision.scaler, precision.master)
+        controller = StepController(optimizer, s.grad_accumulation, precision.scaler, precision.master, model=model)
     scaled = controller is not None and (precision.scaler is not None or s.grad_accumulation > 1)
     if s.precision.level != "O0" or scaled:
         amp.install_output_hook(model, to_fp32=s.precision.level != "O0",

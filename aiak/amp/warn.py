@@ -6,6 +6,10 @@ training-loop line: aiak's hooks and patched functions run below torch's ``Modul
 ``clip_grad.py``), however deep it was raised, so Python's warning filters and the printed location refer
 to the user's code. ``warn_once`` says a thing once per process. Inside :func:`quiet` nothing is said and no
 ``warn_once`` key is spent (the strategy trials apply candidates there; only the winner speaks).
+
+Under ``torch.distributed`` (or torchrun's ``RANK`` before the process group exists) only rank 0 speaks:
+every rank makes the same decisions, so N copies of each warning and of the summary (the ``aiak`` logger,
+filtered by :class:`RankZeroFilter`) only bury the one that matters.
 """
 from __future__ import annotations
 
@@ -25,6 +29,27 @@ _warned: Set[str] = set()
 _quiet_depth = 0
 
 
+def is_rank_zero() -> bool:
+    """This process is rank 0 of the initialized process group, or of torchrun's ``RANK``, or not distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    rank = os.environ.get("RANK", "0")
+    return not rank.isdigit() or int(rank) == 0
+
+
+class RankZeroFilter(logging.Filter):
+    """Drops the ``aiak`` logger's records on ranks other than 0."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_rank_zero()
+
+
+if not any(isinstance(f, RankZeroFilter) for f in logging.getLogger("aiak").filters):
+    logging.getLogger("aiak").addFilter(RankZeroFilter())
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` for a ``warnings.warn`` called in :func:`warn` that points past aiak's and torch's
     frames."""
@@ -35,15 +60,15 @@ def _user_stacklevel() -> int:
 
 
 def warn(message: str, category: type = UserWarning) -> None:
-    """Warn at the user's line."""
-    if _quiet_depth:
+    """Warn at the user's line (on rank 0 only)."""
+    if _quiet_depth or not is_rank_zero():
         return
     warnings.warn(message, category, stacklevel=_user_stacklevel())
 
 
 def warn_once(key: str, message: str, category: type = UserWarning) -> bool:
     """:func:`warn` the first time ``key`` is seen in this process; True if it warned now."""
-    if key in _warned or _quiet_depth:
+    if key in _warned or _quiet_depth or not is_rank_zero():
         return False
     _warned.add(key)
     warn(message, category)

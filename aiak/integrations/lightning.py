@@ -1,0 +1,113 @@
+"""aiak in a PyTorch Lightning script: one callback.
+
+``AiakCallback(strategy)`` applies ``aiak.optimize`` to the LightningModule and the optimizer its
+``configure_optimizers`` returns, at the moment Lightning asks for it (after the module is on its device), and
+hands Lightning back the same structure (optimizer, ``{"optimizer", "lr_scheduler"}`` dict, or lists). A
+scheduler goes through ``aiak.optimize(scheduler=...)``, so with ``grad_accumulation`` it advances once per real
+step. Lightning steps with ``optimizer.step(closure)`` and clips with ``torch.nn.utils.clip_grad_norm_`` inside
+that closure; both reach aiak's step controller, which clips the true gradient (fp32 masters, unscaled, whole
+window). With ``Trainer(accumulate_grad_batches=N)`` as well, Lightning's accumulation wins (one warning).
+
+A complete script::
+
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from aiak.integrations.lightning import AiakCallback
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.TensorDataset(torch.randn(512, 32), torch.randint(0, 10, (512,)))
+    trainer = pl.Trainer(max_epochs=1, gradient_clip_val=1.0,
+                         callbacks=[AiakCallback({"precision": {"level": "O2", "dtype": "bf16"},
+                                                  "grad_accumulation": 2})])
+    trainer.fit(Classifier(), torch.utils.data.DataLoader(data, batch_size=32))
+
+Calling ``aiak.optimize(self, optimizer, strategy=...)`` inside ``configure_optimizers`` yourself is the same
+thing. One optimizer per module: with several, call ``aiak.optimize`` for each yourself.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import aiak
+
+try:
+    import pytorch_lightning as pl
+except ImportError:  # the ``lightning`` umbrella package
+    try:
+        import lightning.pytorch as pl
+    except ImportError as e:
+        raise ImportError("aiak.integrations.lightning needs PyTorch Lightning: pip install pytorch-lightning") from e
+
+__all__ = ["AiakCallback", "optimize_configuration"]
+
+
+def optimize_configuration(module, configuration: Any, strategy: Any = "auto") -> Any:
+    """``configure_optimizers``'s return value with its one optimizer (and scheduler) passed through
+    ``aiak.optimize(module, ...)``, in the same shape."""
+    if isinstance(configuration, dict):
+        scheduler_entry = configuration.get("lr_scheduler")
+        scheduler = scheduler_entry.get("scheduler") if isinstance(scheduler_entry, dict) else scheduler_entry
+        optimizer, scheduler = _optimize(module, configuration["optimizer"], scheduler, strategy)
+        out = dict(configuration, optimizer=optimizer)
+        if isinstance(scheduler_entry, dict):
+            out["lr_scheduler"] = dict(scheduler_entry, scheduler=scheduler)
+        elif scheduler_entry is not None:
+            out["lr_scheduler"] = scheduler
+        return out
+    if isinstance(configuration, (list, tuple)):
+        if len(configuration) == 2 and all(isinstance(c, (list, tuple)) for c in configuration):
+            optimizers, schedulers = configuration
+            _one("optimizer", optimizers)
+            if len(schedulers) > 1:
+                _one("scheduler", schedulers)
+            optimizer, scheduler = _optimize(module, optimizers[0], schedulers[0] if schedulers else None, strategy)
+            return [optimizer], ([scheduler] if schedulers else [])
+        _one("optimizer", configuration)
+        return [_optimize(module, configuration[0], None, strategy)[0]]
+    return _optimize(module, configuration, None, strategy)[0]
+
+
+def _one(what: str, items) -> None:
+    if len(items) != 1:
+        raise ValueError(f"AiakCallback: configure_optimizers returned {len(items)} {what}s; it handles exactly one. "
+                         f"With several, call aiak.optimize(self, optimizer, strategy=...) for each in "
+                         f"configure_optimizers instead")
+
+
+def _optimize(module, optimizer, scheduler, strategy):
+    if scheduler is None:
+        _, optimizer, _ = aiak.optimize(module, optimizer, strategy=strategy)
+        return optimizer, None
+    _, optimizer, _, scheduler = aiak.optimize(module, optimizer, strategy=strategy, scheduler=scheduler)
+    return optimizer, scheduler
+
+
+class AiakCallback(pl.Callback):
+    """``Trainer(callbacks=[AiakCallback(strategy)])``: aiak applied to the module's optimizer at fit time."""
+
+    def __init__(self, strategy: Any = "auto"):
+        self.strategy = strategy
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or getattr(pl_module, "_aiak_callback_wrapped", False):
+            return
+        configure = pl_module.configure_optimizers
+        strategy = self.strategy
+
+        def configure_optimizers():
+            return optimize_configuration(pl_module, configure(), strategy)
+
+        pl_module.configure_optimizers = configure_optimizers
+        pl_module._aiak_callback_wrapped = True

@@ -1,0 +1,86 @@
+"""aiak in a Hugging Face ``Trainer`` script: one callback, or the ``optimizers=`` recipe.
+
+``AiakTrainerCallback(strategy)`` applies ``aiak.optimize`` when training begins, to the Trainer's model, the
+optimizer it built (seen through Accelerate's ``AcceleratedOptimizer``) and its scheduler. What makes the
+Trainer's own calls right underneath: ``loss *= ...`` on the model's output is allowed, ``model.zero_grad()``
+after each Trainer step keeps aiak's partial sums, ``max_grad_norm`` clips the true gradient (through
+``accelerator.clip_grad_norm_`` -> ``torch.nn.utils.clip_grad_norm_``), and with
+``TrainingArguments(gradient_accumulation_steps=N)`` as well the Trainer's accumulation wins (one warning).
+
+Schedules count Trainer steps: with aiak's ``grad_accumulation: N`` the scheduler advances once per real step,
+but its horizon (``max_steps``) is still in Trainer steps. For a schedule over real steps, use the Trainer's
+``gradient_accumulation_steps`` for accumulation, or the recipe below with a scheduler of your own built for the
+real number of steps. The callback runs in one process; under torchrun the Trainer has already wrapped the
+model in DDP, so use the recipe (aiak's own DDP) there instead.
+
+A complete script (callback)::
+
+    import torch
+    from torch import nn
+    from transformers import Trainer, TrainingArguments
+    from aiak.integrations.transformers import AiakTrainerCallback
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def forward(self, x, labels=None):
+            logits = self.net(x)
+            return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    class Samples(torch.utils.data.Dataset):
+        def __init__(self):
+            self.x, self.y = torch.randn(512, 32), torch.randint(0, 10, (512,))
+        def __len__(self):
+            return len(self.x)
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=32, num_train_epochs=1,
+                             gradient_accumulation_steps=2, report_to=[])
+    trainer = Trainer(model=Classifier(), args=args, train_dataset=Samples(),
+                      callbacks=[AiakTrainerCallback({"precision": {"level": "O2", "dtype": "bf16"}})])
+    trainer.train()
+
+The recipe (``optimizers=``), for your own optimizer and a schedule over real steps::
+
+    model, optimizer, _, scheduler = aiak.optimize(model, optimizer, strategy=..., scheduler=scheduler)
+    trainer = Trainer(model=model, args=args, train_dataset=..., optimizers=(optimizer, scheduler))
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import aiak
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError("aiak.integrations.transformers needs transformers: pip install transformers") from e
+
+__all__ = ["AiakTrainerCallback"]
+
+
+class AiakTrainerCallback(TrainerCallback):
+    """``Trainer(callbacks=[AiakTrainerCallback(strategy)])``: ``aiak.optimize`` on the Trainer's model, optimizer and
+    scheduler when training begins (after the Trainer built them, before the first batch)."""
+
+    def __init__(self, strategy: Any = "auto"):
+        self.strategy = strategy
+        self.applied = False
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if self.applied:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError("AiakTrainerCallback runs in a single process: under torchrun the Trainer has already "
+                               "wrapped the model in DDP. Use the optimizers= recipe of aiak.integrations.transformers "
+                               "(aiak.optimize before building the Trainer) instead")
+        if lr_scheduler is None:
+            aiak.optimize(model, optimizer, strategy=self.strategy)
+        else:
+            aiak.optimize(model, optimizer, strategy=self.strategy, scheduler=lr_scheduler)
+        self.applied = True
