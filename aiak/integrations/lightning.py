@@ -20,9 +20,12 @@ A complete script::
             super().__init__()
             self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
+        def forward(self, x):
+            return self.net(x)
+
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
+            return nn.functional.cross_entropy(self(x), y)   # self(x): through aiak's hooks
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -32,6 +35,10 @@ A complete script::
                          callbacks=[AiakCallback({"precision": {"level": "O2", "dtype": "bf16"},
                                                   "grad_accumulation": 2})])
     trainer.fit(Classifier(), torch.utils.data.DataLoader(data, batch_size=32))
+
+``training_step`` must compute the loss from ``self(x)`` (the module's ``forward``), where aiak's hooks cast the
+inputs (O2) and scale the gradient (loss scaling, the accumulation average): a loss from ``self.net(x)`` bypasses
+them, and aiak's step refuses it with a message saying so rather than train on unscaled gradients.
 
 Calling ``aiak.optimize(self, optimizer, strategy=...)`` inside ``configure_optimizers`` yourself is the same
 thing. One optimizer per module: with several, call ``aiak.optimize`` for each yourself.

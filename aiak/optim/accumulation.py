@@ -76,6 +76,7 @@ class StepController:
         self._framework_checked = accumulation == 1
         self._model = model
         self._partial: Optional[List[Tuple[torch.Tensor, torch.Tensor, int]]] = None  # (param, its grad, version)
+        self._scaled_since_step = False  # a backward went through the output hook since the last step()
         self.scaler = scaler
         self.master = master
         self.micro_step = 0          # micro-steps taken since the last real step
@@ -100,6 +101,7 @@ class StepController:
         before it reaches any parameter: the moment to put back a partial sum a framework detached."""
         self._check_framework_accumulation()
         self._restore_partial_sum()
+        self._scaled_since_step = True
         scale = self.scaler.scale if self.scaler is not None else 1.0
         return scale / self.accumulation
 
@@ -129,6 +131,24 @@ class StepController:
                     "(zero_grad(set_to_none=False) on the model?): the micro-batches summed so far are lost. "
                     "Clear gradients with optimizer.zero_grad() (aiak keeps the sum) or set_to_none=True, or let "
                     "the framework accumulate and set grad_accumulation: 1")
+
+    def _refuse_unscaled_gradients(self, partial) -> None:
+        """Raise if a backward since the last step() reached the parameters without passing through the model's
+        outputs: its gradients lack the loss scale and the 1/accumulation average that the output hook applies
+        (a LightningModule whose ``training_step`` calls ``self.net(x)`` instead of ``self(x)``; a loss from
+        ``model.backbone(x)``). Before, such a step trained on N-times-too-large (or unscaled) gradients."""
+        scaled, self._scaled_since_step = self._scaled_since_step, False
+        if scaled or (self.scaler is None and self.accumulation == 1):
+            return
+        before = {id(grad): version for _, grad, version in partial or ()}
+        fresh = [p for p in self._accumulating_params() if p.grad is not None
+                 and before.get(id(p.grad)) != p.grad._version]
+        if fresh:
+            raise RuntimeError(
+                "aiak: the gradients of this step did not flow through the outputs of the model given to "
+                "aiak.optimize(), so they lack its loss scaling and 1/grad_accumulation averaging: compute the loss "
+                "from the optimized model's own call (self(x) in a LightningModule's training_step rather than "
+                "self.net(x); model(x) rather than model.backbone(x))")
 
     def _check_framework_accumulation(self) -> None:
         """Once, before the first scaled backward: if a framework accumulates gradients itself, it wins."""
@@ -168,7 +188,9 @@ class StepController:
             with torch.enable_grad():
                 loss = closure()
         self._check_framework_accumulation()
+        partial = self._partial
         self._restore_partial_sum()
+        self._refuse_unscaled_gradients(partial)
         self.micro_step += 1
         if self.micro_step < self.accumulation:
             self._set_sync()

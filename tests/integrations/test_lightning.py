@@ -163,3 +163,18 @@ def test_the_callback_equals_optimize_inside_configure_optimizers():
     for a, b in zip(by_callback.state_dict().values(), by_hand.state_dict().values()):
         assert torch.equal(a, b)
     assert by_callback.scheduler.last_epoch == 4 and by_callback.scheduler.get_last_lr() == [0.5 * 0.5 ** 4]
+
+
+class CallsItsSubmodule(Classifier):
+    """The common Lightning idiom this callback cannot see through: the loss comes from ``self.net(x)``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_a_training_step_that_bypasses_forward_is_refused_with_how_to_fix_it():
+    """With ``grad_accumulation: 2``, a loss from ``self.net(x)`` skips the 1/2 average: fit used to train on
+    twice the gradient, silently. It now stops at the first step, naming ``self(x)``."""
+    with pytest.raises(RuntimeError, match=r"self\(x\) in a LightningModule's training_step"):
+        _fit(CallsItsSubmodule({"grad_accumulation": 2}))

@@ -166,3 +166,35 @@ def test_zeroing_gradients_in_place_inside_the_window_is_an_error_not_a_silent_l
     model.zero_grad(set_to_none=False)
     with pytest.raises(RuntimeError, match="modified in place inside a 2-step accumulation window"):
         nn.functional.cross_entropy(model(x2), y2).backward()
+
+
+@pytest.mark.filterwarnings("ignore:aiak. precision.dtype fp16 on CPU is emulated")
+@pytest.mark.parametrize("strategy", [{"grad_accumulation": 2},
+                                      {"precision": {"level": "O1", "dtype": "fp16", "loss_scale": 128.0}}],
+                         ids=["accumulation", "loss-scale"])
+def test_a_loss_that_bypasses_the_models_outputs_is_refused_not_trained_on(strategy):
+    """A LightningModule whose training_step calls ``self.net(x)``, or a loss from ``model[0:2](x)``: the backward
+    never passes the output hook, so its gradients lack the 1/accumulation average or the loss scale. Once, the
+    step trained on them (2x the gradient, or a 1/128 of it); now it says how to call the model."""
+    model = _model()
+    model, opt, _ = aiak.optimize(model, SGD(model.parameters()), strategy=strategy)
+    (x, y), = _batches(1, 8)
+    body, head = model[0:2], model[2]
+    nn.functional.cross_entropy(head(body(x)), y).backward()   # the submodules, not the optimized model
+    with pytest.raises(RuntimeError, match=r"did not flow through the outputs of the model .*self\(x\)"):
+        opt.step()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()        # through the model: fine
+    opt.step()
+
+
+def test_a_penalty_beside_the_models_output_is_no_bypass():
+    """The documented case: an L2 term on the parameters added to a loss from the model's output is not refused
+    (the output's backward passed the hook; the penalty is unscaled, as README says)."""
+    model = _model()
+    model, opt, _ = aiak.optimize(model, SGD(model.parameters()), strategy={"grad_accumulation": 2})
+    for x, y in _batches(2, 8):
+        loss = nn.functional.cross_entropy(model(x), y) + 1e-4 * sum((p ** 2).sum() for p in model.parameters())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
