@@ -10,6 +10,8 @@ Gradient-accumulation micro-steps are the caller's: toggle ``ddp.require_backwar
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import warnings
 from dataclasses import fields, replace
@@ -83,6 +85,19 @@ def _device_ids(model: torch.nn.Module, device) -> Optional[list]:
     return None
 
 
+_collect_at_exit_registered = False
+
+
+def _collect_before_exit() -> None:
+    """Free unreachable DDP models and their communication state while the interpreter is still whole.
+
+    Left to interpreter shutdown, the model, its DDP reducer and aiak's comm state (a cycle once a script's
+    ``main()`` has returned) were destroyed in the middle of finalization, after ``destroy_process_group``:
+    1 in about 12 two-rank gloo jobs then aborted after training had finished ("terminate called without an
+    active exception", exit code -6; measured 2/30 runs, and 0/25 with a ``gc.collect()`` before exit)."""
+    gc.collect()
+
+
 def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, process_group=None,
                      **options: Any) -> torch.nn.Module:
     """Wrap ``model`` in DDP with the communication settings of ``cfg`` (a ``CommConfig``).
@@ -96,6 +111,10 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     Collective: every rank must call it at the same point. Returns the model unchanged without a process
     group of more than one rank.
     """
+    global _collect_at_exit_registered
+    if not _collect_at_exit_registered:
+        atexit.register(_collect_before_exit)
+        _collect_at_exit_registered = True
     opts = resolve_options(cfg, **options)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
         if _knobs_set(opts):
