@@ -25,11 +25,12 @@ import hashlib
 import logging
 import statistics
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
+
+from aiak.amp.warn import warn
 import torch.distributed as dist
 
 from aiak.comm.hooks import CommState, average
@@ -74,7 +75,7 @@ class TuneCache(_SharedCache):
             return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
         except (TypeError, KeyError, ValueError):
             if entry is not None:
-                warnings.warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {self.path}", stacklevel=2)
+                warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {self.path}")
             return None
 
     def put(self, key: str, choice: CommChoice, **extra) -> None:

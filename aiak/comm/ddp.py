@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import warnings
 from dataclasses import fields, replace
 from typing import Any, Optional
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from aiak.comm.autotune import (StepTuner, TuneCache, algorithm_candidates, cache_key,
                                 shared_cache_lookup, tune_comm)
+from aiak.amp.warn import warn
 from aiak.comm.hooks import CommState, comm_hook
 from aiak.comm.topology import build_groups, detect_topology
 from aiak.strategy.schema import CommConfig, check_comm
@@ -124,8 +124,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if isinstance(model, DDP):
-        warnings.warn("aiak.comm: the model is already a DistributedDataParallel; leaving it (and its hook) as is",
-                      stacklevel=2)
+        warn("aiak.comm: the model is already a DistributedDataParallel; leaving it (and its hook) as is")
         return model
 
     topology = detect_topology(process_group)
@@ -133,12 +132,12 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         and topology.hierarchical_useful
     if process_group is not None and process_group is not dist.group.WORLD:
         if opts.hierarchical is True:
-            warnings.warn("aiak.comm: hierarchical allreduce is built on the default (world) group; with a custom "
-                          "process_group it is off and allreduce is flat", stacklevel=2)
+            warn("aiak.comm: hierarchical allreduce is built on the default (world) group; with a custom "
+                 "process_group it is off and allreduce is flat")
         want_groups = False
     elif opts.hierarchical is True and not topology.hierarchical_useful:
-        warnings.warn(f"aiak.comm: comm.hierarchical=true needs >1 node with >1 rank each and equal nodes; "
-                      f"topology is {topology.describe()}; using flat allreduce", stacklevel=2)
+        warn(f"aiak.comm: comm.hierarchical=true needs >1 node with >1 rank each and equal nodes; "
+             f"topology is {topology.describe()}; using flat allreduce")
         want_groups = False
     groups = build_groups(topology) if want_groups else None
     state = CommState(process_group, groups, hierarchical=groups is not None and opts.hierarchical is not False,

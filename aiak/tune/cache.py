@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
+
+from aiak.amp.warn import warn
 
 CACHE_ENV = "AIAK_TUNE_CACHE"
 
@@ -42,8 +43,7 @@ class TuneCache:
         except FileNotFoundError:
             return {}
         except (ValueError, OSError) as e:
-            warnings.warn(f"aiak: ignoring unreadable tuning cache {self.path} ({e}); it will be rewritten",
-                          stacklevel=3)
+            warn(f"aiak: ignoring unreadable tuning cache {self.path} ({e}); it will be rewritten")
             return {}
 
     def get_entry(self, key: str) -> Optional[Dict[str, Any]]:

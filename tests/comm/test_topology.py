@@ -20,7 +20,8 @@ def test_uneven_nodes_fall_back_to_flat_and_hostnames_group_a_single_host(launch
     for rank, r in enumerate(results):
         assert r["topology"].nodes == ((0, 1), (2,)) and r["topology"].source == "env"
         assert r["state"] == "flat+fp16"
-        assert any("using flat allreduce" in w for w in r["warnings"])
+        # said once, by rank 0 (issue 14: the other ranks decide the same and stay quiet)
+        assert any("using flat allreduce" in w for w in r["warnings"]) == (rank == 0)
         got, expected = r["grads"]
         for a, b in zip(got, expected):
             assert_close(a, b, rtol=0, atol=2e-3 * float(b.abs().max()))
