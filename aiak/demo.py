@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from aiak.measure import Contender, Speedup, alternate, speedup
+from aiak.measure import Contender, Speedup, alternate, plan_rounds, speedup
 from aiak.progress import Board
+from aiak.rollback import read_switches
 
 
 class DemoNet(nn.Module):
@@ -93,17 +94,19 @@ class DemoResult:
 
 
 def plan(epochs: int, n: int, batch_size: int, rounds: int, warmup: int) -> Tuple[int, int, int]:
-    """``(steps per side, steps per round, warm-up steps)`` of a demo; :class:`DemoError` when the steps do not
-    fill ``warmup`` steps and ``rounds`` rounds of at least one step."""
+    """``(steps per side, steps per round, warm-up steps)`` of a demo (:func:`aiak.measure.plan_rounds`);
+    :class:`DemoError` naming the flags when the steps do not fill ``warmup`` steps and ``rounds`` rounds."""
     steps = epochs * (n // batch_size)
-    if steps < warmup + rounds:
+    try:
+        warmup, per_round = plan_rounds(steps, rounds, warmup)
+    except ValueError:
         raise DemoError(f"--epochs {epochs} x (--samples {n} // --batch-size {batch_size}) = {steps} steps, fewer "
-                        f"than --warmup {warmup} + --rounds {rounds}: give more samples or epochs, or fewer rounds")
-    per_round = (steps - warmup) // rounds
-    return steps, per_round, steps - rounds * per_round
+                        f"than --warmup {warmup} + --rounds {rounds}: give more samples or epochs, or fewer "
+                        "rounds") from None
+    return steps, per_round, warmup
 
 
-def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size: int = 64, *, rounds: int = 10,
+def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size: int = 64, *, rounds: int = 20,
              warmup: int = 5, show_progress: bool = True, seed: int = 0) -> DemoResult:
     """Train the demo model twice from the same weights on the same batches, plain PyTorch and
     ``aiak.optimize(strategy=...)``, alternating the two in ``rounds`` rounds after ``warmup`` steps each
@@ -115,14 +118,15 @@ def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size:
 
     model, optimizer, loader = make_setup(seed, n, batch_size)
     init = copy.deepcopy(model.state_dict())
-    baseline = Contender("baseline", training_steps(model, optimizer, loader, epochs).__next__)
+    baseline = Contender("baseline", training_steps(model, optimizer, loader, epochs).__next__,
+                         switches=read_switches())
 
     model, optimizer, loader = make_setup(seed, n, batch_size)
     model.load_state_dict(init)
     start = time.perf_counter()
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
     setup = time.perf_counter() - start
-    optimized = Contender("aiak", training_steps(model, optimizer, loader, epochs).__next__)
+    optimized = Contender("aiak", training_steps(model, optimizer, loader, epochs).__next__, switches=read_switches())
 
     with Board({"baseline": steps, "aiak": steps}, enabled=show_progress) as board:
         alternate([baseline, optimized], warmup=warmup, rounds=rounds, steps_per_round=per_round,

@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Spread", "Speedup", "Contender", "alternate", "percentile", "median_interval", "speedup", "MIN_ROUNDS_FOR_VERDICT",
+__all__ = ["Spread", "Speedup", "Contender", "alternate", "percentile", "median_interval", "speedup", "plan_rounds", "MIN_ROUNDS_FOR_VERDICT",
            "SLOW_FACTOR"]
 
 MIN_ROUNDS_FOR_VERDICT = 6      # below, even the min-max of the rounds covers their median less than 95%
@@ -130,6 +130,10 @@ def speedup(baseline_rounds: Sequence[float], candidate_rounds: Sequence[float])
 class Contender:
     """One side of a comparison: ``step()`` runs one training step on ``device`` and returns its loss.
 
+    ``switches`` (:func:`aiak.rollback.read_switches`, taken right after the contender was set up) are put in
+    place before each of its runs of steps: ``aiak.optimize`` sets process-wide settings (TF32, cuDNN
+    autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too.
+
     :func:`alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
     steps in each round), ``steps`` (all steps run, warm-up included) and ``loss`` (the last loss, a float); a
     contender stopped early has ``stopped`` set to the reason.
@@ -138,6 +142,7 @@ class Contender:
     name: str
     step: Callable[[], object]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    switches: Optional[dict] = None
     step_seconds: List[float] = field(default_factory=list)
     round_seconds: List[float] = field(default_factory=list)
     warmup_seconds: List[float] = field(default_factory=list)
@@ -155,7 +160,10 @@ Progress = Callable[[Contender, int, int], None]   # (contender, its steps so fa
 def _run(c: Contender, n: int, total: int, progress: Optional[Progress]) -> List[float]:
     """``n`` steps of ``c``, each timed on its device's clock (CUDA events, read once at the end)."""
     from aiak.comm.autotune import StepClock
+    from aiak.rollback import write_switches
 
+    if c.switches is not None:
+        write_switches(c.switches)
     clock = StepClock(c.device)
     marks = [clock.mark()]
     loss = None
@@ -168,6 +176,17 @@ def _run(c: Contender, n: int, total: int, progress: Optional[Progress]) -> List
     if loss is not None:
         c.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     return [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+
+
+def plan_rounds(total_steps: int, rounds: int, warmup: int, multiple_of: int = 1) -> Tuple[int, int]:
+    """``(warmup, steps_per_round)`` that use every one of ``total_steps``: ``rounds`` rounds of a multiple of
+    ``multiple_of`` steps (a whole accumulation window, so every round holds the same number of optimizer
+    steps), the steps left over added to the warm-up. ``ValueError`` when fewer than ``warmup + rounds *
+    multiple_of`` steps leave no round of one window."""
+    per_round = (total_steps - warmup) // rounds // multiple_of * multiple_of
+    if per_round < 1:
+        raise ValueError(f"{total_steps} steps are fewer than {warmup} warm-up + {rounds} rounds x {multiple_of}")
+    return total_steps - rounds * per_round, per_round
 
 
 def _least_recent(c: Contender, first_timed: List[float]) -> float:

@@ -76,6 +76,20 @@ class _TensorState:
             self.tensor.requires_grad_(self.requires_grad)
 
 
+def read_switches() -> Dict[str, Any]:
+    """The process-wide settings a strategy may change (TF32, cuDNN autotuning, threads, CPU affinity), by name."""
+    return {name: read() for name, (read, _) in _global_switches().items()}
+
+
+def write_switches(values: Dict[str, Any]) -> None:
+    """Put back settings read by :func:`read_switches` (only those that differ are written)."""
+    switches = _global_switches()
+    for name, value in values.items():
+        read, write = switches[name]
+        if read() != value:
+            write(value)
+
+
 def _global_switches() -> Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]]:
     """Process-wide settings ``optimize()`` may change: name -> (read, write)."""
     switches = {
@@ -113,18 +127,14 @@ class Snapshot:
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
                     self._objects.append(_DictState(group))
-        self._switches = {name: read() for name, (read, _) in _global_switches().items()}
+        self._switches = read_switches()
 
     def restore(self) -> None:
         for state in self._objects:
             state.restore()
         for state in self._tensors:
             state.restore()
-        writers = _global_switches()
-        for name, value in self._switches.items():
-            read, write = writers[name]
-            if read() != value:
-                write(value)
+        write_switches(self._switches)
 
 
 class _DictState:

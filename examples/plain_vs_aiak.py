@@ -16,44 +16,22 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
 from typing import Iterator, Sequence, Tuple
 
 import torch
 
-from aiak.measure import Contender, alternate, speedup
-
-
-@dataclass(frozen=True)
-class Switches:
-    """The process-wide settings of torch that a strategy may change (``tf32``, ``cudnn_benchmark``)."""
-
-    matmul_tf32: bool
-    cudnn_tf32: bool
-    cudnn_benchmark: bool
-    float32_matmul_precision: str
-
-    @classmethod
-    def now(cls) -> "Switches":
-        return cls(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-                   torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
-
-    def apply(self) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = self.matmul_tf32
-        torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
-        torch.backends.cudnn.benchmark = self.cudnn_benchmark
-        torch.set_float32_matmul_precision(self.float32_matmul_precision)
+from aiak.measure import Contender, alternate, plan_rounds, speedup
+from aiak.rollback import write_switches
 
 
 class Side:
     """One training run: its loop (a generator of step losses), its model (for the held-out loss), and the
-    switches its steps run under."""
+    switches its steps run under (:func:`aiak.rollback.read_switches`, taken right after it was set up)."""
 
-    def __init__(self, name: str, steps: Iterator[torch.Tensor], model: torch.nn.Module, switches: Switches):
+    def __init__(self, name: str, steps: Iterator[torch.Tensor], model: torch.nn.Module, switches: dict):
         self.name, self.steps, self.model, self.switches = name, steps, model, switches
 
     def step(self) -> torch.Tensor:
-        self.switches.apply()
         return next(self.steps)
 
 
@@ -73,25 +51,13 @@ def held_out_loss(model: torch.nn.Module, batches: Sequence[Tuple[torch.Tensor, 
     return total / count
 
 
-def plan_rounds(total_steps: int, rounds: int, warmup: int, multiple_of: int = 1) -> tuple:
-    """``(warmup, steps_per_round)`` that use every one of ``total_steps``: ``rounds`` rounds of a multiple of
-    ``multiple_of`` steps (a whole accumulation window, so every round holds the same number of optimizer
-    steps), the rest added to the warm-up. Raises ``ValueError`` naming the flags when there are too few."""
-    per_round = (total_steps - warmup) // rounds // multiple_of * multiple_of
-    if per_round < 1:
-        need = warmup + rounds * multiple_of
-        raise ValueError(f"--compare needs at least {need} steps ({warmup} warm-up + {rounds} rounds x "
-                         f"{multiple_of} step(s)), the run has {total_steps}: raise --samples or --epochs, or "
-                         f"lower --rounds")
-    return total_steps - rounds * per_round, per_round
-
-
 def check_steps(total_steps: int, rounds: int, multiple_of: int = 1, warmup: int = 2) -> None:
     """Exit with one line naming the flags when the run is too short to compare (before anything trains)."""
     try:
         plan_rounds(total_steps, rounds, warmup, multiple_of)
     except ValueError as e:
-        raise SystemExit(f"{sys.argv[0]}: {e}") from None
+        raise SystemExit(f"{sys.argv[0]}: --compare: {e} step(s): raise --samples or --epochs, or lower "
+                         "--rounds") from None
 
 
 def compare(plain: Side, aiak: Side, *, total_steps: int, samples_per_step: int, device: torch.device,
@@ -111,9 +77,9 @@ def compare(plain: Side, aiak: Side, *, total_steps: int, samples_per_step: int,
     past ``total_steps``, e.g. a balanced loader with more batches), so its model is trained fully either way.
     """
     warmup, per_round = plan_rounds(total_steps, rounds, warmup, multiple_of)
-    contenders = [Contender(plain.name, plain.step, device), Contender(aiak.name, aiak.step, device)]
+    contenders = [Contender(side.name, side.step, device, side.switches) for side in (plain, aiak)]
     alternate(contenders, warmup=warmup, rounds=rounds, steps_per_round=per_round)
-    aiak.switches.apply()
+    write_switches(aiak.switches)
     for _ in aiak.steps:
         pass
     stopped = [c for c in contenders if c.stopped]
@@ -123,7 +89,7 @@ def compare(plain: Side, aiak: Side, *, total_steps: int, samples_per_step: int,
     rate = [samples_per_step * len(c.step_seconds) / sum(c.step_seconds) for c in contenders]
     losses = []
     for side in (plain, aiak):  # aiak's last: the process keeps aiak's switches
-        side.switches.apply()
+        write_switches(side.switches)
         losses.append(held_out_loss(side.model, held_out, device))
     return (f"before/after: plain {rate[0]:.1f} samples/s, aiak {rate[1]:.1f} samples/s: {ratio.describe()}; "
             f"held-out loss plain {_loss(losses[0])}, aiak {_loss(losses[1])}")

@@ -138,10 +138,12 @@ def main(argv=None) -> None:
     plan = aiak.load_strategy(args.strategy) if args.strategy not in (None, "auto") else None
     accumulation = plan.grad_accumulation if plan is not None else args.accumulation
     if args.compare:  # --- comparison only: the same setup again, left plain -----------------------------------
-        from plain_vs_aiak import Side, Switches, check_steps, compare
+        from plain_vs_aiak import Side, check_steps, compare
+
+        from aiak.rollback import read_switches
 
         check_steps(args.epochs * len(loader), args.rounds, multiple_of=accumulation)
-        plain_setup, plain_switches = build(args, device), Switches.now()
+        plain_setup, plain_switches = build(args, device), read_switches()
 
     # the one added line
     model, optimizer, loader, scheduler = aiak.optimize(model, optimizer, loader, scheduler=scheduler,
@@ -150,7 +152,7 @@ def main(argv=None) -> None:
     steps = train(model, optimizer, loader, scheduler, args.epochs, device)
     if args.compare:  # --- comparison only ---------------------------------------------------------------------
         line = compare(Side("plain", train(*plain_setup, args.epochs, device), plain_setup[0], plain_switches),
-                       Side("aiak", steps, model, Switches.now()), total_steps=args.epochs * len(loader),
+                       Side("aiak", steps, model, read_switches()), total_steps=args.epochs * len(loader),
                        samples_per_step=args.batch_size, device=device, held_out=held_out(args),
                        rounds=args.rounds, multiple_of=accumulation)
     else:

@@ -124,10 +124,12 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     model, optimizer, loader = build(args, device)
     if args.compare:  # --- comparison only: the same setup again, left plain -----------------------------------
-        from plain_vs_aiak import Side, Switches, check_steps, compare
+        from plain_vs_aiak import Side, check_steps, compare
+
+        from aiak.rollback import read_switches
 
         check_steps(args.epochs * len(loader), args.rounds)
-        plain_setup, plain_switches = build(args, device), Switches.now()
+        plain_setup, plain_switches = build(args, device), read_switches()
 
     # the one added line
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy(device))
@@ -136,7 +138,7 @@ def main(argv=None) -> None:
     steps = train(model, optimizer, loader, args.epochs, device)
     if args.compare:  # --- comparison only ---------------------------------------------------------------------
         line = compare(Side("plain", train(*plain_setup, args.epochs, device), plain_setup[0], plain_switches),
-                       Side("aiak", steps, model, Switches.now()), total_steps=args.epochs * len(loader),
+                       Side("aiak", steps, model, read_switches()), total_steps=args.epochs * len(loader),
                        samples_per_step=args.batch_size, device=device, held_out=held_out(args),
                        rounds=args.rounds)
     else:

@@ -221,13 +221,15 @@ def main(argv=None) -> None:
     if args.compare:  # --- comparison only: the same setup again, left plain (in plain DDP under torchrun) -----
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from plain_vs_aiak import Side, Switches, check_steps, compare
+        from plain_vs_aiak import Side, check_steps, compare
+
+        from aiak.rollback import read_switches
 
         check_steps(args.epochs * len(loader), args.rounds)
         plain_model, plain_optimizer, plain_loader, plain_sampler = build(args, device)
         if world > 1:
             plain_model = DDP(plain_model, device_ids=[device.index] if device.type == "cuda" else None)
-        plain_padding, plain_switches = PaddingCount(), Switches.now()
+        plain_padding, plain_switches = PaddingCount(), read_switches()
 
     # the one added line
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy(args, device))
@@ -238,7 +240,7 @@ def main(argv=None) -> None:
         plain_steps = train(plain_model, plain_optimizer, plain_loader, plain_sampler, args.epochs, device,
                             plain_padding)
         line = compare(Side("plain", plain_steps, plain_model, plain_switches),
-                       Side("aiak", steps, model, Switches.now()),
+                       Side("aiak", steps, model, read_switches()),
                        total_steps=args.epochs * min(len(plain_loader), len(loader)),
                        samples_per_step=args.batch_size * world, device=device, held_out=held_out(args),
                        rounds=args.rounds)

@@ -96,3 +96,49 @@ def test_alternate_rejects_empty_or_impossible_plans():
         alternate([], warmup=1, rounds=1, steps_per_round=1)
     with pytest.raises(ValueError, match="rounds >= 1"):
         alternate([Contender("a", lambda: 0.0)], warmup=0, rounds=0, steps_per_round=1)
+
+
+def test_each_contender_runs_under_its_own_process_switches():
+    """``aiak.optimize`` sets process-wide switches (TF32, cuDNN autotuning): the plain side must not run under
+    the strategy's. Each contender's steps see the switches taken when it was set up, whatever ran before."""
+    from aiak.rollback import read_switches, write_switches
+
+    before = read_switches()
+    seen = {"plain": set(), "tuned": set()}
+    try:
+        torch.backends.cudnn.benchmark = False
+        plain_switches = read_switches()
+        torch.backends.cudnn.benchmark = True          # what a strategy with cudnn_benchmark: true leaves behind
+        tuned_switches = read_switches()
+
+        def stepper(name):
+            def step():
+                seen[name].add(torch.backends.cudnn.benchmark)
+                return 0.0
+            return step
+
+        alternate([Contender("plain", stepper("plain"), switches=plain_switches),
+                   Contender("tuned", stepper("tuned"), switches=tuned_switches)],
+                  warmup=2, rounds=3, steps_per_round=2)
+    finally:
+        write_switches(before)
+    assert seen == {"plain": {False}, "tuned": {True}}
+
+
+@pytest.mark.parametrize("total, rounds, warmup, window, plan", [
+    (200, 20, 5, 1, (20, 9)),     # aiak demo's default: 180 timed steps, the 20 left over warm up
+    (32, 8, 2, 2, (16, 2)),       # an example with accumulation 2: every round holds whole windows
+    (25, 20, 5, 1, (5, 1)),
+])
+def test_plan_rounds_uses_every_step_in_whole_windows(total, rounds, warmup, window, plan):
+    from aiak.measure import plan_rounds
+
+    got = plan_rounds(total, rounds, warmup, window)
+    assert got == plan and got[0] + rounds * got[1] == total and got[1] % window == 0 and got[0] >= warmup
+
+
+def test_plan_rounds_refuses_too_few_steps():
+    from aiak.measure import plan_rounds
+
+    with pytest.raises(ValueError, match="24 steps are fewer than 5 warm-up \\+ 20 rounds x 1"):
+        plan_rounds(24, 20, 5)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+
 SEED = 0
 TRACE_STEPS = 3
 DIST_TIMEOUT_S = 300             # every collective of a torchrun job: a rank that disappears fails the job then
@@ -125,16 +126,6 @@ class Memory:
             self.peak[name] = value
 
 
-def _to_device(batch: Any, device) -> Any:
-    if hasattr(batch, "to"):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
 class _RandomStream:
     """A contender's own torch RNG stream (CPU, and CUDA's on a GPU), seeded alike for all: dropout draws the
     same masks in every contender's n-th step although their steps interleave, so plain PyTorch under another
@@ -178,6 +169,9 @@ class Loop:
         self.steps = 0
         self.random = _RandomStream(device)
         self._batches = None
+        from aiak._nested import map_tensors
+
+        self._map_tensors = map_tensors
 
     def _next_batch(self):
         if self._batches is None:
@@ -194,7 +188,7 @@ class Loop:
         memory = self.memory
         if memory is not None:
             memory.enter(self.name)
-        batch = _to_device(self._next_batch(), self.device)
+        batch = self._map_tensors(self._next_batch(), lambda t: t.to(self.device, non_blocking=True))
         loss = compute_loss(self.model, batch)
         if memory is not None:
             memory.sample(self.name)
@@ -267,6 +261,7 @@ def build_baseline(args, world: World, memory: Memory, warmup: int, steps: int):
     default ``comm`` settings are DDP's own: 25 MB buckets, the built-in allreduce). Returns the entry and the
     :class:`~aiak.model_spec.ModelSetup` (for its description and batch size)."""
     from aiak.measure import Contender
+    from aiak.rollback import read_switches
 
     setup = _build(args, warmup, steps)
     start = time.perf_counter()
@@ -277,13 +272,14 @@ def build_baseline(args, world: World, memory: Memory, warmup: int, steps: int):
         model = DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
     setup_s = time.perf_counter() - start
     loop = Loop("baseline", model, setup.optimizer, setup.loader, world.device, memory, catch=False)
-    return Entry("baseline", loop, Contender("baseline", loop.step, world.device), setup_s), setup
+    return Entry("baseline", loop, Contender("baseline", loop.step, world.device, read_switches()), setup_s), setup
 
 
 def build_strategy(name: str, args, world: World, memory: Memory, warmup: int, steps: int, say) -> Entry:
     """``aiak.optimize`` on a fresh build of the SPEC; an exception there is this contender's failure."""
     import aiak
     from aiak.measure import Contender
+    from aiak.rollback import read_switches
 
     setup = _build(args, warmup, steps)
     say(f"  {name}: aiak.optimize(strategy={name!r}){' with its trials' if name == 'auto' else ''} ...")
@@ -305,7 +301,7 @@ def build_strategy(name: str, args, world: World, memory: Memory, warmup: int, s
         return Entry(name, None, None, setup_s, failure=failure)
     say(f"  {name}: ready in {setup_s:.1f} s")
     loop = Loop(name, model, optimizer, loader, world.device, memory)
-    return Entry(name, loop, Contender(name, loop.step, world.device), setup_s, decision=decision)
+    return Entry(name, loop, Contender(name, loop.step, world.device, read_switches()), setup_s, decision=decision)
 
 
 def _decision_summary(decision: dict) -> dict:
@@ -343,9 +339,12 @@ def write_traces(entries: List[Entry], directory: str, world: World, say) -> Dic
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from aiak.rollback import write_switches
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if world.device.type == "cuda" else [])
     written, taken = {}, set()
     for e in entries:
+        write_switches(e.contender.switches)  # the contender's TF32 / cuDNN settings, as in its timed steps
         e.loop.memory = None               # the profiler's own allocations are not the contender's
         if not world.leader:
             for _ in range(TRACE_STEPS):
@@ -390,7 +389,7 @@ def single_worker(entries: List[Entry], world: World, warmup: int, rounds: int, 
         for e in entries:
             loop = Loop(e.name, _unwrapped(e.loop.model, world.device), e.loop.optimizer, e.loop.loader,
                          world.device, None, catch=e.loop.catch)
-            e.solo, e.solo_loop = Contender(e.name, loop.step, world.device), loop
+            e.solo, e.solo_loop = Contender(e.name, loop.step, world.device, e.contender.switches), loop
         alternate([e.solo for e in entries], warmup=warmup, rounds=rounds, steps_per_round=per_round,
                   across_ranks=False)
     dist.barrier(group=waiting)
