@@ -9,7 +9,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 from aiak.doctor.machine import (AMPERE, CUDA_MIN_DRIVER, DALI_DISTS, FAIL, GDR_LEVELS, GIB, MIB, NCCL_DEBUG_LEVELS,
                                  NCCL_PATH_TYPES, PASS, PEERMEM_MODULES, WARN, WHEEL_FOR_DRIVER, ExtraFacts,
-                                 GpuFacts, installed_version, Machine, one_line, read_small_file)
+                                 GpuFacts, Machine, one_line, read_small_file)
+from aiak.versions import installed_version
 
 
 @dataclass

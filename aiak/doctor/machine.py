@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from aiak.versions import installed_version
+
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 EXIT_CODES = {PASS: 0, WARN: 1, FAIL: 2}
@@ -211,15 +213,6 @@ def read_small_file(path: Path) -> Optional[str]:
     try:
         return path.read_text(encoding="utf-8", errors="replace").strip()
     except (OSError, ValueError):
-        return None
-
-
-def installed_version(dist: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
         return None
 
 

@@ -50,6 +50,7 @@ from aiak.tune import gate
 from aiak.tune.cache import TuneCache
 from aiak.tune.candidates import Candidate, candidate_strategies
 from aiak.tune.replay import borrow
+from aiak.versions import installed_version
 
 BUDGET_FRACTION = 0.05     # the issue's budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
@@ -128,15 +129,6 @@ def _generators(loader: Any) -> List[torch.Generator]:
 
 
 # -- the cache key --------------------------------------------------------------------------------
-def _version(dist_name: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist_name)
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
 def model_structure(model: nn.Module) -> str:
     """sha1 of every module's name and class, and every parameter's and buffer's name, shape and dtype."""
     h = hashlib.sha1()
@@ -173,8 +165,8 @@ def decision_key(model: nn.Module, optimizer: Any, loader: Any, probes: Any, pro
     hardware = {k: p.get(k) for k in ("device", "cuda", "cpu_model", "cpu_features", "cpu_cores", "world_size",
                                       "local_size", "nodes", "backend")}
     parts = {"model": model_structure(model), "batch": batch, "hardware": hardware,
-             "optimizer": type(optimizer).__name__, "torch": torch.__version__, "triton": _version("triton"),
-             "aiak": _version("aiak"), "profiles": profiles_digest,
+             "optimizer": type(optimizer).__name__, "torch": torch.__version__, "triton": installed_version("triton") or "none",
+             "aiak": installed_version("aiak") or "none", "profiles": profiles_digest,
              "tune": [tune_cfg.candidates, tune_cfg.steps, tune_cfg.max_seconds]}
     digest = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
     return f"strategy|{type(model).__name__}|{digest[:24]}"
