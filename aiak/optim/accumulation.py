@@ -77,6 +77,8 @@ class StepController:
         self._model = model
         self._partial: Optional[List[Tuple[torch.Tensor, torch.Tensor, int]]] = None  # (param, its grad, version)
         self._scaled_since_step = False  # a backward went through the output hook since the last step()
+        self._params: List[torch.Tensor] = []
+        self._params_for: Optional[tuple] = None
         self.scaler = scaler
         self.master = master
         self.micro_step = 0          # micro-steps taken since the last real step
@@ -108,23 +110,28 @@ class StepController:
     # -- accumulation that survives a framework's zero_grad, and yields to the framework's own --------
     def _accumulating_params(self) -> List[torch.Tensor]:
         """The tensors whose ``.grad`` holds the partial sum: the half model parameters under O2, else the
-        optimizer's."""
-        model_of = self.master.model_param_of if self.master is not None else {}
-        return [model_of.get(id(p), p) for g in self.optimizer.param_groups for p in g["params"]]
+        optimizer's. Built once per set of parameter groups (it is read on every micro-step)."""
+        groups = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
+        if self._params_for != groups:
+            model_of = self.master.model_param_of if self.master is not None else {}
+            self._params = [model_of.get(id(p), p) for g in self.optimizer.param_groups for p in g["params"]]
+            self._params_for = groups
+        return self._params
 
     def _keep_partial_sum(self) -> None:
         self._partial = [(p, p.grad, p.grad._version) for p in self._accumulating_params() if p.grad is not None]
 
-    @torch.no_grad()
     def _restore_partial_sum(self) -> None:
         """Put back gradients of the open window that someone set to None (``model.zero_grad()``); refuse to go on
-        if one was zeroed in place (``zero_grad(set_to_none=False)``), which would silently drop micro-batches."""
+        if one was zeroed in place (``zero_grad(set_to_none=False)``), which would silently drop micro-batches.
+        Runs twice per micro-step (at the backward and at ``step()``): no grad-mode context unless it adds."""
         partial, self._partial = self._partial, None
         for p, grad, version in partial or ():
             if p.grad is None:
                 p.grad = grad
             elif p.grad is not grad:  # a new gradient was started (a loss term on the parameters directly)
-                p.grad.add_(grad)
+                with torch.no_grad():
+                    p.grad.add_(grad)
             elif grad._version != version:
                 raise RuntimeError(
                     f"aiak: a gradient was modified in place inside a {self.accumulation}-step accumulation window "
