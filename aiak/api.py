@@ -1,13 +1,14 @@
-"""``aiak.optimize``: sequences the steps of ../shared/DESIGN.md; every step lives in its own subpackage."""
+"""``aiak.optimize``: sequences the steps of applying a strategy; every step lives in its own subpackage."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
+from aiak.amp import warn as amp_warn
 from aiak.distributed_hints import warn_if_unsharded
 from aiak.integrations.wrappers import rewrap_optimizer, unwrap_optimizer
 from aiak.optim.accumulation import StepController
@@ -84,7 +85,8 @@ class Applied:
 
 def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
                    *, distributed: bool = True) -> Applied:
-    """Steps 2-7 of ../shared/DESIGN.md on a validated strategy.
+    """Steps 2-7 of applying a validated strategy (switches, surgery, optimizer and precision, DDP, compile,
+    loader).
 
     The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`),
     and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
@@ -93,6 +95,8 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     if model is not None and device is not None:
         model.to(dev)
     summary = Summary()
+    wrapped_by_user = _is_ddp(model)  # a script that built DistributedDataParallel before calling optimize()
+    bare = model.module if wrapped_by_user else model
 
     # 2. global switches
     summary.add("tf32", s.tf32, amp.apply_tf32(s.tf32, dev))
@@ -100,43 +104,47 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     summary.add("cpu_affinity", s.cpu_affinity, comm.apply_cpu_affinity(s.cpu_affinity))
 
     # 3. module surgery on the bare model
-    if s.fused_ops:
-        counts = ops.apply_fused_ops(model, s.fused_ops)
+    if s.fused_ops and wrapped_by_user:
+        amp_warn.warn("aiak: fused_ops skipped: the model is already a DistributedDataParallel, whose buckets hold "
+                      "the parameters as they are; call aiak.optimize before wrapping the model in DDP (aiak wraps "
+                      "it itself under torchrun)")
+        summary.add("fused_ops", s.fused_ops, "skipped: the model was already wrapped in DDP")
+    elif s.fused_ops:
+        counts = ops.apply_fused_ops(bare, s.fused_ops)
         summary.add("fused_ops", s.fused_ops, ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items()))
     else:
         summary.add("fused_ops", s.fused_ops, "none")
 
     # 4. optimizer swap, memory format, precision; the step controller owns optimizer.step()
-    user_optimizer, optimizer = optimizer, optim.swap_optimizer(model, optimizer, s.optimizer)
+    user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
     if scheduler is not None and optimizer is not user_optimizer:
         optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
-    summary.add("channels_last", s.channels_last, amp.apply_channels_last(model) if s.channels_last else "off")
-    precision = amp.apply_precision(model, optimizer, s.precision, dev.type, device=dev)
+    if s.channels_last and wrapped_by_user:
+        summary.add("channels_last", s.channels_last, "skipped: the model was already wrapped in DDP")
+    else:
+        summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
+    precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     controller = None
-    if optimizer is not None and (precision.master or precision.scaler or s.grad_accumulation > 1):
-        controller = StepController(optimizer, s.grad_accumulation, precision.scaler, precision.master, model=model)
-    scaled = controller is not None and (precision.scaler is not None or s.grad_accumulation > 1)
-    if s.precision.level != "O0" or scaled:
-        amp.install_output_hook(model, to_fp32=s.precision.level != "O0",
-                                grad_factor=controller.grad_factor if scaled else None)
+    if optimizer is not None and (precision.scaler is not None or s.grad_accumulation > 1):
+        controller = StepController(optimizer, s.grad_accumulation, precision.scaler, model=bare)
     summary.add("grad_accumulation", s.grad_accumulation,
                 f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
     if scheduler is not None and controller is not None:
         controller.attach_scheduler(scheduler)
 
-    if model is not None:
-        model._aiak_optimized = True
+    if bare is not None:
+        bare._aiak_optimized = True
 
-    # 5. distributed wrapping and communication hook
-    wrapped = comm.wrap_distributed(model, s.comm, dev) if distributed else model
-    if wrapped is not model:
-        if precision.master is not None:
-            precision.master.broadcast_(src=0)
-        if controller is not None:
-            controller.attach_ddp(wrapped)
-    summary.add("comm", compact(s.comm, ("hierarchical", "compression", "bucket_mb")), _describe_comm(wrapped, model))
+    # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
+    comm_cfg = s.comm
+    if s.precision.level == "O2" and s.comm.compression == "none" and distributed and _world_size() > 1:
+        comm_cfg = replace(s.comm, compression=s.precision.dtype)
+    wrapped = comm.wrap_distributed(model, comm_cfg, dev) if distributed else model
+    if wrapped is not bare and controller is not None:
+        controller.attach_ddp(wrapped)
+    summary.add("comm", compact(s.comm, ("hierarchical", "compression", "bucket_mb")), _describe_comm(wrapped, bare))
     model = wrapped
 
     # 6. torch.compile last
@@ -150,6 +158,16 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
 
     summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
     return Applied(model, optimizer, loader, summary, controller)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _is_ddp(model) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
 def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:

@@ -58,7 +58,7 @@ def test_optimize_logs_a_one_screen_summary(caplog):
                   strategy={"precision": {"level": "O2", "dtype": "bf16"}, "grad_accumulation": 2})
     text = caplog.text
     assert "aiak.optimize: strategy 'custom'" in text
-    assert "O2 bf16" in text and "fp32 master weights" in text
+    assert "O2 bf16" in text and "half compute copies of the fp32 parameters" in text
     assert "optimizer steps every 2 step() calls" in text
     assert len(text.splitlines()) < 40
 

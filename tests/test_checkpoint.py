@@ -58,7 +58,7 @@ def test_resume_is_bit_identical(name):
     assert resumed.keys() == uninterrupted.keys()
     for k in resumed:
         assert torch.equal(resumed[k], uninterrupted[k]), k
-    if name != "default":
+    if name != "default" and (name != "O2-bf16"):  # bf16 without accumulation needs no step controller
         assert "aiak" in ckpt["opt"]
         if "fp16" in name:
             assert ckpt["opt"]["aiak"]["loss_scaler"]["scale"] == opt2._aiak_steps.scaler.scale

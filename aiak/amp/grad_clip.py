@@ -1,15 +1,14 @@
 """torch's gradient clipping, made right for parameters aiak optimized: "your loop, unchanged".
 
-A loop that calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would, under aiak, clip
-gradients multiplied by ``loss_scale / accumulation`` (so under O2 fp16 the real step ends up ~65536x too
-small), on the half model copies instead of the fp32 masters the optimizer steps, and on every
-accumulation micro-step. So aiak patches torch's functions; when the parameters (or gradients) given
-belong to an optimizer aiak patched, the call is handed to that optimizer's step controller
-(``aiak.optim.accumulation.StepController``, the one implementation), which clips the true gradient of
-the real step: the fp32 master gradients, unscaled, summed over the whole accumulation window. On a
-micro-step it clips nothing, and a norm it returns is the norm accumulated so far in the window, in the
-real step's units (finite, for a loop that logs ``norm.item()`` every iteration). Every other call is
-torch's original function, with the same arguments.
+A loop that calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on every ``step()`` call
+would, under aiak's gradient accumulation, clip partial sums on every micro-step (and the sum of the window
+instead of its average on the last). So aiak patches torch's functions; when the parameters (or gradients)
+given belong to an optimizer aiak patched, the call is handed to that optimizer's step controller
+(``aiak.optim.accumulation.StepController``, the one implementation), which clips the true gradient of the
+real step: the window's average, unscaled (fp16 loss scaling is undone inside the graph, see
+:mod:`aiak.amp.half_compute`). On a micro-step it clips nothing, and a norm it returns is the norm accumulated
+so far in the window, in the real step's units (finite, for a loop that logs ``norm.item()`` every
+iteration). Every other call is torch's original function, with the same arguments.
 
 Patched names (torch 2.14, ``torch/nn/utils/clip_grad.py``):
 
@@ -20,11 +19,8 @@ Patched names (torch 2.14, ``torch/nn/utils/clip_grad.py``):
   ``_clip_grads_with_norm_``), so that a ``clip_grad_norm_`` imported *before* ``aiak.optimize()``
   (``from torch.nn.utils import clip_grad_norm_``) is right too; likewise ``clip_grad_value_`` through
   ``_group_tensors_by_device_and_dtype``, which only routes when torch's ``clip_grad_value_`` asks.
-  (Such a held function sees only the model's ``.grad``: a second call of it in the same real step, after
-  the first moved the gradients to the fp32 masters, finds none and returns 0. The patched names do not
-  have that limit.)
-* ``get_total_norm`` / ``clip_grads_with_norm_`` imported before ``optimize()`` cannot be routed (the
-  first moves the gradients to the masters, the second then finds none): a call of them on an aiak
+* ``get_total_norm`` / ``clip_grads_with_norm_`` imported before ``optimize()`` cannot be routed (each is
+  handed gradients, not parameters, and would see a window's partial sum): a call of them on an aiak
   model's gradients warns once, saying what to call instead.
 
 Parameters of an aiak optimizer mixed in one call with other parameters that have gradients (or with a
@@ -123,7 +119,7 @@ def _owner_of(tensors: List[torch.Tensor], fn: str, *, as_grads: bool) -> Option
             stray = stray or as_grads or t.grad is not None
         elif found is None or match[0] is found:
             found = match[0]
-            chosen[id(match[1])] = match[1]  # each once: a half parameter and its master name one tensor
+            chosen[id(match[1])] = match[1]  # each once
         else:
             stray = True
     if found is None:
@@ -221,7 +217,7 @@ def _group_by_device_and_dtype(tensorlistlist, *args, **kwargs):
     if caller is not _CLIP_VALUE_CODE:
         warn_once("clip-two-step-held", "aiak: torch.nn.utils.get_total_norm / clip_grads_with_norm_ bound before "
                   "aiak.optimize() ran on an aiak-optimized model's gradients: those are torch's originals, which "
-                  "see loss-scaled / partial gradients. Call them through the module (torch.nn.utils.get_total_norm"
+                  "see a gradient-accumulation window's partial sum. Call them through the module (torch.nn.utils.get_total_norm"
                   "(...)), import them after optimize(), or use torch.nn.utils.clip_grad_norm_.")
         return original(tensorlistlist, *args, **kwargs)
     with _passthrough():

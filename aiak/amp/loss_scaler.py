@@ -10,9 +10,12 @@ from typing import Dict, Iterable, List
 
 import torch
 
+from aiak.amp import script_scaler
+
 
 class LossScaler:
-    """Holds the scale, unscales gradients in place and decides whether a step may be taken."""
+    """Holds the scale (applied inside the model's graph by :mod:`aiak.amp.half_compute`), checks gradients
+    for overflow and decides whether a step may be taken."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, dynamic: bool = True, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, max_scale: float = 2.0 ** 24,
@@ -29,21 +32,25 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped_steps = 0
 
-    def unscale_(self, grads: Iterable[torch.Tensor]) -> bool:
-        """Divide ``grads`` by the scale in place; return True if any of them holds inf or NaN."""
-        grads = [g for g in grads if g is not None]
-        if not grads:
-            return False
+    def grad_scale(self) -> float:
+        """The factor gradients carry inside the model's half-precision regions (read during backward): the
+        scale, or 1 once a script's own ``torch.amp.GradScaler`` does the scaling (:mod:`aiak.amp.script_scaler`)."""
+        return 1.0 if script_scaler.active() else self.scale
+
+    @staticmethod
+    def check_and_multiply_(grads: Iterable[torch.Tensor], factor: float = 1.0) -> bool:
+        """Multiply ``grads`` by ``factor`` in place (one fused pass per device and dtype; a sparse gradient's
+        values); return True if any of them holds inf or NaN."""
+        grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
         found_inf = False
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
         for device, group in by_device.items():
             flag = torch.zeros(1, device=device)
-            inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
-            # One fused pass per device and dtype: checks for inf/NaN and multiplies by 1/scale.
+            inv = torch.full((1,), factor, device=device)
             for dtype in {g.dtype for g in group}:
-                torch._amp_foreach_non_finite_check_and_unscale_([g for g in group if g.dtype == dtype], flag, inv_scale)
+                torch._amp_foreach_non_finite_check_and_unscale_([g for g in group if g.dtype == dtype], flag, inv)
             found_inf = found_inf or bool(flag.item())
         return found_inf
 

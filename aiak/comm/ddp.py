@@ -124,8 +124,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if isinstance(model, DDP):
-        warn("aiak.comm: the model is already a DistributedDataParallel; leaving it (and its hook) as is")
-        return model
+        return _hook_existing(model, opts)
 
     topology = detect_topology(process_group)
     want_groups = opts.hierarchical is True or (opts.hierarchical == "auto" or opts.autotune) \
@@ -163,6 +162,31 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     logger.info("aiak.comm: DDP over %s, bucket %g MB, %s%s", topology.describe(), bucket_mb,
                 "autotuning (step mode)" if tuner else state.describe(),
                 ", deadlock guard on" if opts.deadlock_guard else "")
+    return ddp
+
+
+def _hook_existing(ddp, opts: CommConfig):
+    """A DistributedDataParallel the script built itself: its buckets stay as they are (bucket_mb cannot change
+    now); aiak's communication hook is registered if the DDP has none yet and the settings need one."""
+    if opts.autotune or opts.hierarchical is True:
+        warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune and comm.hierarchical need "
+             "the wrapping to be aiak's (call aiak.optimize before DistributedDataParallel); its allreduce is kept "
+             f"{'with compression ' + opts.compression if opts.compression != 'none' else 'as is'}")
+    if opts.compression == "none" and not opts.deadlock_guard:
+        return ddp
+    if getattr(ddp, "_comm_hooks", None):
+        warn("aiak.comm: the model's DistributedDataParallel already has a communication hook; aiak leaves it as is "
+             f"(comm.compression {opts.compression} is not applied)")
+        return ddp
+    state = CommState(ddp.process_group, None, compression=opts.compression, int8_block=opts.int8_block,
+                      pipeline_mb=opts.pipeline_mb)
+    ddp.register_comm_hook(state, comm_hook)
+    ddp.aiak_comm_state = state
+    if opts.deadlock_guard:
+        from aiak.comm.deadlock import enable_deadlock_guard
+
+        enable_deadlock_guard(timeout_s=opts.timeout_s)
+    logger.info("aiak.comm: the script's DDP, %s", state.describe())
     return ddp
 
 

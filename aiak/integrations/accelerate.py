@@ -1,8 +1,7 @@
 """aiak in a Hugging Face Accelerate script: ``prepare`` in the supported order.
 
 ``prepare(accelerator, model, optimizer, loader, strategy=..., scheduler=...)`` puts the model on the
-accelerator's device, applies ``aiak.optimize`` (so O2's fp32 master weights are made where the model will
-train), then ``accelerator.prepare`` on everything, and returns the objects in the order given, as
+accelerator's device, applies ``aiak.optimize``, then ``accelerator.prepare`` on everything, and returns the objects in the order given, as
 ``accelerator.prepare`` does. The loader goes to Accelerate only (it shards and places batches itself).
 
 Both orders work in one process (``aiak.optimize`` sees through an ``AcceleratedOptimizer``):

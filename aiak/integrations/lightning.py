@@ -5,8 +5,8 @@
 hands Lightning back the same structure (optimizer, ``{"optimizer", "lr_scheduler"}`` dict, or lists). A
 scheduler goes through ``aiak.optimize(scheduler=...)``, so with ``grad_accumulation`` it advances once per real
 step. Lightning steps with ``optimizer.step(closure)`` and clips with ``torch.nn.utils.clip_grad_norm_`` inside
-that closure; both reach aiak's step controller, which clips the true gradient (fp32 masters, unscaled, whole
-window). With ``Trainer(accumulate_grad_batches=N)`` as well, Lightning's accumulation wins (one warning).
+that closure; both reach aiak's step controller, which clips the true gradient (unscaled, the whole window's
+average). With ``Trainer(accumulate_grad_batches=N)`` as well, Lightning's accumulation wins (one warning).
 
 A complete script::
 
@@ -25,7 +25,7 @@ A complete script::
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return nn.functional.cross_entropy(self(x), y)   # self(x): through aiak's hooks
+            return nn.functional.cross_entropy(self(x), y)   # self.net(x) works the same
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -36,9 +36,9 @@ A complete script::
                                                   "grad_accumulation": 2})])
     trainer.fit(Classifier(), torch.utils.data.DataLoader(data, batch_size=32))
 
-``training_step`` must compute the loss from ``self(x)`` (the module's ``forward``), where aiak's hooks cast the
-inputs (O2) and scale the gradient (loss scaling, the accumulation average): a loss from ``self.net(x)`` bypasses
-them, and aiak's step refuses it with a message saying so rather than train on unscaled gradients.
+``training_step`` may compute the loss from ``self(x)`` or from a submodule (``self.net(x)``): aiak's precision
+hooks sit on every module that owns parameters, so either computes in half precision, the fp16 loss scale is
+undone inside the graph, and gradient accumulation divides at the real step.
 
 Calling ``aiak.optimize(self, optimizer, strategy=...)`` inside ``configure_optimizers`` yourself is the same
 thing. One optimizer per module: with several, call ``aiak.optimize`` for each yourself.

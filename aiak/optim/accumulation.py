@@ -3,31 +3,31 @@
 ``aiak.optimize`` patches the user's optimizer *in place* (the same object comes back, so ``isinstance``
 checks and schedulers built earlier keep working). Its ``step()`` then:
 
-1. counts micro-steps and really steps only on every ``accumulation``-th call (the gradient average over
-   micro-batches comes from the output hook's ``1/accumulation`` factor, see ``aiak.amp.precision``);
-   under DDP, gradients are synchronised only on the last micro-step (``no_sync`` semantics);
-2. moves half gradients to the fp32 master weights (O2), unscales them and checks for inf/NaN (fp16);
-   an overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
-3. runs the real optimizer step, copies masters back to the model, and clears the gradients.
+1. counts micro-steps and really steps only on every ``accumulation``-th call; under DDP, gradients are
+   synchronised only on the last micro-step (``no_sync`` semantics);
+2. on the real step, divides the summed gradients by ``accumulation`` (they are the model's fp32 parameters'
+   own gradients under every precision, summed in fp32) and, under fp16 loss scaling, checks them for inf/NaN
+   in the same fused pass (:mod:`aiak.amp.half_compute` has already unscaled them inside the graph); an
+   overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
+3. runs the real optimizer step and clears the gradients.
 
 ``step(closure)`` (how Lightning always steps) runs the closure with grad enabled (it does the forward and
 backward), then the controlled step, and returns the closure's loss, on micro-steps too.
 
 ``zero_grad()`` is a no-op inside an accumulation window, and the partial sum survives a framework that
 clears gradients itself: Hugging Face's ``Trainer`` calls ``model.zero_grad()`` after each of its steps, which
-sets every ``.grad`` to None (issue 14 measured max|dw| 1.1e-1 against big-batch training, 1.2e-7 without
-that call). Each micro-step keeps a reference to the gradients it leaves (no copy) and puts back any
-that were detached before the next backward reaches the parameters (:meth:`StepController.grad_factor` runs
-first in that backward, from the output hook) or before the real step. A framework that accumulates
-gradients itself (Lightning's ``accumulate_grad_batches``, Accelerate's and the Trainer's
-``gradient_accumulation_steps``) wins over ``grad_accumulation``, with one warning
-(:mod:`aiak.integrations.stacking`), so the two never multiply. Gradient clipping is implemented here once
-(:meth:`StepController.clip_grad_norm_`, :meth:`StepController.clip_grad_value_`): it clips the true,
-unscaled gradient of the real step and nothing on micro-steps. The user's unchanged
+sets every ``.grad`` to None. Each micro-step keeps a reference to the gradients it leaves (no copy); a hook on
+each parameter, run by autograd right after the next backward accumulated into ``.grad`` (and before DDP's
+reducer reads it), adds the kept sum back when the gradient was started anew, and refuses to go on when it was
+zeroed in place. A framework that accumulates gradients itself (Lightning's ``accumulate_grad_batches``,
+Accelerate's and the Trainer's ``gradient_accumulation_steps``) wins over ``grad_accumulation``, with one
+warning (:mod:`aiak.integrations.stacking`), so the two never multiply. Gradient clipping is implemented here
+once (:meth:`StepController.clip_grad_norm_`, :meth:`StepController.clip_grad_value_`): it clips the true
+gradient of the real step and nothing on micro-steps. The user's unchanged
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` / ``clip_grad_value_`` reach it through
 :mod:`aiak.amp.grad_clip`; :func:`clip_grad_norm_` / :func:`clip_grad_value_` here take the optimizer.
-``state_dict()`` carries the master weights, the loss-scaler state and the micro-step counter, so a resumed
-run continues bit-identically.
+``state_dict()`` carries the loss-scaler state and the micro-step counter, so a resumed run continues
+bit-identically.
 """
 from __future__ import annotations
 
@@ -37,9 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from aiak.amp import grad_clip
+from aiak.amp import grad_clip, script_scaler
 from aiak.amp.loss_scaler import LossScaler
-from aiak.amp.precision import MasterWeights
 from aiak.amp.warn import warn, warn_once
 
 logger = logging.getLogger("aiak")
@@ -60,12 +59,25 @@ def _make_patched_step(inner):
     return step
 
 
+class _AfterAccumulation:
+    """The hook autograd runs on a parameter right after a backward accumulated into its ``.grad``: hands the
+    parameter to its step controller (held here, not by the model: copies of the model never carry it)."""
+
+    __slots__ = ("controller",)
+
+    def __init__(self, controller: "StepController"):
+        self.controller = controller
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if self.controller.active():
+            self.controller.after_accumulation(param)
+
+
 class StepController:
     """Owns ``step``/``zero_grad`` of one optimizer. Attached as ``optimizer._aiak_steps``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, accumulation: int = 1,
-                 scaler: Optional[LossScaler] = None, master: Optional[MasterWeights] = None,
-                 model: Optional[torch.nn.Module] = None):
+                 scaler: Optional[LossScaler] = None, model: Optional[torch.nn.Module] = None):
         if accumulation < 1:
             raise ValueError(f"grad_accumulation must be >= 1, got {accumulation}")
         if getattr(optimizer, "_aiak_steps", None) is not None:
@@ -75,12 +87,12 @@ class StepController:
         self.requested_accumulation = accumulation  # before a framework's own accumulation took over
         self._framework_checked = accumulation == 1
         self._model = model
-        self._partial: Optional[List[Tuple[torch.Tensor, torch.Tensor, int]]] = None  # (param, its grad, version)
-        self._scaled_since_step = False  # a backward went through the output hook since the last step()
+        self._partial: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(param) -> (param, its grad, version)
+        self._hooked: set = set()    # ids of the parameters carrying an _AfterAccumulation hook
+        self._hook = _AfterAccumulation(self)
         self._params: List[torch.Tensor] = []
         self._params_for: Optional[tuple] = None
         self.scaler = scaler
-        self.master = master
         self.micro_step = 0          # micro-steps taken since the last real step
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
         self._events_at_scheduler = 0
@@ -94,71 +106,59 @@ class StepController:
         optimizer.register_load_state_dict_pre_hook(self._take_extra)
         optimizer.register_load_state_dict_post_hook(self._restore_extra)
         self._pending_extra: Optional[Dict[str, Any]] = None
-        self._prepared: Optional[bool] = None  # gradients already moved/unscaled for the coming step (inf found?)
+        self._prepared: Optional[bool] = None  # gradients already averaged/checked for the coming step (inf found?)
         grad_clip.route_to(self)  # torch.nn.utils.clip_grad_norm_ & co. on these parameters come here
+        script_scaler.watch()     # a script's own GradScaler under accumulation is refused with the reason
+        self._params_of_groups()
 
-    # -- what the output hook multiplies incoming gradients by -------------------------------
-    def grad_factor(self) -> float:
-        """``loss_scale / accumulation``. Called by the output hook when a backward reaches the model's outputs,
-        before it reaches any parameter: the moment to put back a partial sum a framework detached."""
-        self._check_framework_accumulation()
-        self._restore_partial_sum()
-        self._scaled_since_step = True
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        return scale / self.accumulation
-
-    # -- accumulation that survives a framework's zero_grad, and yields to the framework's own --------
-    def _accumulating_params(self) -> List[torch.Tensor]:
-        """The tensors whose ``.grad`` holds the partial sum: the half model parameters under O2, else the
-        optimizer's. Built once per set of parameter groups (it is read on every micro-step)."""
+    # -- the parameters, and the hooks that keep a window's partial sum -------------------------------
+    def _params_of_groups(self) -> List[torch.Tensor]:
+        """The optimizer's parameters, rebuilt when its groups change (a group added later gets the hooks too)."""
         groups = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
         if self._params_for != groups:
-            model_of = self.master.model_param_of if self.master is not None else {}
-            self._params = [model_of.get(id(p), p) for g in self.optimizer.param_groups for p in g["params"]]
+            self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
             self._params_for = groups
+            if self.accumulation > 1 or not self._framework_checked:
+                for p in self._params:
+                    if id(p) not in self._hooked and p.requires_grad:
+                        p.register_post_accumulate_grad_hook(self._hook)
+                        self._hooked.add(id(p))
         return self._params
 
-    def _keep_partial_sum(self) -> None:
-        self._partial = [(p, p.grad, p.grad._version) for p in self._accumulating_params() if p.grad is not None]
-
-    def _restore_partial_sum(self) -> None:
-        """Put back gradients of the open window that someone set to None (``model.zero_grad()``); refuse to go on
-        if one was zeroed in place (``zero_grad(set_to_none=False)``), which would silently drop micro-batches.
-        Runs twice per micro-step (at the backward and at ``step()``): no grad-mode context unless it adds."""
-        partial, self._partial = self._partial, None
-        for p, grad, version in partial or ():
-            if p.grad is None:
-                p.grad = grad
-            elif p.grad is not grad:  # a new gradient was started (a loss term on the parameters directly)
-                with torch.no_grad():
-                    p.grad.add_(grad)
-            elif grad._version != version:
+    def after_accumulation(self, param: torch.Tensor) -> None:
+        """A backward just accumulated into ``param.grad``: the first of the window asks whether a framework
+        accumulates too; a gradient started anew (a framework's ``model.zero_grad()``) gets the kept sum back."""
+        self._check_framework_accumulation()
+        kept = self._partial.pop(id(param), None)
+        if kept is None:
+            return
+        _, grad, version = kept
+        if param.grad is grad:
+            if grad._version > version + 1 and not grad.is_sparse:  # zeroed in place, then accumulated into
                 raise RuntimeError(
                     f"aiak: a gradient was modified in place inside a {self.accumulation}-step accumulation window "
                     "(zero_grad(set_to_none=False) on the model?): the micro-batches summed so far are lost. "
                     "Clear gradients with optimizer.zero_grad() (aiak keeps the sum) or set_to_none=True, or let "
                     "the framework accumulate and set grad_accumulation: 1")
+        elif param.grad is not None and param.grad.grad_fn is None:  # cleared to None, then started anew
+            with torch.no_grad():
+                param.grad.add_(grad)
 
-    def _refuse_unscaled_gradients(self, partial) -> None:
-        """Raise if a backward since the last step() reached the parameters without passing through the model's
-        outputs: its gradients lack the loss scale and the 1/accumulation average that the output hook applies
-        (a LightningModule whose ``training_step`` calls ``self.net(x)`` instead of ``self(x)``; a loss from
-        ``model.backbone(x)``). Before, such a step trained on N-times-too-large (or unscaled) gradients."""
-        scaled, self._scaled_since_step = self._scaled_since_step, False
-        if scaled or (self.scaler is None and self.accumulation == 1):
-            return
-        before = {id(grad): version for _, grad, version in partial or ()}
-        fresh = [p for p in self._accumulating_params() if p.grad is not None
-                 and before.get(id(p.grad)) != p.grad._version]
-        if fresh:
-            raise RuntimeError(
-                "aiak: the gradients of this step did not flow through the outputs of the model given to "
-                "aiak.optimize(), so they lack its loss scaling and 1/grad_accumulation averaging: compute the loss "
-                "from the optimized model's own call (self(x) in a LightningModule's training_step rather than "
-                "self.net(x); model(x) rather than model.backbone(x))")
+    def _keep_partial_sum(self) -> None:
+        self._partial = {id(p): (p, p.grad, p.grad._version) for p in self._params_of_groups() if p.grad is not None}
+
+    def _restore_partial_sum(self) -> None:
+        """Give back kept sums of parameters no backward reached since (their hook did not run)."""
+        partial, self._partial = self._partial, {}
+        for p, grad, _ in partial.values():
+            if p.grad is None:
+                p.grad = grad
+            elif p.grad is not grad:
+                with torch.no_grad():
+                    p.grad.add_(grad)
 
     def _check_framework_accumulation(self) -> None:
-        """Once, before the first scaled backward: if a framework accumulates gradients itself, it wins."""
+        """Once, at the first backward: if a framework accumulates gradients itself, it wins."""
         if self._framework_checked:
             return
         self._framework_checked = True
@@ -195,9 +195,7 @@ class StepController:
             with torch.enable_grad():
                 loss = closure()
         self._check_framework_accumulation()
-        partial = self._partial
         self._restore_partial_sum()
-        self._refuse_unscaled_gradients(partial)
         self.micro_step += 1
         if self.micro_step < self.accumulation:
             self._set_sync()
@@ -217,20 +215,21 @@ class StepController:
                 return loss
         inner_loss = self._inner_step()
         loss = inner_loss if closure is None else loss
-        if self.master is not None:
-            self.master.master_to_model()
         self._clear_grads()
         return loss
 
     def _prepare_grads(self) -> bool:
-        """Half gradients to the fp32 masters, then unscaled; True if any is inf/NaN. Once per real step."""
+        """The window's summed gradients divided by ``accumulation`` and, under loss scaling, checked for inf/NaN
+        in the same fused pass; True if any is inf/NaN. Once per real step."""
         if self._prepared is None:
-            if self.master is not None:
-                self.master.grads_to_master()
-            found_inf = False
+            self._restore_partial_sum()
+            grads = [p.grad for p in self._params_of_groups() if p.grad is not None]
             if self.scaler is not None:
-                found_inf = self.scaler.unscale_(p.grad for g in self.optimizer.param_groups for p in g["params"])
-            self._prepared = found_inf
+                self._prepared = LossScaler.check_and_multiply_(grads, 1.0 / self.accumulation)
+            else:
+                if self.accumulation > 1 and grads:
+                    LossScaler.check_and_multiply_(grads, 1.0 / self.accumulation)
+                self._prepared = False
         return self._prepared
 
     # -- gradient clipping: the one implementation (aiak.amp.grad_clip routes torch's functions here) --------
@@ -239,12 +238,9 @@ class StepController:
         return getattr(self.optimizer, "_aiak_steps", None) is self
 
     def clip_targets(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(tensor a user may pass, tensor the real step uses)`` for every parameter: a half model parameter
-        and its fp32 master (O2), and each parameter the optimizer steps paired with itself."""
-        pairs = [(m, m) for g in self.optimizer.param_groups for m in g["params"]]
-        if self.master is not None:
-            pairs += list(self.master.pairs)
-        return pairs
+        """``(tensor a user may pass, tensor the real step uses)`` for every parameter: each parameter the
+        optimizer steps, paired with itself (the model's parameters are the optimizer's under every precision)."""
+        return [(p, p) for p in self._params_of_groups()]
 
     def _in_window(self) -> bool:
         """The coming ``step()`` is an accumulation micro-step (the gradients are still a partial sum)."""
@@ -252,12 +248,11 @@ class StepController:
 
     def _step_side(self, tensors) -> List[torch.Tensor]:
         """``tensors`` (tensors the real step uses, as :meth:`clip_targets` pairs them), or all the optimizer's."""
-        return list(tensors) if tensors is not None else [p for g in self.optimizer.param_groups for p in g["params"]]
+        return list(tensors) if tensors is not None else list(self._params_of_groups())
 
     def real_step_grads(self, tensors=None) -> List[torch.Tensor]:
-        """The true gradients the real step will use for ``tensors`` (default: all the optimizer's), moved to
-        the masters and unscaled first; empty on a micro-step, or when they overflowed (the step will be
-        skipped)."""
+        """The true gradients the real step will use for ``tensors`` (default: all the optimizer's), averaged
+        over the window first; empty on a micro-step, or when they overflowed (the step will be skipped)."""
         if self._in_window() or self._prepare_grads():
             return []
         return [t.grad for t in self._step_side(tensors) if t.grad is not None]
@@ -266,11 +261,11 @@ class StepController:
                   foreach: Optional[bool] = None) -> torch.Tensor:
         """The norm of the true gradient of ``tensors`` (the real step's side; default: all the optimizer's).
 
-        Before a real step: the norm of what the step will use (fp32 masters, unscaled, the whole window),
-        computed by torch's ``get_total_norm``; ``inf`` if the gradients overflowed under loss scaling (the
-        step will then be skipped, so ``error_if_nonfinite`` does not raise for that). On a micro-step: the
-        norm of the gradient accumulated so far in the window, in the real step's units (so a user logging
-        ``norm.item()`` every iteration sees it grow to the real step's norm); nothing is clipped then.
+        Before a real step: the norm of what the step will use (the window's average, unscaled), computed by
+        torch's ``get_total_norm``; ``inf`` if the gradients overflowed under loss scaling (the step will then
+        be skipped, so ``error_if_nonfinite`` does not raise for that). On a micro-step: the norm of the
+        gradient accumulated so far in the window, in the real step's units (so a user logging ``norm.item()``
+        every iteration sees it grow to the real step's norm); nothing is clipped then.
         """
         tensors = self._step_side(tensors)
         if self._in_window():
@@ -283,20 +278,14 @@ class StepController:
 
     @torch.no_grad()
     def _partial_norm(self, tensors: List[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """Norm, in fp32, of the model's gradients summed so far, divided by the loss scale (the model's half
-        gradients would overflow a norm taken in fp16 while they are loss-scaled)."""
-        model_of = self.master.model_param_of if self.master is not None else {}
-        grads = [g for g in (model_of.get(id(t), t).grad for t in tensors) if g is not None]
+        """Norm of the gradients summed so far in the window, divided by ``accumulation``."""
+        self._restore_partial_sum()
+        self._keep_partial_sum()
+        grads = [t.grad for t in tensors if t.grad is not None]
         if not grads:
             return torch.tensor(0.0)
-        norms = []
-        for device in {g.device for g in grads}:
-            on_device = [g for g in grads if g.device == device]
-            for dtype in {g.dtype for g in on_device}:
-                norms += torch._foreach_norm([g for g in on_device if g.dtype == dtype], norm_type,
-                                             dtype=torch.float32)
-        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
-        return total / (self.scaler.scale if self.scaler is not None else 1.0)
+        total = grad_clip.call_original("get_total_norm", grads, norm_type, False, None)
+        return total / self.accumulation
 
     def clip_grads_with_norm_(self, tensors, max_norm: float, total_norm: torch.Tensor,
                               foreach: Optional[bool] = None) -> None:
@@ -308,7 +297,7 @@ class StepController:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, tensors=None,
                         error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
-        """Clip the gradients the coming real step will use (fp32 masters, unscaled, the whole window).
+        """Clip the gradients the coming real step will use (unscaled, averaged over the whole window).
 
         Call it where plain PyTorch clips, between ``backward()`` and ``step()``, as often as plain PyTorch
         would (every ``step()`` call): on accumulation micro-steps it clips nothing and returns the partial
@@ -335,10 +324,8 @@ class StepController:
 
     def _clear_grads(self, set_to_none: bool = True) -> None:
         self._prepared = None
-        self._partial = None
+        self._partial = {}
         self._inner_zero_grad(set_to_none=set_to_none)
-        if self.master is not None:
-            self.master.clear_model_grads()
 
     # -- scheduler: advance once per real step -------------------------------------------------
     def attach_scheduler(self, scheduler) -> None:
@@ -367,8 +354,6 @@ class StepController:
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
-        if self.master is not None:
-            extra["master_weights"] = [m.detach().clone() for _, m in self.master.pairs]
         state_dict["aiak"] = extra
         return state_dict
 
@@ -385,23 +370,14 @@ class StepController:
         self.step_events = self._events_at_scheduler = int(extra.get("step_events", 0))
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
-        if self.master is not None and "master_weights" in extra:
-            saved = extra["master_weights"]
-            if len(saved) != len(self.master.pairs):
-                raise ValueError(f"checkpoint holds {len(saved)} master weights, this optimizer has "
-                                 f"{len(self.master.pairs)}")
-            with torch.no_grad():
-                for (_, m), value in zip(self.master.pairs, saved):
-                    m.copy_(value)
-            self.master.master_to_model()
         self._set_sync()
 
 
 def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters that is right under aiak.
 
-    With loss scaling the model's gradients are scaled, with O2 the step uses fp32 master copies, with
-    accumulation they are partial sums until the last micro-step: this clips what the real step will use
+    With accumulation the gradients are partial sums until the last micro-step: this clips what the real step
+    will use (the window's average)
     and returns its norm (on a micro-step: clips nothing, returns the norm accumulated so far, see
     :meth:`StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
     """

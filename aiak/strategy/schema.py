@@ -59,7 +59,8 @@ class Match:
 
 @dataclass
 class Precision:
-    """Mixed precision: O0 fp32, O1 autocast, O2 half model + fp32 master weights (apex semantics).
+    """Mixed precision: O0 fp32, O1 autocast, O2 half-precision compute copies of the fp32 parameters (apex O2's
+    numerics; the parameters stay the user's fp32 tensors).
 
     ``loss_scale`` is ``dynamic``, a positive number (static scale) or ``none`` (no scaling; refused for
     fp16 at O1/O2, where small gradients underflow).

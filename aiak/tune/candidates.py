@@ -77,7 +77,7 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
 
     p = pick.precision
     native = {"bf16": bool(getattr(probes, "bf16_native", False)), "fp16": bool(getattr(probes, "fp16_native", False))}
-    if p.level == "O1":  # trials always have an optimizer (O2 needs one for its fp32 master weights)
+    if p.level == "O1":
         proposals.append(("O2", _variant(pick, "O2", {"precision.level": "O2"})))
     if p.level == "O2":
         proposals.append(("O1", _variant(pick, "O1", {"precision.level": "O1"})))

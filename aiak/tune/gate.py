@@ -53,14 +53,15 @@ class GateResult:
                 f"{self.norm_diff:.2%} (<= {MAX_NORM_DIFF:.0%}) from fp32")
 
 
-def gradients(model: torch.nn.Module, factor: float = 1.0) -> Dict[str, torch.Tensor]:
-    """The gradients of ``model``'s trainable parameters by name, in fp32 and divided by ``factor`` (the
-    loss scale times accumulation the output hook multiplied them by). Missing gradients count as zeros."""
+def gradients(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The gradients of ``model``'s trainable parameters by name, in fp32 (after one backward they are the true
+    gradient of the batch under every strategy: loss scaling is undone inside the graph, accumulation divides
+    only at the real step). Missing gradients count as zeros."""
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            out[name] = g.detach().float().contiguous() / factor
+            out[name] = g.detach().float().contiguous()
     return out
 
 

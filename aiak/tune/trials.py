@@ -251,9 +251,8 @@ class _Contender:
         loss = trial_loss(_call(self.model, batch), batch)
         loss.backward()
         grads = None
-        if want_grads:
-            factor = self.controller.grad_factor() if self.controller is not None else 1.0
-            grads = gate.gradients(self.bare, factor)
+        if want_grads:  # one micro-step's true gradient: the fp32 parameters' own, unscaled inside the graph
+            grads = gate.gradients(self.bare)
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad()

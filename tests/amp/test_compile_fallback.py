@@ -139,3 +139,24 @@ def test_a_compile_failure_after_part_of_the_call_ran_says_what_was_updated_twic
     finally:
         torch._dynamo.reset()
 
+
+
+@pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
+def test_compiled_o2_model_trains_like_the_eager_one(monkeypatch):
+    """compile: true with O2: torch.compile runs aiak's region hooks eagerly, so the compiled model's fp32
+    parameters get the same gradients as the eager model's, bit for bit (traced, the hooks' swap of parameters
+    for their half copies left every gradient None)."""
+    monkeypatch.setenv("AIAK_COMPILE_BACKEND", "aot_eager")
+    strategy = {"precision": {"level": "O2", "dtype": "bf16"}}
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+    compiled = copy.deepcopy(eager)
+    eager, _, _ = aiak.optimize(eager, torch.optim.SGD(eager.parameters(), lr=0.1), strategy=strategy)
+    compiled, _, _ = aiak.optimize(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1),
+                                   strategy={**strategy, "compile": True})
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for model in (eager, compiled):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert compiled._compiled_call_impl is not None  # really compiled (no eager fallback)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert b.grad is not None and torch.equal(a.grad, b.grad)

@@ -24,16 +24,17 @@ def test_grows_after_clean_steps_halves_on_overflow_and_is_capped():
 def test_static_scale_never_changes_but_still_reports_overflow():
     s = LossScaler(init_scale=128.0, dynamic=False)
     grads = [torch.tensor([256.0, float("inf")])]
-    assert s.unscale_(grads) is True
+    assert LossScaler.check_and_multiply_(grads) is True
     s.update(True)
     assert s.scale == 128.0 and s.skipped_steps == 1
 
 
-def test_unscale_divides_in_place_across_dtypes():
-    s = LossScaler(init_scale=4.0)
+def test_check_and_multiply_scales_in_place_across_dtypes_and_sparse_values():
     a, b = torch.tensor([8.0, 4.0]), torch.tensor([2.0], dtype=torch.float16)
-    assert s.unscale_([a, b, None]) is False
-    assert a.tolist() == [2.0, 1.0] and b.item() == 0.5
+    sparse = torch.sparse_coo_tensor([[0, 2]], [4.0, 8.0], (3,))
+    assert LossScaler.check_and_multiply_([a, b, None, sparse], 0.25) is False
+    assert a.tolist() == [2.0, 1.0] and b.item() == 0.5 and sparse.to_dense().tolist() == [1.0, 0.0, 2.0]
+    assert LossScaler.check_and_multiply_([torch.sparse_coo_tensor([[1]], [float("nan")], (3,))]) is True
 
 
 def test_state_dict_round_trip():
