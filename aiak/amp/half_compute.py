@@ -96,6 +96,14 @@ class _ScaleGrad(torch.autograd.Function):
         return (grad / scale if ctx.inverse else grad * scale), None, None
 
 
+def scaling_node_scaler(node) -> Optional[Any]:
+    """The loss scaler of ``node`` if it is the backward of a region's output scaling (:class:`_ScaleGrad`, not
+    the inverse one on a region's inputs), else None."""
+    if isinstance(node, _ScaleGrad._backward_cls) and not getattr(node, "inverse", True):
+        return node.scaler
+    return None
+
+
 # -- the regions ----------------------------------------------------------------------------------------
 
 class _Frame:

@@ -10,7 +10,6 @@ from typing import Dict, Iterable, List
 
 import torch
 
-from aiak.amp import script_scaler
 
 
 class LossScaler:
@@ -31,11 +30,13 @@ class LossScaler:
         self.min_scale = min_scale
         self.clean_steps = 0
         self.skipped_steps = 0
+        self.stood_aside = False  # a script's own GradScaler scales this model's loss instead
 
     def grad_scale(self) -> float:
         """The factor gradients carry inside the model's half-precision regions (read during backward): the
-        scale, or 1 once a script's own ``torch.amp.GradScaler`` does the scaling (:mod:`aiak.amp.script_scaler`)."""
-        return 1.0 if script_scaler.active() else self.scale
+        scale, or 1 once a script's own ``torch.amp.GradScaler`` scales this model's loss
+        (:mod:`aiak.amp.script_scaler`)."""
+        return 1.0 if self.stood_aside else self.scale
 
     @staticmethod
     def check_and_multiply_(grads: Iterable[torch.Tensor], factor: float = 1.0) -> bool:
