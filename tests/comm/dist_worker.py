@@ -241,10 +241,12 @@ def scenario_uneven(rank):
 
 
 def scenario_optimize(rank):
-    """The whole stack under torchrun: O2 bf16 master weights + accumulation 2 + hierarchical fp16 DDP.
+    """The whole stack under torchrun: O2 bf16 (half compute copies of the fp32 parameters) + accumulation 2 +
+    hierarchical fp16 DDP.
 
     Each rank starts from different weights (seeded by rank): optimize() must make every rank start from
-    rank 0's exact fp32 weights (masters broadcast, not re-widened bf16) and keep them identical."""
+    rank 0's exact fp32 weights and keep them identical. ("masters": the fp32 parameters the optimizer steps,
+    which under O2 are the model's own.)"""
     import aiak
 
     model = tiny_model(seed=100 + rank)
@@ -261,7 +263,49 @@ def scenario_optimize(rank):
         opt.step()
         opt.zero_grad()
     out["end"] = {k: v.clone() for k, v in ddp.state_dict().items()}
-    out["masters"] = [m.detach().clone() for _, m in opt._aiak_steps.master.pairs]
+    out["masters"] = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    return out
+
+
+def scenario_prewrapped_o2(rank):
+    """O2 bf16 on a model the script wrapped in DistributedDataParallel itself, against aiak's usual order
+    (``aiak.optimize`` on the bare model, which builds the DDP), without and with ``grad_accumulation: 2``. Each
+    rank starts from its own weights (seeded by rank): DDP's constructor makes every rank start from rank 0's."""
+    import aiak
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for name, extra in (("o2", {}), ("o2_accum2", {"grad_accumulation": 2})):
+        strategy = {"precision": {"level": "O2", "dtype": "bf16"}, **extra}
+        runs = {}
+        for order in ("script_ddp_first", "aiak_wraps"):
+            model = tiny_model(seed=100 + rank)
+            if order == "script_ddp_first":
+                ddp = DDP(model)
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    returned, opt, _ = aiak.optimize(ddp, opt, strategy=strategy)
+                state = getattr(returned, "aiak_comm_state", None)
+                run = {"returned_is_script_ddp": returned is ddp, "module_is_script_model": returned.module is model,
+                       "comm_hooks": len(getattr(returned, "_comm_hooks", [])),
+                       "compression": getattr(state, "compression", None),
+                       "describe": state.describe() if state is not None else None,
+                       "warnings": [str(w.message) for w in caught]}
+            else:
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                returned, opt, _ = aiak.optimize(model, opt, strategy=strategy)
+                run = {"type": type(returned).__name__, "describe": returned.aiak_comm_state.describe()}
+            for step in range(8):
+                x, y = rank_data(rank, step=step)
+                nn.functional.mse_loss(returned(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            run["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+            run["end"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            runs[order] = run
+        out[name] = runs
+    out["rank0_start"] = {k: v.clone() for k, v in tiny_model(seed=100).state_dict().items()}
     return out
 
 
@@ -293,7 +337,7 @@ def nan_recovery(rank, comm, steps=16):
         out["scales"].append(scaler.scale)
         out["skipped"].append(scaler.skipped_steps)
         if step in (NAN_STEP + 1, steps - 1):
-            out["masters"][step] = [m.detach().clone() for _, m in opt._aiak_steps.master.pairs]
+            out["masters"][step] = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
     out["weights"] = {k: v.clone() for k, v in ddp.state_dict().items()}
     out["residuals"] = state.feedback.residuals()
     return out
