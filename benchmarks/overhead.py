@@ -1,7 +1,7 @@
 """Per-step overhead of aiak.optimize on a tiny model, against a plain loop measured in the same run.
 
 Goal (issue 2): strategy="default" costs at most 1.03x a plain PyTorch step. The other rows show what the
-step controller costs when it has work to do (accumulation, O2 master weights) on a model this small,
+step controller and the precision hooks cost when they have work to do (accumulation, O2) on a model this small,
 where the framework's bookkeeping is most visible.
 
     python benchmarks/overhead.py [--steps 300] [--repeats 7] [--quick]

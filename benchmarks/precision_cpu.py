@@ -17,7 +17,7 @@ is an approximation of such a CPU (ATen's own kernels still see the real one) an
 The figures quoted in aiak's precision warnings (``aiak/amp/emulation.py``) come from this script.
 
 :func:`gpu_checks` holds the CUDA rows of ``aiak.amp`` (probe, emulation rule, exact norms under O2, clipping
-routed to the fp32 masters, inductor through aiak's compile fallback) for ``benchmarks/gpu_check.py``.
+routed to the step controller, inductor through aiak's compile fallback) for ``benchmarks/gpu_check.py``.
 """
 from __future__ import annotations
 
@@ -209,6 +209,35 @@ def gpu_checks() -> list:
     err = float((out - want_out).abs().max())
     rows.append(_row("amp: compile (inductor) via aiak", not fell_back and err < 1e-3,
                      "fell back / max |out - eager| (goal: no, < 1e-3)", f"{fell_back} / {err:.2e}"))
+
+    # O2 bf16 on CUDA: the parameters stay fp32 (the conv computes with a bf16 copy), an EMA deepcopy is
+    # independent, and compiled (inductor) gradients equal the eager ones to bf16 rounding
+    def o2_net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(8 * 6 * 6, 10)).to(dev)
+
+    eager, compiled = o2_net(), o2_net()
+    o2 = {"precision": {"level": "O2", "dtype": "bf16"}}
+    eager, _, _ = aiak.optimize(eager, torch.optim.SGD(eager.parameters(), lr=0.1), strategy=o2)
+    compiled, _, _ = aiak.optimize(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1),
+                                   strategy={**o2, "compile": True})
+    seen = []
+    eager[0].register_forward_hook(lambda m, a, o: seen.append(m.weight.dtype))
+    x, y = torch.randn(16, 3, 8, 8, device=dev), torch.randint(0, 10, (16,), device=dev)
+    ema = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        nn.functional.cross_entropy(m(x), y).backward()
+    fp32 = all(p.dtype == torch.float32 for p in eager.parameters())
+    independent = ema[0].weight.data_ptr() != eager[0].weight.data_ptr()
+    rows.append(_row("amp: O2 bf16 leaves fp32 parameters", fp32 and seen[:1] == [torch.bfloat16] and independent,
+                     "params fp32 / conv computes in / EMA copy independent (goal: True, bf16, True)",
+                     f"{fp32} / {seen[:1]} / {independent}"))
+    grads = [(a.grad, b.grad) for a, b in zip(eager.parameters(), compiled.parameters())]
+    missing = sum(b is None for _, b in grads)
+    err = max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in grads if b is not None)
+    rows.append(_row("amp: O2 bf16 compiled grads = eager", missing == 0 and err < 2e-2,
+                     "missing grads / max relative |g - g_eager| (goal: 0, < 2e-2)", f"{missing} / {err:.2e}"))
     return rows
 
 
