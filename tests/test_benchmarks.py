@@ -53,3 +53,20 @@ def test_auto_quick_sweeps_the_space_and_charges_auto_its_tuning(tmp_path):
                                                    "final loss"}
     assert "demo: auto effective / plain" in {g["goal"] for g in results["demo"]["goals"]}
     assert out.stdout.count("goal >= ") >= 5 and "oracle best" in out.stdout
+
+
+def test_o2_compute_quick_compares_old_and_new_o2(tmp_path):
+    import re
+
+    report = tmp_path / "o2.json"
+    out = subprocess.run([sys.executable, "benchmarks/o2_compute.py", "--quick", "--json", str(report)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("same training: yes") == 2
+    for model in ("demo", "mlp"):  # a table row per model: old ms, new ms, peak MB, new vs old ratio + verdict
+        assert re.search(rf"^{model} .*\d+\.\d\dx(, within noise| faster| slower| \()", out.stdout, re.M), out.stdout
+    results = {r["model"]: r for r in json.loads(report.read_text())["results"]}
+    assert set(results) == {"demo", "mlp"}
+    for r in results.values():
+        assert r["speedup"]["rounds"] >= 6 and r["max_dw"] <= 2e-3
+        assert set(r["memory"]) == {"old", "new"}
