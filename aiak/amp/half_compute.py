@@ -64,8 +64,10 @@ def is_norm_layer(module: nn.Module) -> bool:
 # -- gradient scaling inside the graph -----------------------------------------------------------------
 
 class _CastForCompute(torch.autograd.Function):
-    """A parameter's compute copy under loss scaling: ``p.to(dtype)`` forward (``dtype`` None: an alias, for O1);
-    backward returns the gradient in fp32, divided by the loss scale read at backward time."""
+    """A parameter's compute copy under loss scaling, or one whose gradient may be sparse: ``p.to(dtype)``
+    forward (``dtype`` None: an alias, for O1); backward returns the gradient in fp32, divided by the loss scale
+    read at backward time (``scaler`` None: not divided). A sparse gradient stays sparse (the backward of a
+    plain ``p.to(dtype)`` refuses one: "to(options) doesn't support converting to a different layout")."""
 
     @staticmethod
     def forward(ctx, p: torch.Tensor, dtype: Optional[torch.dtype], scaler) -> torch.Tensor:
@@ -74,7 +76,10 @@ class _CastForCompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.float() * (1.0 / ctx.scaler.grad_scale()), None, None
+        grad = grad.float()
+        if ctx.scaler is not None:
+            grad = grad * (1.0 / ctx.scaler.grad_scale())
+        return grad, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -221,11 +226,12 @@ class HalfCompute:
             state.swapped.add(id(m))
             frame.modules.append(id(m))
             half = self.dtype if self.level == "O2" and not in_norm else None
+            sparse = getattr(m, "sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
             for name, p in m._parameters.items():
                 if p is not None and p.is_floating_point():
                     copy = copies.get(id(p))
                     if copy is None:
-                        copy = copies[id(p)] = self._param_copy(p, half, grad)
+                        copy = copies[id(p)] = self._param_copy(p, half, grad, sparse)
                     if copy is not p:
                         frame.swapped.append((m._parameters, name, p, copy, copy._version))
                         m._parameters[name] = copy
@@ -239,11 +245,12 @@ class HalfCompute:
                     frame.swapped.append((m._buffers, name, b, copy, copy._version))
                     m._buffers[name] = copy
 
-    def _param_copy(self, p: torch.Tensor, half: Optional[torch.dtype], grad: bool) -> torch.Tensor:
+    def _param_copy(self, p: torch.Tensor, half: Optional[torch.dtype], grad: bool,
+                    sparse: bool = False) -> torch.Tensor:
         half = half if half is not None and p.dtype != half else None
         if not (grad and p.requires_grad):
             return p.detach().to(half) if half is not None else p
-        if self.scaler is not None:
+        if self.scaler is not None or (sparse and half is not None):
             return _CastForCompute.apply(p, half, self.scaler)
         return p.to(half) if half is not None else p
 
