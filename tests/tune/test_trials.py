@@ -62,7 +62,8 @@ def test_run_with_trials_is_bit_identical_to_the_winner_from_step_0(strategy, dr
     model, optimizer, loader = setup(dropout=dropout)
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
     decision = aiak.last_decision().to_dict()
-    assert not decision["cache_hit"] and len(decision["trials"]) >= 3   # trials really ran
+    assert not decision["cache_hit"] and len(decision["trials"]) >= 2   # trials really ran (plain and a candidate;
+    # how many candidates depends on the CPU: without AVX512-BF16 no bf16 one is proposed)
     seen = train(model, optimizer, loader, epochs=2)
     rng_after = torch.get_rng_state()
 
