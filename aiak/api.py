@@ -48,12 +48,13 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         raise RuntimeError("this model was already passed through aiak.optimize() (its hooks and casts would apply "
                            "twice); optimize a freshly built model, loading the state_dict into it if needed")
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
-    selection = resolve_strategy(strategy, model, optimizer, loader, device=device)
+    bare = model.module if _is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
+    selection = resolve_strategy(strategy, bare, optimizer, loader, device=device)
     s, tuning, given_loader = selection.strategy, None, loader
     if s.tune:
         from aiak.tune.trials import run_trials
 
-        tuning = run_trials(selection, model, optimizer, loader, model_device(model, device))
+        tuning = run_trials(selection, bare, optimizer, loader, model_device(model, device))
         s, loader = tuning.strategy, tuning.loader
     snapshot = Snapshot(model, optimizer, scheduler, given_loader, given_optimizer)
     try:

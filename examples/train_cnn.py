@@ -4,8 +4,8 @@ The script is what a user already has (``build`` and ``train``: a torchvision Re
 ``loss.backward(); optimizer.step(); optimizer.zero_grad()``) plus ``aiak.optimize(...)`` in ``main``, with a
 strategy that swaps SGD for LARS (You, Gitman and Ginsburg 2017: layer-wise trust ratios keep large batches
 trainable), accumulates ``--accumulation`` micro-batches per optimizer step (an effective batch of
-``--batch-size x --accumulation``), runs O2 (half model, fp32 master weights; Micikevicius et al. 2018) and
-prefetches batches to the device. The checkpoint it saves loads into a plain torchvision model.
+``--batch-size x --accumulation``), runs O2 (half-precision compute copies of the fp32 parameters; Micikevicius
+et al. 2018; fp32 where the device only emulates bf16) and prefetches batches to the device. The checkpoint it saves loads into a plain torchvision model.
 
     python examples/train_cnn.py                                # GPU-sized: resnet50, 224x224, batch 256 x 4
     python examples/train_cnn.py --smoke                        # CPU-small: resnet18, 32x32, under a minute
@@ -84,6 +84,14 @@ def strategy(args, device) -> dict:
     }
 
 
+def default_precision(device) -> str:
+    """bf16 where ``device`` computes it natively, else fp32 (said on stdout, with how to force bf16)."""
+    if aiak.amp.emulation_warning("bf16", device) is None:
+        return "bf16"
+    print(f"precision: fp32, since bf16 is emulated on this {device.type} (--precision bf16 forces it)")
+    return "fp32"
+
+
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -104,9 +112,10 @@ def parse_args(argv=None):
     ap.add_argument("--lars-lr", type=float, default=2.0,
                     help="LARS learning rate of the aiak run, at trust coefficient 0.001 (You et al. 2017)")
     ap.add_argument("--weight-decay", type=float, default=5e-5, help="SGD weight decay (LARS takes it over)")
-    ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
-                    help="O2 half dtype (fp16 adds dynamic loss scaling; fp32 = O0). On a CPU only bf16 is "
-                         "native, and only with AVX512-BF16/AMX; fp16 is emulated there, ~27x slower")
+    ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+                    help="O2 half dtype (fp16 adds dynamic loss scaling; fp32 = O0). Default: bf16 where the device "
+                         "computes it natively (a GPU >= sm80, a CPU with AVX512-BF16/AMX), else fp32: emulated bf16 "
+                         "runs ~15x slower than fp32")
     ap.add_argument("--strategy", default=None,
                     help="use this aiak strategy instead of the script's: 'auto', a profile name or a YAML file")
     ap.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: 4 on CUDA, 0 on CPU)")
@@ -123,6 +132,8 @@ def parse_args(argv=None):
         for key, value in small.items():
             if getattr(args, key) == ap.get_default(key):
                 setattr(args, key, value)
+    if args.precision is None:
+        args.precision = default_precision(torch.device(args.device))
     if args.lr is None:
         args.lr = 0.1 * args.batch_size / 256
     if args.workers is None:

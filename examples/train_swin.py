@@ -3,8 +3,9 @@
 The script is what a user already has (``build`` and ``train``: a timm Swin, AdamW, the plain loop) plus
 ``aiak.optimize(...)`` in ``main``, with a strategy that swaps every timm ``WindowAttention`` for aiak's fused
 one (``fused_ops: [window_attention]``: one Triton kernel on CUDA, one SDPA call elsewhere; the same function
-within float rounding, same parameters and state_dict keys) and runs O2 in bf16 (half model, fp32 master
-weights, no loss scaling since bf16 has fp32's range), with TF32 and prefetching on CUDA.
+within float rounding, same parameters and state_dict keys) and runs O2 in bf16 (bf16 compute copies of the
+fp32 parameters, no loss scaling since bf16 has fp32's range; fp32 where the device only emulates bf16), with
+TF32 and prefetching on CUDA.
 
     python examples/train_swin.py              # GPU-sized: swin_tiny_patch4_window7_224, 224x224, batch 128
     python examples/train_swin.py --smoke      # CPU-small: a 2-stage Swin, 32x32 images, window 4
@@ -63,14 +64,14 @@ def train(model, optimizer, loader, epochs, device):
             yield loss
 
 
-def strategy(device) -> dict:
+def strategy(args, device) -> dict:
     """What aiak applies: the built-in ``swin`` profile's knobs (``aiak explain --strategy swin``), set here
-    explicitly so that they apply on any device."""
+    explicitly so that they apply on any device (O2 bf16; fp32 with ``--precision fp32``)."""
     on_cuda = device.type == "cuda"
     return {
         "name": "train_swin",
         "fused_ops": ["window_attention"],
-        "precision": {"level": "O2", "dtype": "bf16"},
+        "precision": {"level": "O0"} if args.precision == "fp32" else {"level": "O2", "dtype": "bf16"},
         "tf32": on_cuda,
         "loader": {"prefetch": 2, "pin_memory": on_cuda},
     }
@@ -99,6 +100,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=128, help="images per step")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     ap.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: 4 on CUDA, 0 on CPU)")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                    help="O2 bf16, or fp32 (O0). Default: bf16 where the device computes it natively (a GPU >= sm80, "
+                         "a CPU with AVX512-BF16/AMX), else fp32: emulated bf16 runs ~15x slower")
     ap.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "aiak_train_swin.pt"),
                     help="where to save the trained model (timm's own state_dict keys, under 'model')")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (both runs use it)")
@@ -115,7 +119,17 @@ def parse_args(argv=None):
         args.model_overrides = dict(window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4))
     if args.workers is None:
         args.workers = 4 if torch.device(args.device).type == "cuda" else 0
+    if args.precision is None:
+        args.precision = default_precision(torch.device(args.device))
     return args
+
+
+def default_precision(device) -> str:
+    """bf16 where ``device`` computes it natively, else fp32 (said on stdout, with how to force bf16)."""
+    if aiak.amp.emulation_warning("bf16", device) is None:
+        return "bf16"
+    print(f"precision: fp32, since bf16 is emulated on this {device.type} (--precision bf16 forces it)")
+    return "fp32"
 
 
 def main(argv=None) -> None:
@@ -132,7 +146,7 @@ def main(argv=None) -> None:
         plain_setup, plain_switches = build(args, device), read_switches()
 
     # the one added line
-    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy(device))
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy(args, device))
 
     print(f"fused window attention: {fused_attention(model)}", flush=True)
     steps = train(model, optimizer, loader, args.epochs, device)

@@ -26,6 +26,7 @@ from typing import List
 
 import torch
 
+from aiak.amp.half_compute import scaling_node_scaler
 from aiak.amp.warn import warn_once
 
 _installed = False
@@ -45,8 +46,6 @@ def watch() -> None:
 def scalers_under(outputs) -> List:
     """The loss scalers of the aiak regions whose outputs ``outputs`` (a tensor or an iterable of them) were
     computed from: found on the regions' gradient-scaling nodes, where the walk stops."""
-    from aiak.amp.half_compute import scaling_node_scaler
-
     found, seen = [], set()
     stack = [t.grad_fn for t in ([outputs] if torch.is_tensor(outputs) else outputs)
              if torch.is_tensor(t) and t.grad_fn is not None]
