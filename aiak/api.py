@@ -122,6 +122,9 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     if s.channels_last and wrapped_by_user:
+        amp_warn.warn("aiak: channels_last skipped: the model is already a DistributedDataParallel, whose buckets "
+                      "hold the parameters in their current layout; call aiak.optimize before wrapping the model in "
+                      "DDP (aiak wraps it itself under torchrun)")
         summary.add("channels_last", s.channels_last, "skipped: the model was already wrapped in DDP")
     else:
         summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
