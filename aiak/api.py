@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
@@ -106,10 +107,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
 
     # 3. module surgery on the bare model
     if s.fused_ops and wrapped_by_user:
-        amp_warn.warn("aiak: fused_ops skipped: the model is already a DistributedDataParallel, whose buckets hold "
-                      "the parameters as they are; call aiak.optimize before wrapping the model in DDP (aiak wraps "
-                      "it itself under torchrun)")
-        summary.add("fused_ops", s.fused_ops, "skipped: the model was already wrapped in DDP")
+        _skip_under_users_ddp(summary, "fused_ops", s.fused_ops, "the parameters as they are")
     elif s.fused_ops:
         counts = ops.apply_fused_ops(bare, s.fused_ops)
         summary.add("fused_ops", s.fused_ops, ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items()))
@@ -122,10 +120,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     if s.channels_last and wrapped_by_user:
-        amp_warn.warn("aiak: channels_last skipped: the model is already a DistributedDataParallel, whose buckets "
-                      "hold the parameters in their current layout; call aiak.optimize before wrapping the model in "
-                      "DDP (aiak wraps it itself under torchrun)")
-        summary.add("channels_last", s.channels_last, "skipped: the model was already wrapped in DDP")
+        _skip_under_users_ddp(summary, "channels_last", s.channels_last, "the parameters in their current layout")
     else:
         summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
@@ -164,9 +159,14 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     return Applied(model, optimizer, loader, summary, controller)
 
 
-def _world_size() -> int:
-    import torch.distributed as dist
+def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold: str) -> None:
+    amp_warn.warn(f"aiak: {knob} skipped: the model is already a DistributedDataParallel, whose buckets hold "
+                  f"{buckets_hold}; call aiak.optimize before wrapping the model in DDP (aiak wraps it itself under "
+                  "torchrun)")
+    summary.add(knob, value, "skipped: the model was already wrapped in DDP")
 
+
+def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
