@@ -1,7 +1,7 @@
 """Model SPECs: a short string naming a model, built with random weights into a ready training setup.
 
 ``aiak explain --model SPEC`` and ``benchmarks/auto.py`` need a real model, an optimizer and a loader of
-the right kind of data without the user writing a script. A SPEC is one of (../shared/DESIGN.md):
+the right kind of data without the user writing a script. A SPEC is one of (a public contract):
 
 ========================  =====================================================================================
 ``demo``                  :class:`aiak.demo.DemoNet` (a small CNN with BatchNorm), 3x32x32 images
@@ -43,7 +43,7 @@ __all__ = ["ModelSpecError", "ModelSetup", "build", "from_model", "parse_input_s
            "default_optimizer", "SyntheticImages", "SyntheticText", "SPEC_FORMS"]
 
 SPEC_FORMS = "demo, timm:NAME, torchvision:NAME, hf:NAME (a transformers model type) or path/to/file.py:factory"
-DEFAULT_BATCH_SIZE = {"demo": 64}          # every other family: 32 (the batch of issue 11's measurements)
+DEFAULT_BATCH_SIZE = {"demo": 64}          # every other family: 32 (the batch benchmarks/auto.py measures with)
 DEFAULT_TEXT_LENGTH = 128                  # tokens; transformers' configs allow 512, a CPU wants fewer
 BATCHES_PER_SETUP = 16                     # default ``samples`` = 16 batches: enough for warm-up and trials
 _LIBRARY = {"timm": "timm", "torchvision": "torchvision", "hf": "transformers"}   # said in the description

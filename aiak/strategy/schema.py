@@ -1,6 +1,6 @@
 """The strategy schema: one dataclass per YAML section, validated on construction.
 
-The key names are a public contract (../shared/DESIGN.md): add keys, never rename them. Validation is
+The key names are a public contract: add keys, never rename them. Validation is
 driven by the dataclass fields themselves (type annotation + ``metadata["choices"]``), so a new knob is
 one new field. Every error names the source (file or "<dict>"), the dotted key path and the valid
 choices, and is raised as a single :class:`StrategyError`.

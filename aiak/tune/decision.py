@@ -1,6 +1,6 @@
 """The decision record: what ``optimize()`` applied, every knob's source and reason, and what was measured.
 
-A public contract (code outside this repository reads it; ../shared/DESIGN.md): ``aiak.last_decision()``
+A public contract (code outside this repository reads it): ``aiak.last_decision()``
 returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready and holds
 
 * ``strategy``: the applied strategy as a dict;
