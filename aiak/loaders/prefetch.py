@@ -234,6 +234,9 @@ class _PrefetchIterator:
             pass
 
 
+_OWN = frozenset({"loader", "device", "depth", "pin_memory", "join_timeout", "_mover_args", "_active"})
+
+
 class PrefetchLoader:
     """Wrap any iterable of batches so that the next ``depth`` batches load, and move to ``device``, in the background.
 
@@ -252,7 +255,7 @@ class PrefetchLoader:
             finish its current batch as a daemon thread; it never blocks the training loop longer).
 
     ``len()``, ``.sampler``, ``.dataset``, ``.batch_size``, ``set_epoch()`` and other attributes pass through
-    to ``loader``. Every ``iter()`` starts a fresh epoch (and stops the previous epoch's thread); leaving an
+    to ``loader``, for writes too (``loader.mixup_enabled = False`` reaches a loader that has ``mixup_enabled``). Every ``iter()`` starts a fresh epoch (and stops the previous epoch's thread); leaving an
     epoch early stops its thread at once; an exception raised while loading is re-raised in the training loop.
     """
 
@@ -322,6 +325,15 @@ class PrefetchLoader:
         if name.startswith("__") or "loader" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.__dict__["loader"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A write the wrapped loader can take reaches it, as a read does (timm turns mixup off with
+        ``loader.mixup_enabled = False``); the wrapper's own settings, and names the loader lacks, stay here."""
+        loader = self.__dict__.get("loader")
+        if name in _OWN or loader is None or not hasattr(loader, name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(loader, name, value)
 
     def __repr__(self) -> str:
         return f"PrefetchLoader({self.loader!r}, device={self.device}, depth={self.depth})"

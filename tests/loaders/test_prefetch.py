@@ -285,3 +285,36 @@ def test_training_through_the_prefetcher_gives_the_same_weights():
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     torch.testing.assert_close(train(True), train(False), rtol=0, atol=0)
+
+
+def test_attribute_writes_reach_the_wrapped_loader_as_reads_do():
+    """timm's train.py turns mixup off in a late epoch with ``loader_train.mixup_enabled = False``: on aiak's
+    prefetcher around timm's own loader the write must reach timm's collate (it once landed on the wrapper, and
+    mixup stayed on); the wrapper's own settings and names the loader lacks stay on the wrapper."""
+    import numpy as np
+    from timm.data import FastCollateMixup
+    from timm.data.loader import PrefetchLoader as TimmPrefetchLoader
+
+    import aiak
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return np.full((3, 4, 4), i * 10, dtype=np.uint8), i % 2
+
+    mixup = FastCollateMixup(mixup_alpha=1.0, num_classes=2)
+    timm_loader = TimmPrefetchLoader(torch.utils.data.DataLoader(Images(), batch_size=4, collate_fn=mixup),
+                                     device=torch.device("cpu"))
+    model = torch.nn.Linear(2, 2)
+    _, _, loader = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), timm_loader,
+                                 strategy={"loader": {"prefetch": 2}})
+    assert isinstance(loader, PrefetchLoader) and loader.mixup_enabled is True
+    loader.mixup_enabled = False
+    assert mixup.mixup_enabled is False and loader.mixup_enabled is False
+    loader.depth = 3                      # the wrapper's own setting
+    loader.note = "mine"                  # a name the loader lacks
+    assert loader.__dict__["depth"] == 3 and not hasattr(timm_loader, "note") and loader.note == "mine"
+    images, targets = next(iter(loader))  # unmixed now: one-hot targets (with timm's label smoothing)
+    assert torch.all(targets.max(dim=1).values > 0.8)
