@@ -252,6 +252,19 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, names, tmp_path):
     assert "Traceback" not in err and out == ""
 
 
+def test_a_default_adapts_to_the_value_given_and_only_two_given_values_conflict():
+    """``--steps 6`` alone once failed ("must be at least --rounds (20)"): the rounds default now follows the steps,
+    the steps default the rounds; two values the user gave that conflict are still one error line."""
+    report, _ = bench_json("--model", "demo", "--batch-size", "8", "--steps", "6", "--warmup", "1",
+                           "--strategy", "default")
+    assert (report["steps"], report["rounds"]) == (6, 6)
+    report, _ = bench_json("--model", "demo", "--batch-size", "8", "--rounds", "7", "--warmup", "1",
+                           "--strategy", "default")
+    assert report["rounds"] == 7 and report["steps"] == 7 * (40 // 7)  # the default 40, cut into 7 rounds of 5
+    code, _, err = run("--steps", "3", "--rounds", "5")
+    assert code == 2 and "must be at least --rounds (5)" in err
+
+
 def test_help_describes_every_option_with_its_default():
     code, out, _ = run("--help")
     assert code == 0
@@ -259,7 +272,8 @@ def test_help_describes_every_option_with_its_default():
     for option in ("--model", "--strategy", "--batch-size", "--input-shape", "--steps", "--warmup", "--rounds",
                    "--device", "--json", "--trace", "--plot", "--no-progress"):
         assert option in text
-    for default in ("(default: demo)", "(default: auto)", "(default: 40)", "(default: 5)", "(default: 20)",
+    for default in ("(default: demo)", "(default: auto)", "(default: 40, or --rounds", "(default: 5)",
+                    "(default: 20, or --steps",
                     "(default: 64 for demo, 32 otherwise)"):
         assert default in text, default
 

@@ -47,11 +47,14 @@ from typing import List, Optional
 from aiak.cli_args import device as device_type, input_shape, whole_number
 
 from aiak.bench.report import contender_stats, draw_plot, render_table
+from aiak.measure import MIN_ROUNDS_FOR_VERDICT
 from aiak.bench.runs import (TRACE_STEPS, Memory, UsageError, World, build_baseline, build_strategy, single_worker,
                              time_all, write_traces)
 
 __all__ = ["add_arguments", "run"]
 
+DEFAULT_STEPS = 40
+DEFAULT_ROUNDS = 20
 MODEL_HELP = ("demo, timm:NAME, torchvision:NAME, hf:TYPE or path/to/file.py:factory; random weights, synthetic "
               "data, nothing downloaded")
 
@@ -67,13 +70,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--input-shape", type=input_shape, default=None, metavar="C,H,W",
                         help="image size (e.g. 3,64,64), or one number, the sequence length, for a text model "
                              "(default: the model's own)")
-    parser.add_argument("--steps", type=whole_number(1), default=40, metavar="N",
-                        help="timed steps per contender, cut into --rounds rounds (at least --rounds)")
+    parser.add_argument("--steps", type=whole_number(1), default=None, metavar="N",
+                        help="timed steps per contender, cut into --rounds rounds (default: 40, or --rounds if that "
+                             "is more)")
     parser.add_argument("--warmup", type=whole_number(0), default=5, metavar="N",
                         help="untimed steps per contender first, alternating (they train too)")
-    parser.add_argument("--rounds", type=whole_number(1), default=20, metavar="N",
-                        help="rounds of alternation; the speedup is the median of their ratios (6 or more for a "
-                             "verdict)")
+    parser.add_argument("--rounds", type=whole_number(1), default=None, metavar="N",
+                        help="rounds of alternation; the speedup is the median of their ratios, and a verdict needs "
+                             f"{MIN_ROUNDS_FOR_VERDICT} or more (default: 20, or --steps if that is fewer)")
     parser.add_argument("--device", type=device_type, default=None, metavar="D",
                         help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                              "takes cuda:LOCAL_RANK)")
@@ -107,6 +111,15 @@ def _writable_dir(path: str, create: bool) -> Optional[str]:
     except OSError as e:
         return f"{e.strerror or e} ({path})"
     return None
+
+
+def _settle_steps_and_rounds(args) -> None:
+    """A default adapts to the value the user gave: ``--steps 6`` alone times 6 rounds of one step, ``--rounds 50``
+    alone 50 steps; only two values given that conflict are an error (:func:`_check_arguments`)."""
+    if args.steps is None:
+        args.steps = max(DEFAULT_STEPS, args.rounds or 0)
+    if args.rounds is None:
+        args.rounds = min(DEFAULT_ROUNDS, args.steps)
 
 
 def _check_arguments(args, strategies: List[str]) -> Optional[str]:
@@ -164,6 +177,7 @@ def run(args) -> int:
     """``aiak bench``: 0 when every contender ran (a stopped one included), 1 when a strategy failed (its row
     says why), 2 for a mistake in the arguments or a SPEC that cannot train (one line on stderr)."""
     strategies = list(args.strategy or ["auto"])
+    _settle_steps_and_rounds(args)
     problem = _check_arguments(args, strategies) or _load_strategies(strategies)
     if problem:
         return _usage_error(problem)
