@@ -191,3 +191,24 @@ def test_channels_last_converts_weights_and_inputs_and_keeps_the_math():
     x, _ = _data(8)
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
     assert seen == [True]
+
+
+@pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_torch_save_of_the_whole_model_gives_an_independent_model_that_computes_the_same(level):
+    """``torch.save(model)`` (the whole module, pickled): the hooks are bound methods of one picklable object per
+    model, so the loaded model computes exactly what the saved one does, with its own fp32 weights (pickling
+    failed on the closures of the master-weight design)."""
+    import io
+
+    model, _, _ = _train({"precision": {"level": level, "dtype": "fp16"}}, steps=2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x, _ = _data(8)
+    assert torch.equal(loaded(x), model(x))
+    with torch.no_grad():
+        next(loaded.parameters()).add_(1.0)
+    assert not torch.equal(loaded(x), model(x))
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
