@@ -21,6 +21,7 @@ _LAZY = {
     "last_decision": ("aiak.api", "last_decision"),
     "clip_grad_norm_": ("aiak.optim.accumulation", "clip_grad_norm_"),
     "clip_grad_value_": ("aiak.optim.accumulation", "clip_grad_value_"),
+    "stepped": ("aiak.optim.accumulation", "stepped"),
 }
 _SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "tune", "cli")
 

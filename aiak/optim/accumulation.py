@@ -94,6 +94,7 @@ class StepController:
         self._params_for: Optional[tuple] = None
         self.scaler = scaler
         self.micro_step = 0          # micro-steps taken since the last real step
+        self.stepped = False         # the last step() call updated the weights (see :func:`stepped`)
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
         self._events_at_scheduler = 0
         self.ddp = None
@@ -197,6 +198,7 @@ class StepController:
         self._check_framework_accumulation()
         self._restore_partial_sum()
         self.micro_step += 1
+        self.stepped = False
         if self.micro_step < self.accumulation:
             self._set_sync()
             self._keep_partial_sum()
@@ -215,6 +217,7 @@ class StepController:
                 return loss
         inner_loss = self._inner_step()
         loss = inner_loss if closure is None else loss
+        self.stepped = True
         self._clear_grads()
         return loss
 
@@ -371,6 +374,22 @@ class StepController:
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
         self._set_sync()
+
+
+def stepped(optimizer) -> bool:
+    """Whether the last ``optimizer.step()`` updated the weights: False after an accumulation micro-step and after
+    a step skipped for inf/NaN gradients. A script that counts its own loop's iterations (an EMA updated every N
+    iterations, a log every N steps) counts real steps with it::
+
+        optimizer.step()
+        if aiak.stepped(optimizer):
+            ema.update_parameters(model)
+
+    An optimizer aiak did not patch steps on every call: always True.
+    """
+    inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))  # a framework's wrapper
+    controller = getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
+    return controller.stepped if controller is not None and controller.active() else True
 
 
 def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Gradient accumulation behind a plain ``optimizer.step()``: N micro-batches of B == one batch of N*B."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -162,3 +163,49 @@ def test_clip_grad_norm_sees_unscaled_gradients_under_fp16_loss_scaling():
     opt.step()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert torch.isfinite(weights).all() and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_stepped_tells_a_loop_that_counts_iterations_which_steps_were_real():
+    """torchvision's EMA pattern counts loop iterations; under aiak's accumulation those are micro-steps (its EMA
+    averaged 14 times for 7 real steps). ``aiak.stepped(optimizer)`` says which ``step()`` calls updated the
+    weights: the EMA updated on those equals the EMA of plain big-batch training (1e-6), 7 updates; a step
+    skipped for inf gradients is not one; an optimizer aiak did not patch always steps."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    big = _model()
+    big_opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    big_ema = AveragedModel(big, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    model = copy.deepcopy(big)
+    model, opt, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  strategy={"grad_accumulation": 2})
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    flags = []
+    for x, y in _batches(7, 16):
+        nn.functional.cross_entropy(big(x), y).backward()
+        big_opt.step()
+        big_opt.zero_grad()
+        assert aiak.stepped(big_opt)  # not aiak's: every step() is real
+        big_ema.update_parameters(big)
+        for xs, ys in zip(x.split(8), y.split(8)):
+            nn.functional.cross_entropy(model(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+            flags.append(aiak.stepped(opt))
+            if flags[-1]:
+                ema.update_parameters(model)
+    assert flags == [False, True] * 7 and int(ema.n_averaged) == int(big_ema.n_averaged) == 7
+    for a, b in zip(ema.parameters(), big_ema.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+    scaled = _model()
+    with warnings.catch_warnings():  # fp16 is emulated on a CPU (warned once per process): a tiny model
+        warnings.simplefilter("ignore")
+        scaled, scaled_opt, _ = aiak.optimize(scaled, torch.optim.SGD(scaled.parameters(), lr=0.1),
+                                              strategy={"precision": {"level": "O1", "dtype": "fp16"}})
+    x, y = _batches(1, 8, seed=1)[0]
+    (nn.functional.cross_entropy(scaled(x), y) * float("inf")).backward()
+    scaled_opt.step()
+    assert scaled_opt._aiak_steps.scaler.skipped_steps == 1 and not aiak.stepped(scaled_opt)
+    nn.functional.cross_entropy(scaled(x), y).backward()
+    scaled_opt.step()
+    assert aiak.stepped(scaled_opt)
