@@ -212,3 +212,30 @@ def test_torch_save_of_the_whole_model_gives_an_independent_model_that_computes_
         next(loaded.parameters()).add_(1.0)
     assert not torch.equal(loaded(x), model(x))
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+def test_a_weight_tied_between_two_modules_is_one_half_copy_and_one_fp32_gradient():
+    """A language-model head tied to the embedding (``head.weight = embed.weight``): under O2 both modules compute
+    with the same half copy, and the one fp32 parameter receives the sum of both uses' gradients, close to plain
+    fp32's (bf16: rtol 5e-2, atol 5e-3 of the largest entry)."""
+    class TinyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mix, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+    torch.manual_seed(0)
+    plain = TinyLM()
+    model = copy.deepcopy(plain)
+    model, _, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=_o2("bf16"))
+    seen = []
+    model.head.register_forward_hook(lambda m, a, o: seen.append(m.weight is model.embed.weight))
+    tokens = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+    for m in (plain, model):
+        nn.functional.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert seen == [True] and model.embed.weight.dtype == torch.float32  # one copy, shared as the weight was
+    g, want = model.embed.weight.grad, plain.embed.weight.grad
+    torch.testing.assert_close(g, want, rtol=5e-2, atol=5e-3 * float(want.abs().max()))
