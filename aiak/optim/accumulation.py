@@ -95,6 +95,7 @@ class StepController:
         self.scaler = scaler
         self.micro_step = 0          # micro-steps taken since the last real step
         self.stepped = False         # the last step() call updated the weights (see :func:`stepped`)
+        self._unsaved_windows = 0    # state_dict() calls taken inside a window (their warning is rate-limited)
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
         self._events_at_scheduler = 0
         self.ddp = None
@@ -351,9 +352,16 @@ class StepController:
     # -- checkpoints ----------------------------------------------------------------------------
     def _save_extra(self, optimizer, state_dict):
         if self.micro_step != 0:
-            warn(f"aiak: optimizer.state_dict() taken {self.micro_step} micro-step(s) into a "
-                 f"{self.accumulation}-step accumulation window: the partial gradients are not saved; "
-                 "save right after a real step to resume exactly")
+            self._unsaved_windows += 1
+            if self._unsaved_windows & (self._unsaved_windows - 1) == 0:  # the 1st, 2nd, 4th, 8th... time
+                again = f" (the {_ordinal(self._unsaved_windows)} time; said again at the " \
+                        f"{_ordinal(2 * self._unsaved_windows)})" if self._unsaved_windows > 1 else ""
+                warn(f"aiak: optimizer.state_dict() taken {self.micro_step} micro-step(s) into a "
+                     f"{self.accumulation}-step accumulation window: the gradients of those micro-batches are not "
+                     "saved, so a run resumed from this checkpoint leaves them out. Save when "
+                     "aiak.stepped(optimizer) is True (right after a real step), or make the batches per epoch a "
+                     f"multiple of grad_accumulation ({self.accumulation}) when saving at the end of each "
+                     f"epoch{again}")
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
@@ -374,6 +382,10 @@ class StepController:
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
         self._set_sync()
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def stepped(optimizer) -> bool:

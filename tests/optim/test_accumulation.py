@@ -209,3 +209,26 @@ def test_stepped_tells_a_loop_that_counts_iterations_which_steps_were_real():
     nn.functional.cross_entropy(scaled(x), y).backward()
     scaled_opt.step()
     assert aiak.stepped(scaled_opt)
+
+
+def test_a_state_dict_taken_inside_a_window_says_what_to_do_and_says_it_again_as_it_recurs():
+    """An epoch-based script (13 batches, accumulation 2) saving at each epoch's end: every other save falls inside
+    a window. The warning names what to do (save when ``aiak.stepped``, or a multiple of grad_accumulation per
+    epoch), and under Python's default filter, which shows a repeated message once, it is said again on the 2nd
+    and 4th such save (rate-limited to powers of two: 3 warnings for 4 saves that lose micro-batches)."""
+    model = _model()
+    model, opt, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  strategy={"grad_accumulation": 2})
+    batches = _batches(13, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(7):
+            for x, y in batches:
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.state_dict()
+    said = [str(w.message) for w in caught if "accumulation window" in str(w.message)]
+    assert len(said) == 3, said
+    assert all("aiak.stepped(optimizer)" in m and "multiple of grad_accumulation (2)" in m for m in said)
+    assert "2nd time" in said[1] and "4th time" in said[2]
