@@ -4,6 +4,7 @@ A LAMB/LARS swap splits each user param group into "adapted + decayed" and "excl
 built on the user's optimizer has per-group lists (``base_lrs``, ``_last_lr``, ``lr_lambdas``, ``min_lrs``,
 ...) of the old length. Each new group comes from exactly one user group (found through its parameters);
 every per-group list is expanded along that mapping, so each new group follows its source group's schedule.
+A scheduler of schedulers (``SequentialLR``, ``ChainedScheduler``) is re-pointed with the schedulers inside it.
 
 A learning rate set in the strategy (``optimizer: {name: lars, lr: 0.7}``) takes the place of the user's base
 rate (the ``lr`` the user's optimizer was built with, which the scheduler calls ``base_lrs``), and the user's
@@ -36,37 +37,57 @@ def source_groups(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> Lis
     return mapping
 
 
+# The lists an LR scheduler keeps one entry per param group in (torch 2.14: LambdaLR/MultiplicativeLR
+# ``lr_lambdas``, ReduceLROnPlateau ``min_lrs``, CyclicLR ``max_lrs`` and momenta). Others (SequentialLR's
+# ``_milestones``, OneCycleLR's ``_schedule_phases``) are not per group, even when their length happens to match.
+PER_GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
+
+
 def rebind_scheduler(scheduler, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Make ``scheduler`` drive ``new`` as it drove ``old``; lists with one entry per old group are expanded."""
-    if old is new or getattr(scheduler, "optimizer", None) is not old:
+    """Make ``scheduler`` drive ``new`` as it drove ``old``; its per-group lists are expanded along the groups'
+    mapping. A scheduler of schedulers (``SequentialLR``, ``ChainedScheduler``: torchvision's warm-up) is
+    re-pointed with every scheduler inside it."""
+    chain = list(getattr(scheduler, "_schedulers", ())) + [scheduler]
+    if old is new or all(getattr(s, "optimizer", None) is not old for s in chain):
         return
     mapping = source_groups(old, new)
-    n_old = len(old.param_groups)
-    for name, value in list(vars(scheduler).items()):
-        if name != "optimizer" and isinstance(value, (list, tuple)) and len(value) == n_old:
-            setattr(scheduler, name, type(value)(value[i] for i in mapping))
-    scheduler.optimizer = new
+    ratios = _strategy_rates(chain, old, new, mapping)
+    for s in chain:
+        for name in PER_GROUP_LISTS:
+            values = vars(s).get(name)
+            if isinstance(values, (list, tuple)) and len(values) == len(old.param_groups):
+                setattr(s, name, type(values)(values[j] for j in mapping))
+        if getattr(s, "optimizer", None) is old:
+            s.optimizer = new
+        for i, ratio in enumerate(ratios):
+            if ratio != 1.0 and not isinstance(s, torch.optim.lr_scheduler.OneCycleLR):
+                for name in ("base_lrs", "_last_lr"):
+                    values = getattr(s, name, None)
+                    if isinstance(values, list) and len(values) > i:
+                        values[i] = values[i] * ratio
     if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        one_cycle = isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
-        for i, (group, j) in enumerate(zip(new.param_groups, mapping)):
-            if group["lr"] != old.param_groups[j]["lr"] and scheduler.base_lrs[i]:  # the strategy set this rate
-                if one_cycle:
-                    warn_once("one_cycle_lr", f"aiak: optimizer.lr {group['lr']:g} from the strategy is not used: "
-                              "OneCycleLR sets the rates from its own max_lr (give OneCycleLR the max_lr you want)")
-                else:
-                    _scale_schedule(scheduler, i, group, group["lr"] / scheduler.base_lrs[i])
+        for i, (group, ratio) in enumerate(zip(new.param_groups, ratios)):
+            if isinstance(group.get("initial_lr"), (int, float)):
+                group["initial_lr"] = group["initial_lr"] * ratio
             group["lr"] = scheduler.get_last_lr()[i]
         _track_step_called(new)
 
 
-def _scale_schedule(scheduler, index: int, group: dict, ratio: float) -> None:
-    """Scale the rates of group ``index`` that ``scheduler`` derives its schedule from by ``ratio``."""
-    for name in ("base_lrs", "_last_lr"):
-        values = getattr(scheduler, name, None)
-        if isinstance(values, list) and len(values) > index:
-            values[index] = values[index] * ratio
-    if isinstance(group.get("initial_lr"), (int, float)):
-        group["initial_lr"] = group["initial_lr"] * ratio
+def _strategy_rates(chain, old, new, mapping) -> List[float]:
+    """Per new group: ``strategy lr / the user's base lr`` where the strategy set the group's rate, else 1. The
+    base is the first scheduler of ``chain`` that keeps ``base_lrs``; OneCycleLR keeps its own rates (a warning)."""
+    base = next((s.base_lrs for s in chain if isinstance(getattr(s, "base_lrs", None), list)), None)
+    ratios = []
+    for i, (group, j) in enumerate(zip(new.param_groups, mapping)):
+        ratio = 1.0
+        if base is not None and group["lr"] != old.param_groups[j]["lr"] and base[j]:  # the strategy set this rate
+            if any(isinstance(s, torch.optim.lr_scheduler.OneCycleLR) for s in chain):
+                warn_once("one_cycle_lr", f"aiak: optimizer.lr {group['lr']:g} from the strategy is not used: "
+                          "OneCycleLR sets the rates from its own max_lr (give OneCycleLR the max_lr you want)")
+            else:
+                ratio = group["lr"] / base[j]
+        ratios.append(ratio)
+    return ratios
 
 
 def _track_step_called(optimizer: torch.optim.Optimizer) -> None:

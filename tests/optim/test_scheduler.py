@@ -108,3 +108,42 @@ def test_one_cycle_keeps_its_own_rates_and_says_the_strategy_rate_is_unused():
         sched.step()
         reference_opt.step()
         reference.step()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_torchvisions_warm_up_then_cosine_drives_the_swapped_optimizer(groups):
+    """torchvision's ``--lr-warmup-epochs``: ``SequentialLR([LinearLR, CosineAnnealingLR], milestones=[2])`` on the
+    user's SGD(0.1), LAMB(1e-3) swapped in by the strategy. Every LAMB group follows the warm-up and the cosine
+    around 1e-3, as the same SequentialLR built on LAMB would (rel 1e-6). The schedulers inside are re-pointed
+    too; once, ``_milestones`` was "expanded" to [2, 2] with one group (IndexError at the milestone), and with two
+    groups LAMB's rate stayed 0.001 while the schedule moved."""
+    def warm_up_then_cosine(opt):
+        return torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=2),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)], milestones=[2])
+
+    def rates(opt, sched, steps=8):
+        seen = []
+        for _ in range(steps):
+            seen.append([g["lr"] for g in opt.param_groups])
+            opt.step()
+            sched.step()
+        return seen
+
+    def param_groups(model):
+        return ([{"params": model.parameters()}] if groups == 1 else
+                [{"params": model[0].parameters()}, {"params": list(model[1].parameters()) + list(model[2].parameters())}])
+
+    model = _model()
+    user = torch.optim.SGD(param_groups(model), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "the epoch parameter in scheduler.step() was not necessary" etc.
+        model, lamb, _, sched = aiak.optimize(model, user, strategy={"optimizer": {"name": "lamb", "lr": 1e-3}},
+                                              scheduler=warm_up_then_cosine(user))
+        got = rates(lamb, sched)
+        reference = torch.optim.SGD(_model().parameters(), lr=1e-3)
+        want = [row[0] for row in rates(reference, warm_up_then_cosine(reference))]
+    assert all(s.optimizer is lamb for s in sched._schedulers) and sched.optimizer is lamb
+    for row, expected in zip(got, want):
+        assert row == pytest.approx([expected] * len(row), rel=1e-6), (got, want)
+    assert len({round(r[0], 12) for r in got}) > 4  # the schedule really moved
