@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -61,16 +62,20 @@ def _make_patched_step(inner):
 
 class _AfterAccumulation:
     """The hook autograd runs on a parameter right after a backward accumulated into its ``.grad``: hands the
-    parameter to its step controller (held here, not by the model: copies of the model never carry it)."""
+    parameter to its step controller (copies of the model never carry it). The controller is held weakly: the
+    parameter keeps its hooks on the C++ side, where the garbage collector cannot see a cycle (parameter ->
+    hook -> controller -> DDP -> parameter); a strong reference left DDP's reducer to interpreter shutdown, where
+    gloo ranks can abort ("terminate called without an active exception")."""
 
     __slots__ = ("controller",)
 
     def __init__(self, controller: "StepController"):
-        self.controller = controller
+        self.controller = weakref.ref(controller)
 
     def __call__(self, param: torch.Tensor) -> None:
-        if self.controller.active():
-            self.controller.after_accumulation(param)
+        controller = self.controller()
+        if controller is not None and controller.active():
+            controller.after_accumulation(param)
 
 
 class StepController:

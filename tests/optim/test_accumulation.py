@@ -232,3 +232,19 @@ def test_a_state_dict_taken_inside_a_window_says_what_to_do_and_says_it_again_as
     assert len(said) == 3, said
     assert all("aiak.stepped(optimizer)" in m and "multiple of grad_accumulation (2)" in m for m in said)
     assert "2nd time" in said[1] and "4th time" in said[2]
+
+
+def test_the_step_controller_is_freed_with_its_optimizer():
+    """The hooks it leaves on the parameters hold it weakly: with the optimizer gone, the controller (and the DDP
+    it may hold) is freed, not kept until interpreter shutdown, where gloo ranks aborted ("terminate called
+    without an active exception")."""
+    import gc
+    import weakref
+
+    model = _model()
+    model, opt, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  strategy={"grad_accumulation": 2})
+    controller = weakref.ref(opt._aiak_steps)
+    del opt
+    gc.collect()
+    assert controller() is None
