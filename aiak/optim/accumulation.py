@@ -235,9 +235,14 @@ class StepController:
             grads = [p.grad for p in self._params_of_groups() if p.grad is not None]
             if self.scaler is not None:
                 self._prepared = LossScaler.check_and_multiply_(grads, 1.0 / self.accumulation)
-            else:
-                if self.accumulation > 1 and grads:
-                    LossScaler.check_and_multiply_(grads, 1.0 / self.accumulation)
+            else:  # no loss scaler, nothing to check: average without reading a flag back (no host sync)
+                if self.accumulation > 1:
+                    dense = [g for g in grads if not g.is_sparse]
+                    if dense:
+                        torch._foreach_mul_(dense, 1.0 / self.accumulation)
+                    for g in grads:
+                        if g.is_sparse:
+                            g.mul_(1.0 / self.accumulation)
                 self._prepared = False
         return self._prepared
 
