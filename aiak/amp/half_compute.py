@@ -314,16 +314,8 @@ class NormInFp32:
 # -- which modules ----------------------------------------------------------------------------------
 
 def _modules_outside_norms(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` and its submodules, each once, not entering normalization layers."""
-    seen: Set[int] = set()
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen or is_norm_layer(module):
-            continue
-        seen.add(id(module))
-        yield module
-        stack.extend(m for m in module._modules.values() if m is not None)
+    """``model`` and its submodules, each once, outside normalization layers."""
+    return (module for module, in_norm in _modules_of(model) if not in_norm)
 
 
 def _modules_of(model: nn.Module) -> Iterator[Tuple[nn.Module, bool]]:
