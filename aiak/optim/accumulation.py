@@ -41,6 +41,7 @@ import torch
 from aiak.amp import grad_clip, script_scaler
 from aiak.amp.loss_scaler import LossScaler
 from aiak.amp.warn import warn, warn_once
+from aiak.optim import scheduler_steps
 
 logger = logging.getLogger("aiak")
 
@@ -101,8 +102,8 @@ class StepController:
         self.micro_step = 0          # micro-steps taken since the last real step
         self.stepped = False         # the last step() call updated the weights (see :func:`stepped`)
         self._unsaved_windows = 0    # state_dict() calls taken inside a window (their warning is rate-limited)
+        self.step_calls = 0          # step() calls: micro, real and skipped steps
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
-        self._events_at_scheduler = 0
         self.ddp = None
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
@@ -116,6 +117,8 @@ class StepController:
         self._prepared: Optional[bool] = None  # gradients already averaged/checked for the coming step (inf found?)
         grad_clip.route_to(self)  # torch.nn.utils.clip_grad_norm_ & co. on these parameters come here
         script_scaler.watch()     # a script's own GradScaler under accumulation is refused with the reason
+        if accumulation > 1:
+            scheduler_steps.gate_scheduler_classes()  # schedulers advance once per real step
         self._params_of_groups()
 
     # -- the parameters, and the hooks that keep a window's partial sum -------------------------------
@@ -203,6 +206,7 @@ class StepController:
                 loss = closure()
         self._check_framework_accumulation()
         self._restore_partial_sum()
+        self.step_calls += 1
         self.micro_step += 1
         self.stepped = False
         if self.micro_step < self.accumulation:
@@ -343,21 +347,8 @@ class StepController:
 
     # -- scheduler: advance once per real step -------------------------------------------------
     def attach_scheduler(self, scheduler) -> None:
-        """``scheduler.step()`` does nothing unless the optimizer stepped since the scheduler last did.
-
-        Done by giving the scheduler a subclass of its own class (so ``isinstance`` and ``state_dict()``, which
-        saves the instance ``__dict__``, are unchanged) whose ``step`` consults this controller.
-        """
-        controller, base = self, type(scheduler)
-
-        def step(sched, *args, **kwargs):
-            if controller.step_events == controller._events_at_scheduler:
-                return None  # no optimizer step since the last scheduler step (accumulation micro-step)
-            controller._events_at_scheduler = controller.step_events
-            return base.step(sched, *args, **kwargs)
-
-        scheduler.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__,
-                                                           "__doc__": base.__doc__})
+        """``scheduler.step()`` does nothing on a micro-step (:mod:`aiak.optim.scheduler_steps`)."""
+        scheduler_steps.follow(scheduler, self)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save_extra(self, optimizer, state_dict):
@@ -388,7 +379,8 @@ class StepController:
         if extra is None:
             return
         self.micro_step = int(extra.get("micro_step", 0))
-        self.step_events = self._events_at_scheduler = int(extra.get("step_events", 0))
+        self.step_events = int(extra.get("step_events", 0))
+        scheduler_steps.rebase(self)
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
         self._set_sync()
