@@ -45,33 +45,62 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     (:mod:`aiak.integrations.wrappers`).
     """
     global _last_summary
-    if getattr(getattr(model, "module", model), "_aiak_optimized", False):
-        raise RuntimeError("this model was already passed through aiak.optimize() (its hooks and casts would apply "
-                           "twice); optimize a freshly built model, loading the state_dict into it if needed")
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
     bare = model.module if _is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
-    selection = resolve_strategy(strategy, bare, optimizer, loader, device=device)
-    s, tuning, given_loader = selection.strategy, None, loader
-    if s.tune:
+    before: Optional[ModelRecord] = getattr(bare, "_aiak_applied", None)
+    if before is not None:  # a second optimizer for a model optimized before
+        selection = None
+        s = before.strategy if _is_auto(strategy) else _same_model_knobs(
+            resolve_strategy(strategy, bare, optimizer, loader, device=device).strategy, before.strategy)
+    else:
+        selection = resolve_strategy(strategy, bare, optimizer, loader, device=device)
+        s = selection.strategy
+    tuning, given_loader = None, loader
+    if s.tune and before is None:
         from aiak.tune.trials import run_trials
 
         tuning = run_trials(selection, bare, optimizer, loader, model_device(model, device))
         s, loader = tuning.strategy, tuning.loader
     snapshot = Snapshot(model, optimizer, scheduler, given_loader, given_optimizer)
     try:
-        applied = apply_strategy(s, model, optimizer, loader, scheduler, device)
+        applied = apply_strategy(s, model, optimizer, loader, scheduler, device, model_applied=before)
     except BaseException:
         snapshot.restore()
         if tuning is not None and tuning.restore_rng is not None:
             tuning.restore_rng()
         raise
     _last_summary = applied.summary
-    decision = decisions.build(selection, s, tuning, applied.summary)
+    if before is None:
+        decision = decisions.build(selection, s, tuning, applied.summary)
+        if bare is not None:
+            bare._aiak_applied = ModelRecord(s, applied.scaler, decision)
+    else:
+        decision = replace(before.decision, strategy=s.to_dict(), effects=[list(e) for e in applied.summary.lines],
+                           tuning="not run: the model was optimized by an earlier optimize() call, whose strategy "
+                                  "it keeps")
     decisions.record(decision)
     logger.info("%s", decision.render())
     warn_if_unsharded(applied.loader)
     result = (applied.model, rewrap_optimizer(wrappers, applied.optimizer), applied.loader)
     return result + (scheduler,) if scheduler is not None else result
+
+
+# The knobs that change the model itself (its modules, hooks, layout, wrapping) or the process, as opposed to one
+# optimizer's stepping (optimizer, grad_accumulation) and the loader: a model optimized once keeps them.
+MODEL_KNOBS = ("precision", "channels_last", "fused_ops", "compile", "comm", "tf32", "cudnn_benchmark",
+               "cpu_affinity")
+
+
+@dataclass
+class ModelRecord:
+    """What ``optimize()`` applied to a model, kept on it (``model._aiak_applied``) for a later ``optimize()`` of
+    another optimizer of the same model: two optimizers of one module, or Lightning calling
+    ``configure_optimizers`` again for a second ``fit``. Model-level knobs (:data:`MODEL_KNOBS`) are applied once;
+    each optimizer gets its own step controller, sharing the model's loss scaler."""
+
+    strategy: Strategy
+    scaler: Any                   # the model's LossScaler (fp16), or None
+    decision: Any                 # the decision record of that call
 
 
 @dataclass
@@ -83,16 +112,21 @@ class Applied:
     loader: Any
     summary: Summary
     controller: Optional[StepController]
+    scaler: Any = None
 
 
 def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
-                   *, distributed: bool = True) -> Applied:
+                   *, distributed: bool = True, model_applied: Optional[ModelRecord] = None) -> Applied:
     """Steps 2-7 of applying a validated strategy (switches, surgery, optimizer and precision, DDP, compile,
     loader).
 
     The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`),
     and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
+    ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only the optimizer's and the
+    loader's steps run.
     """
+    if model_applied is not None:
+        return _apply_to_another_optimizer(s, model, optimizer, loader, scheduler, device, model_applied)
     dev = model_device(model, device)
     if model is not None and device is not None:
         model.to(dev)
@@ -116,8 +150,6 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
 
     # 4. optimizer swap, memory format, precision; the step controller owns optimizer.step()
     user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
-    if scheduler is not None and optimizer is not user_optimizer:
-        optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     if s.channels_last and wrapped_by_user:
         _skip_under_users_ddp(summary, "channels_last", s.channels_last, "the parameters in their current layout")
@@ -125,16 +157,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
-    controller = None
-    if optimizer is not None and (precision.scaler is not None or s.grad_accumulation > 1):
-        controller = StepController(optimizer, s.grad_accumulation, precision.scaler, model=bare)
-    summary.add("grad_accumulation", s.grad_accumulation,
-                f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
-    if scheduler is not None and controller is not None:
-        controller.attach_scheduler(scheduler)
-
-    if bare is not None:
-        bare._aiak_optimized = True
+    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary)
 
     # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
     comm_cfg = s.comm
@@ -156,7 +179,56 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
                 type(loader).__name__ if loader is not None else "no loader")
 
     summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
-    return Applied(model, optimizer, loader, summary, controller)
+    return Applied(model, optimizer, loader, summary, controller, precision.scaler)
+
+
+def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scaler, summary: Summary):
+    """The scheduler re-pointed to a swapped optimizer, and the step controller (accumulation, loss scaling)."""
+    if scheduler is not None and optimizer is not user_optimizer:
+        optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
+    controller = None
+    if optimizer is not None and (scaler is not None or s.grad_accumulation > 1):
+        controller = StepController(optimizer, s.grad_accumulation, scaler, model=bare)
+    summary.add("grad_accumulation", s.grad_accumulation,
+                f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
+    if scheduler is not None and controller is not None:
+        controller.attach_scheduler(scheduler)
+    return controller
+
+
+def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler, device,
+                                record: ModelRecord) -> Applied:
+    """The optimizer's and the loader's steps of :func:`apply_strategy`, for a model optimized before."""
+    summary = Summary()
+    bare = model.module if _is_ddp(model) else model
+    for knob in MODEL_KNOBS:
+        summary.add(knob, getattr(s, knob), "kept as the first optimize() call of this model applied it")
+    user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
+    summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
+    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, record.scaler, summary)
+    if controller is not None and _is_ddp(model):
+        controller.attach_ddp(model)
+    if loader is not None:
+        loader = loaders.wrap_loader(loader, s.loader, model_device(model, device), channels_last=s.channels_last)
+    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
+                type(loader).__name__ if loader is not None else "no loader")
+    return Applied(model, optimizer, loader, summary, controller, record.scaler)
+
+
+def _is_auto(strategy: Any) -> bool:
+    return isinstance(strategy, str) and strategy == "auto"
+
+
+def _same_model_knobs(s: Strategy, first: Strategy) -> Strategy:
+    """``s`` for another optimizer of a model optimized with ``first``: the model-level knobs must agree."""
+    differ = [k for k in MODEL_KNOBS if getattr(s, k) != getattr(first, k)]
+    if differ:
+        raise ValueError(
+            f"aiak.optimize: this model was optimized before with strategy {first.name!r}, and this call's strategy "
+            f"{s.name!r} differs in {', '.join(differ)}, which apply to the model, not to one optimizer. Give this "
+            "call strategy='auto' (it keeps the first call's), or the same values for those knobs; only optimizer, "
+            "grad_accumulation and loader may differ per optimizer")
+    return s
 
 
 def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold: str) -> None:

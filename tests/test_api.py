@@ -131,11 +131,15 @@ def test_auto_changes_the_math_only_through_a_gated_candidate():
     assert abs(final_loss(model, opt, loader) - plain) <= 0.05 * plain + 0.02
 
 
-def test_optimizing_the_same_model_twice_is_refused():
+def test_a_second_optimize_of_a_model_with_other_model_knobs_names_them():
+    """A model optimized once keeps its model-level knobs: a second call asking for others is refused, naming
+    them, and changes nothing (the hooks would otherwise apply twice)."""
     model = DemoNet(width=8)
     aiak.optimize(model, strategy={"precision": {"level": "O2", "dtype": "bf16"}})
-    with pytest.raises(RuntimeError, match="already passed through aiak.optimize"):
-        aiak.optimize(model, strategy="default")
+    hooks = len(model._forward_pre_hooks)
+    with pytest.raises(ValueError, match="differs in precision.*strategy='auto'"):
+        aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="default")
+    assert len(model._forward_pre_hooks) == hooks
 
 
 def test_tune_without_an_optimizer_and_loader_says_why_and_applies_the_pick():

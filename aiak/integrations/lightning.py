@@ -41,7 +41,9 @@ hooks sit on every module that owns parameters, so either computes in half preci
 undone inside the graph, and gradient accumulation divides at the real step.
 
 Calling ``aiak.optimize(self, optimizer, strategy=...)`` inside ``configure_optimizers`` yourself is the same
-thing. One optimizer per module: with several, call ``aiak.optimize`` for each yourself.
+thing. Several optimizers (a GAN's generator and discriminator) each go through it: the first call applies the
+strategy to the module, each further call (and every call when ``configure_optimizers`` runs again, for a second
+``fit`` or after ``Tuner.lr_find``) gives its optimizer its own stepping on the module as the first call left it.
 """
 from __future__ import annotations
 
@@ -61,8 +63,10 @@ __all__ = ["AiakCallback", "optimize_configuration"]
 
 
 def optimize_configuration(module, configuration: Any, strategy: Any = "auto") -> Any:
-    """``configure_optimizers``'s return value with its one optimizer (and scheduler) passed through
-    ``aiak.optimize(module, ...)``, in the same shape."""
+    """``configure_optimizers``'s return value with each optimizer (and its scheduler) passed through
+    ``aiak.optimize(module, ...)``, in the same shape: an optimizer, a ``{"optimizer", "lr_scheduler"}`` dict, a
+    list of either, or ``([optimizers], [schedulers])``. The first optimizer's call applies the strategy to the
+    module; each further one (several optimizers, or a second ``fit``) gets its own stepping on the same module."""
     if isinstance(configuration, dict):
         scheduler_entry = configuration.get("lr_scheduler")
         scheduler = scheduler_entry.get("scheduler") if isinstance(scheduler_entry, dict) else scheduler_entry
@@ -76,21 +80,30 @@ def optimize_configuration(module, configuration: Any, strategy: Any = "auto") -
     if isinstance(configuration, (list, tuple)):
         if len(configuration) == 2 and all(isinstance(c, (list, tuple)) for c in configuration):
             optimizers, schedulers = configuration
-            _one("optimizer", optimizers)
-            if len(schedulers) > 1:
-                _one("scheduler", schedulers)
-            optimizer, scheduler = _optimize(module, optimizers[0], schedulers[0] if schedulers else None, strategy)
-            return [optimizer], ([scheduler] if schedulers else [])
-        _one("optimizer", configuration)
-        return [_optimize(module, configuration[0], None, strategy)[0]]
+            done = [_optimize(module, opt, _scheduler_of(opt, schedulers), strategy) for opt in optimizers]
+            by_old = {id(old): new for old, new in zip(schedulers, _schedulers_of(schedulers, optimizers, done))}
+            return [opt for opt, _ in done], [by_old[id(s)] for s in schedulers]
+        return [optimize_configuration(module, c, strategy) for c in configuration]
     return _optimize(module, configuration, None, strategy)[0]
 
 
-def _one(what: str, items) -> None:
-    if len(items) != 1:
-        raise ValueError(f"AiakCallback: configure_optimizers returned {len(items)} {what}s; it handles exactly one. "
-                         f"With several, call aiak.optimize(self, optimizer, strategy=...) for each in "
-                         f"configure_optimizers instead")
+def _scheduler_of(optimizer, schedulers):
+    """The one scheduler (a scheduler object or Lightning's ``{"scheduler": ...}`` dict) driving ``optimizer``."""
+    for s in schedulers:
+        if getattr(s.get("scheduler") if isinstance(s, dict) else s, "optimizer", None) is optimizer:
+            return s.get("scheduler") if isinstance(s, dict) else s
+    return None
+
+
+def _schedulers_of(schedulers, optimizers, done):
+    """``schedulers`` as ``aiak.optimize`` returned them (a dict entry keeps its other keys)."""
+    returned = {id(_scheduler_of(opt, schedulers)): sched for opt, (_, sched) in zip(optimizers, done)}
+    out = []
+    for s in schedulers:
+        inner = s.get("scheduler") if isinstance(s, dict) else s
+        new = returned.get(id(inner), inner)
+        out.append(dict(s, scheduler=new) if isinstance(s, dict) else new)
+    return out
 
 
 def _optimize(module, optimizer, scheduler, strategy):
