@@ -23,6 +23,7 @@ from aiak.comm.autotune import (StepTuner, TuneCache, algorithm_candidates, cach
                                 shared_cache_lookup, tune_comm)
 from aiak.amp.warn import warn
 from aiak.comm.hooks import CommState, comm_hook
+from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.topology import build_groups, detect_topology
 from aiak.strategy.schema import CommConfig, check_comm
 
@@ -155,6 +156,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         ddp.register_comm_hook(state, comm_hook)
     ddp.aiak_comm_state = state
     use_plain_state_dict_keys(ddp)
+    mark_built_by_aiak(ddp)  # the script's own DDP line, after the aiak line, returns this DDP
     if opts.deadlock_guard:
         from aiak.comm.deadlock import enable_deadlock_guard
 

@@ -309,6 +309,48 @@ def scenario_prewrapped_o2(rank):
     return out
 
 
+def scenario_script_ddp_after_aiak(rank):
+    """torchvision's order under torchrun: ``aiak.optimize(model, ...)`` first, then the script's own
+    ``DistributedDataParallel(model, device_ids=...)`` line and ``model_without_ddp = model.module`` for its EMA;
+    against the same script without aiak. Each rank starts from its own weights (seeded by rank)."""
+    import copy
+
+    import aiak
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.swa_utils import AveragedModel
+
+    out = {}
+    for name, strategy in (("plain", None), ("default", "default"), ("accum2", {"grad_accumulation": 2})):
+        model = tiny_model(seed=100 + rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        user_model = model
+        if strategy is not None:
+            model, opt, _ = aiak.optimize(model, opt, strategy=strategy)
+        aiak_ddp = model
+        model = DDP(model, device_ids=None, broadcast_buffers=False)  # the script's line
+        without_ddp = model.module
+        ema = AveragedModel(without_ddp)
+        run = {"is_aiaks": model is aiak_ddp, "module_is_user_model": without_ddp is user_model,
+               "ddp_count": sum(isinstance(m, DDP) for m in model.modules()),
+               "comm_hooks": len(getattr(model, "_comm_hooks", [])), "bucket_bytes": model.bucket_bytes_cap,
+               "broadcast_buffers": model.broadcast_buffers, "ema_copied": ema.module is not without_ddp}
+        steps = 8 if name == "accum2" else 4
+        for step in range(steps):
+            x, y = rank_data(rank, step=step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        run["end"] = {k: v.detach().clone() for k, v in without_ddp.state_dict().items()}
+        out[name] = run
+    try:  # an argument aiak's DDP cannot take is one clear error
+        DDP(aiak_ddp, find_unused_parameters=True)
+        out["find_unused_error"] = None
+    except ValueError as e:
+        out["find_unused_error"] = str(e)
+    copy.deepcopy(without_ddp)
+    return out
+
+
 NAN_STEP = 4  # the step at which rank 1 gets a NaN sample in nan_recovery
 
 
