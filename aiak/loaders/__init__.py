@@ -5,6 +5,7 @@ usable on its own. Importing this package needs only torch (DALI is imported ins
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -30,7 +31,9 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
       otherwise a warning says why and the loader is kept.
     * ``prefetch > 0``: the result is wrapped in a :class:`PrefetchLoader` of that depth moving batches to
       ``device`` (pinned, side-stream copies on CUDA; ``channels_last`` 4-D float batches if asked).
-      An existing ``PrefetchLoader`` is unwrapped first, never stacked.
+    * A ``PrefetchLoader`` the script built itself is kept as it was configured (its device, depth and
+      normalization: ``mean``/``std`` turn uint8 images into the inputs the model was written for), whatever
+      ``prefetch`` says; never stacked. ``balanced`` rebuilds the loader inside it.
     * ``pin_memory`` only matters with a CUDA device; elsewhere a warning says it is skipped.
 
     Keys a later schema may add are read when present: ``max_tokens`` (token budget per rank for ``balanced``),
@@ -41,7 +44,7 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
         return None
     device = torch.device(device) if device is not None else torch.device("cpu")
     if isinstance(loader, PrefetchLoader):
-        loader = loader.loader
+        return _keep_scripts_prefetcher(loader, cfg)
     if cfg.balanced:
         loader = balance_loader(loader, max_tokens=getattr(cfg, "max_tokens", None))
     if cfg.pin_memory and device.type != "cuda":
@@ -54,3 +57,17 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
     elif mean is not None:
         logger.warning("aiak loader.mean/std: skipped, normalization happens in the prefetcher (loader.prefetch >= 1)")
     return loader
+
+
+def _keep_scripts_prefetcher(prefetcher: PrefetchLoader, cfg: Any) -> PrefetchLoader:
+    """The script's own ``PrefetchLoader``, as it configured it (with ``balanced``: a copy around the rebuilt
+    loader, so the script's object is not changed)."""
+    if cfg.prefetch > 0 or getattr(cfg, "mean", None) is not None:
+        logger.info("aiak loader: the script's PrefetchLoader is kept as it is (depth %d, its normalization); "
+                    "loader.prefetch / mean / std of the strategy are not stacked on it", prefetcher.depth)
+    if not cfg.balanced:
+        return prefetcher
+    balanced = copy.copy(prefetcher)
+    balanced.loader = balance_loader(prefetcher.loader, max_tokens=getattr(cfg, "max_tokens", None))
+    balanced._active = None
+    return balanced
