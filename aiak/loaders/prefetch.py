@@ -17,7 +17,14 @@ on-device normalize, ``wait_stream`` before use) and adds what a correct prefetc
 * every tensor handed to the consumer gets ``record_stream(consumer_stream)``, so the caching allocator does
   not hand its memory back to the side stream while the compute stream still reads it;
 * the work happens in a thread, so loading overlaps the step even over a ``DataLoader(num_workers=0)``,
-  a generator or a DALI iterator.
+  a generator or a DALI iterator;
+* unless loading draws random numbers in this process (``num_workers=0`` with random augmentation): torch's,
+  Python's and NumPy's generators are shared by all threads, so a loading thread and a step drawing too
+  (dropout) would race for them, and a seeded run would give other weights each time. The first two batches
+  of each epoch are loaded in the step, and the generators' states compared around the second (the first may
+  draw the sampler's seed, once per epoch); if loading it drew from any of them, the epoch goes on loading in
+  the step, in plain PyTorch's order (one warning says to use ``num_workers >= 1``, whose workers draw from
+  their own seeded generators); otherwise the thread takes over.
 
 On CPU the same thread still overlaps loading with compute; pinning and streams are skipped.
 """
@@ -25,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -33,6 +42,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from aiak._nested import iter_tensors, map_tensors
+from aiak.amp.warn import warn_once
 
 logger = logging.getLogger("aiak")
 
@@ -163,17 +173,32 @@ def _produce(source: Iterator, mover: _BatchMover, out: "queue.Queue", stop: thr
         del source  # drop the loader iterator here (shuts DataLoader workers down) instead of at thread teardown
 
 
+def _rng_states() -> tuple:
+    """The states of the generators a loading step may draw from in this process: torch's CPU generator,
+    Python's ``random`` and, if imported, NumPy's legacy global one."""
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    return (torch.default_generator.get_state(), random.getstate(),
+            None if np_state is None else (np_state[1].tobytes(), np_state[2:]))
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
 class _PrefetchIterator:
-    """One epoch: owns the worker thread; closing it (``break``, garbage collection) stops the thread."""
+    """One epoch: loads its first two batches in the step, then (if the second drew no random numbers) owns a
+    worker thread; closing it (``break``, garbage collection) stops the thread."""
 
     def __init__(self, source: Iterator, mover: _BatchMover, depth: int, join_timeout: float):
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._source: Optional[Iterator] = source
         self._mover = mover
         self._join_timeout = join_timeout
-        self._thread = threading.Thread(target=_produce, args=(source, mover, self._queue, self._stop),
-                                        name="aiak-prefetch", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        self._in_step = None  # decided at the second batch: load in the step (True) or in the thread (False)
+        self._loaded = 0
         self._done = False
 
     def __iter__(self) -> "_PrefetchIterator":
@@ -182,6 +207,27 @@ class _PrefetchIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        if self._in_step is None and self._loaded == 0:  # may draw the sampler's seed: not telling
+            self._loaded += 1
+            return self._load_in_step()
+        if self._in_step is None:
+            before = _rng_states()
+            batch = self._load_in_step()
+            self._in_step = not _same_states(before, _rng_states())
+            if self._in_step:
+                warn_once("prefetch-rng", "aiak PrefetchLoader: loading draws random numbers in the training process "
+                          "(a DataLoader with num_workers=0 and random augmentation): prefetching it in a thread "
+                          "would race with the step for the same generators and make a seeded run "
+                          "non-deterministic, so batches load in the step, without overlap. Use num_workers >= 1 "
+                          "to load in the background")
+            else:
+                self._thread = threading.Thread(target=_produce, args=(self._source, self._mover, self._queue,
+                                                                       self._stop), name="aiak-prefetch", daemon=True)
+                self._source = None
+                self._thread.start()
+            return batch
+        if self._in_step:
+            return self._load_in_step()
         while True:
             try:
                 item = self._queue.get(timeout=0.1)
@@ -196,7 +242,17 @@ class _PrefetchIterator:
         if isinstance(item, _Failure):
             self.close()
             raise item.exc  # the original exception object: its traceback shows where loading failed
-        batch, event = item
+        return self._hand_over(*item)
+
+    def _load_in_step(self) -> Any:
+        try:
+            batch = next(self._source)
+        except BaseException:  # StopIteration at the end, or the loader's error
+            self.close()
+            raise
+        return self._hand_over(*self._mover(batch))
+
+    def _hand_over(self, batch: Any, event) -> Any:
         if event is not None:
             consumer = torch.cuda.current_stream(self._mover.device)
             consumer.wait_event(event)
@@ -208,9 +264,9 @@ class _PrefetchIterator:
     def wait_stopped(self, timeout: float) -> bool:
         """Wait until the worker thread has left the loader (it may be finishing a batch); True if it has."""
         self.close()
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
-        return not self._thread.is_alive()
+        return self._thread is None or not self._thread.is_alive()
 
     def close(self) -> None:
         """Stop the worker thread now; batches already prepared are dropped."""
@@ -218,12 +274,13 @@ class _PrefetchIterator:
             return
         self._done = True
         self._stop.set()
+        self._source = None  # loading in the step: drop the loader's iterator now (shuts DataLoader workers down)
         while True:  # free prepared batches (device memory) and unblock a pending put
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             # A loader blocked inside ``next()`` finishes its current batch, then sees ``stop`` and exits.
             self._thread.join(timeout=self._join_timeout)
 

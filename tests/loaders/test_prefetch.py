@@ -107,26 +107,27 @@ def test_nested_batches_keep_their_types_and_values():
 
 
 def test_loading_overlaps_the_step_and_keeps_depth_batches_ready():
-    """While the consumer is still busy with batch 0, the thread loads batch 1, ... up to depth + 1 more."""
+    """Batches 0 and 1 load in the step (telling whether loading draws random numbers); while the consumer is
+    still busy with batch 1, the thread loads batch 2, ... up to depth + 1 more."""
     depth = 3
     started = []
-    started_second = threading.Event()
+    started_third = threading.Event()
 
     def source():
         for i in range(20):
             started.append(i)
-            if i == 1:
-                started_second.set()
+            if i == 2:
+                started_third.set()
             yield torch.tensor([i])
 
     it = iter(PrefetchLoader(type("Once", (), {"__iter__": lambda self: source()})(), "cpu", depth=depth))
-    first = next(it)
-    # A serial loader would only start batch 1 after we ask for it: this wait would time out.
-    assert started_second.wait(timeout=10), "batch 1 was not loaded while batch 0 was being processed"
-    assert wait_until(lambda: len(started) >= depth + 2)
+    first, second = next(it), next(it)
+    # A serial loader would only start batch 2 after we ask for it: this wait would time out.
+    assert started_third.wait(timeout=10), "batch 2 was not loaded while batch 1 was being processed"
+    assert wait_until(lambda: len(started) >= depth + 3)
     time.sleep(0.2)  # the thread must now be blocked: depth batches queued + one in hand
-    assert len(started) == depth + 2
-    assert first.item() == 0 and [b.item() for b in it] == list(range(1, 20))
+    assert len(started) == depth + 3
+    assert (first.item(), second.item()) == (0, 1) and [b.item() for b in it] == list(range(2, 20))
 
 
 def test_error_in_fifth_sample_reraises_with_its_traceback():
@@ -197,13 +198,14 @@ def test_break_stops_loading_at_once():
 def test_new_iter_stops_the_previous_epoch():
     loader = PrefetchLoader(DataLoader(Squares(100), batch_size=1), "cpu")
     first = iter(loader)
-    next(first)
+    next(first), next(first)  # the first two batches load in the step, then the thread takes over
     assert prefetch_threads() == 1
     second = iter(loader)
-    assert wait_until(lambda: prefetch_threads() == 1)
+    assert wait_until(lambda: prefetch_threads() == 0)
     with pytest.raises(StopIteration):
         next(first)
-    assert int(next(second)[0, 0]) == 0
+    assert [int(next(second)[0, 0]) for _ in range(2)] == [0, 1]
+    assert prefetch_threads() == 1
     del first, second
 
 
