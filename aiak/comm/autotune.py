@@ -16,8 +16,12 @@ fastest and broadcasts it, so every rank runs the same algorithm. The tuner's ow
 choice, the cache broadcast) live on :func:`group_device`: CPU for gloo, the current CUDA device for NCCL,
 which has no CPU path. Step times come from a :class:`StepClock`: CUDA events on the stream, not host time.
 Results are cached in the one tuning cache (:mod:`aiak.tune.cache`, shared with the strategy trials), keyed
-by model signature (class + parameter shapes), world size, local size, device type, torch version and perf
-mode.
+by every input of the decision (:class:`TuneInputs`: model signature, world and local size, device type, torch
+version, perf mode, and the settings that change the candidates or how they are measured: int8 allowed,
+hierarchical allowed and available, bucket sizes tried, timed runs, int8 block, intra-node compression,
+pipeline chunk). A cached choice is applied only if the run's own settings allow it (:func:`cached_choice`):
+an entry written by another version, or edited, that picks int8 or hierarchical where the run forbids it is
+tuned again, never applied.
 """
 from __future__ import annotations
 
@@ -25,14 +29,15 @@ import hashlib
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional, Sequence
+from dataclasses import asdict, astuple, dataclass, fields
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from aiak.amp.warn import warn
 import torch.distributed as dist
 
+from aiak.comm.compression import COMPRESSIONS
 from aiak.comm.hooks import CommState, average
 from aiak.tune.cache import TuneCache as _SharedCache
 
@@ -56,14 +61,82 @@ class CommChoice:
 
 # -- cache -------------------------------------------------------------------------------------
 def model_signature(model: torch.nn.Module) -> str:
-    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    text = f"{type(model).__name__}:{shapes}"
+    """Class name and a digest of the trained parameters' shapes and dtypes, in order: what fills the buckets."""
+    params = [(tuple(p.shape), str(p.dtype)) for p in model.parameters() if p.requires_grad]
+    text = f"{type(model).__name__}:{params}"
     return f"{type(model).__name__}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
 
-def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_type: str, perf_mode: str) -> str:
+def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_type: str, perf_mode: str,
+              **settings: Any) -> str:
+    """``model|world|local|device|torch|<settings, by name>|perf_mode``; :meth:`TuneInputs.key` passes every
+    decision input as ``settings``."""
+    named = "".join(f"|{name}={settings[name]!r}" for name in sorted(settings))
     return (f"{model_signature(model)}|world={world_size}|local={local_size}|{device_type}"
-            f"|torch={torch.__version__}|{perf_mode}")
+            f"|torch={torch.__version__}{named}|{perf_mode}")
+
+
+@dataclass(frozen=True)
+class TuneInputs:
+    """Every input of one tuning decision besides the model: the candidates, and how they are measured.
+
+    The cache key is made of all of them (:meth:`key`), and a cached choice is applied only where they allow it
+    (:meth:`refusal`): a run must never inherit a choice it could not have made itself. (A key without the int8
+    switch let a run with ``comm.tune_int8: false`` take int8 from an entry written when int8 was allowed.)
+    """
+
+    world_size: int
+    local_size: int
+    device_type: str  # where the gradients live: cpu | cuda
+    perf_mode: str  # comm | step
+    int8: bool  # int8 among the candidates: comm.tune_int8, or comm.compression: int8
+    hierarchical: Union[str, bool]  # comm.hierarchical: auto | True | False
+    groups: bool  # hierarchical groups exist (the topology and the process group allow them)
+    bucket_mbs: Tuple[float, ...]  # bucket sizes tried (comm mode), or the one DDP is built with (step mode)
+    tune_steps: int  # timed runs (comm mode) or steps (step mode) per candidate
+    int8_block: int
+    compress_intra: bool
+    pipeline_mb: float
+
+    @classmethod
+    def of(cls, opts: Any, world_size: int, local_size: int, device_type: str, groups: bool) -> "TuneInputs":
+        """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.strategy.schema.CommConfig`).
+
+        Comm mode tries the configured bucket size, 5 and 50 MB; step mode keeps the configured one (DDP fixes
+        it at construction)."""
+        bucket_mbs = (opts.bucket_mb, 5.0, 50.0) if opts.perf_mode == "comm" else (opts.bucket_mb,)
+        int8 = bool(opts.tune_int8 or opts.compression == "int8")
+        return cls(world_size, local_size, device_type, opts.perf_mode, int8, opts.hierarchical, groups,
+                   tuple(float(mb) for mb in dict.fromkeys(bucket_mbs)), opts.tune_steps, opts.int8_block,
+                   opts.compress_intra, opts.pipeline_mb)
+
+    @property
+    def hierarchical_allowed(self) -> bool:
+        """Hierarchical candidates are measured: groups exist and ``comm.hierarchical`` is not false."""
+        return self.groups and self.hierarchical is not False
+
+    def candidates(self) -> List[tuple]:
+        return algorithm_candidates(self.hierarchical_allowed, self.int8)
+
+    def key(self, model: torch.nn.Module) -> str:
+        settings = {f.name: value for f, value in zip(fields(self), astuple(self))
+                    if f.name not in ("world_size", "local_size", "device_type", "perf_mode")}
+        return cache_key(model, self.world_size, self.local_size, self.device_type, self.perf_mode, **settings)
+
+    def refusal(self, choice: CommChoice) -> Optional[str]:
+        """Why this run may not apply ``choice`` (``None``: it may): a choice outside its candidates."""
+        if choice.compression not in COMPRESSIONS:
+            return f"compression {choice.compression!r} is not one of {list(COMPRESSIONS)}"
+        if choice.compression == "int8" and not self.int8:
+            return "int8 is not allowed (comm.tune_int8 is false)"
+        if choice.hierarchical and self.hierarchical is False:
+            return "hierarchical allreduce is not allowed (comm.hierarchical is false)"
+        if choice.hierarchical and not self.groups:
+            return "hierarchical allreduce is unavailable here (single node, one rank per node, uneven nodes or a " \
+                   "custom process group)"
+        if choice.bucket_mb not in self.bucket_mbs:
+            return f"bucket {choice.bucket_mb:g} MB is not among the sizes this run tries {list(self.bucket_mbs)}"
+        return None
 
 
 class TuneCache(_SharedCache):
@@ -104,6 +177,19 @@ def shared_cache_lookup(cache: TuneCache, key: str, group=None) -> Optional[Comm
     box = [cache.get(key) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group, device=group_device(group))
     return box[0]
+
+
+def cached_choice(cache: TuneCache, key: str, inputs: TuneInputs, group=None) -> Optional[CommChoice]:
+    """The entry under ``key`` (:func:`shared_cache_lookup`) if ``inputs`` allow it, else ``None`` (tune again).
+
+    Checked after the broadcast: every rank holds the same entry and the same inputs, so every rank agrees."""
+    choice = shared_cache_lookup(cache, key, group)
+    why = inputs.refusal(choice) if choice is not None else None
+    if why is not None:
+        logger.info("aiak.comm autotune: cache entry %s in %s chose %s, which this run cannot apply: %s; tuning "
+                    "again", key, cache.path, choice.describe(), why)
+        return None
+    return choice
 
 
 # -- deciding on rank 0 ------------------------------------------------------------------------
@@ -162,11 +248,14 @@ def time_average(state: CommState, sizes: Sequence[int], repeats: int, device=No
 
 
 def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[float], allow_int8: bool,
-              repeats: int = 3, device=None) -> CommChoice:
-    """Comm-mode tuning (collective: every rank calls it at the same point). Leaves ``state`` on the winner."""
+              repeats: int = 3, device=None, *, allow_hierarchical: bool = True) -> CommChoice:
+    """Comm-mode tuning (collective: every rank calls it at the same point). Leaves ``state`` on the winner.
+
+    Hierarchical candidates are timed where ``state`` has groups, unless ``allow_hierarchical`` is false
+    (``comm.hierarchical: false``)."""
     group = state.process_group
     base_mb = bucket_mbs[0]
-    algos = algorithm_candidates(state.groups is not None, allow_int8)
+    algos = algorithm_candidates(state.groups is not None and allow_hierarchical, allow_int8)
     sizes = gradient_bucket_sizes(model, base_mb)
     times = []
     for h, c in algos:

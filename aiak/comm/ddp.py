@@ -19,8 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from aiak.comm.autotune import (StepTuner, TuneCache, algorithm_candidates, cache_key,
-                                shared_cache_lookup, tune_comm)
+from aiak.comm.autotune import StepTuner, TuneCache, TuneInputs, cached_choice, tune_comm
 from aiak.amp.warn import warn
 from aiak.comm.hooks import CommState, comm_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
@@ -193,16 +192,16 @@ def _hook_existing(ddp, opts: CommConfig):
 
 
 def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, process_group):
-    """Cache lookup (rank 0 reads, broadcasts), else comm-mode tuning now or a step-mode tuner.
+    """Cache lookup (rank 0 reads, broadcasts; an entry this run's settings do not allow is tuned again), else
+    comm-mode tuning now or a step-mode tuner.
 
     Returns ``(bucket_mb, tuner or None)`` and leaves ``state`` on the chosen (or cached) algorithm.
     """
-    allow_int8 = opts.tune_int8 or opts.compression == "int8"
+    inputs = TuneInputs.of(opts, topology.world_size, topology.local_size, "cuda" if device_ids else "cpu",
+                           groups=state.groups is not None)
     cache = TuneCache(opts.tune_cache)
-    key = cache_key(model, topology.world_size, topology.local_size, "cuda" if device_ids else "cpu", opts.perf_mode)
-    cached = shared_cache_lookup(cache, key, process_group)
-    if cached is not None and cached.hierarchical and state.groups is None:
-        cached = None  # cannot apply with this topology: tune again
+    key = inputs.key(model)
+    cached = cached_choice(cache, key, inputs, process_group)
     is_rank0 = dist.get_rank(process_group) == 0
     if cached is not None:
         logger.info("aiak.comm autotune: cache hit in %s for %s -> %s (tuning skipped)", cache.path, key,
@@ -211,8 +210,8 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
         return cached.bucket_mb, None
     if opts.perf_mode == "comm":
         device = torch.device("cuda", device_ids[0]) if device_ids else None
-        choice = tune_comm(model, state, list(dict.fromkeys([opts.bucket_mb, 5.0, 50.0])), allow_int8,
-                           repeats=opts.tune_steps, device=device)
+        choice = tune_comm(model, state, inputs.bucket_mbs, inputs.int8, repeats=opts.tune_steps, device=device,
+                           allow_hierarchical=inputs.hierarchical_allowed)
         if is_rank0:
             cache.put(key, choice, perf_mode=opts.perf_mode)
         return choice.bucket_mb, None
@@ -221,5 +220,4 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
         if is_rank0:
             cache.put(key, choice, perf_mode=opts.perf_mode)
 
-    candidates = algorithm_candidates(state.groups is not None, allow_int8)
-    return opts.bucket_mb, StepTuner(candidates, opts.tune_steps, opts.bucket_mb, remember)
+    return opts.bucket_mb, StepTuner(inputs.candidates(), opts.tune_steps, opts.bucket_mb, remember)
