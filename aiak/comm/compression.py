@@ -7,7 +7,8 @@ one uint8 tensor keeps it to a single collective per stage.
 
 Quantization error is not lost: :class:`ErrorFeedback` keeps a per-bucket residual that is added back
 before the next compression (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback
-Fixes SignSGD"), so SGD with compressed gradients converges like float32.
+Fixes SignSGD"), so SGD with compressed gradients converges like float32. A residual belongs to the
+parameters its values came from: it is dropped when its bucket's layout changes.
 """
 from __future__ import annotations
 
@@ -117,11 +118,13 @@ class FiniteFlag:
 
 
 class _Residual:
-    """One key's residual, the candidate that may replace it, and a spare buffer for the next ``x + r``."""
+    """One key's residual, the candidate that may replace it, a spare buffer for the next ``x + r``, and the
+    layout of the bucket they were computed on."""
 
-    __slots__ = ("value", "candidate", "finite", "spare")
+    __slots__ = ("value", "candidate", "finite", "spare", "layout")
 
     def __init__(self):
+        self.layout: Optional[Hashable] = None
         self.value: Optional[torch.Tensor] = None
         self.candidate: Optional[torch.Tensor] = None
         self.finite: Optional[FiniteFlag] = None  # the verdict on ``candidate``; None = no verdict (dropped)
@@ -147,12 +150,16 @@ class _Residual:
 class ErrorFeedback:
     """Per-bucket residuals: ``compress(x + r)``, then ``r <- (x + r) - decompress(compressed)``.
 
-    Keys are ``(bucket index, stage)``; a residual whose shape no longer matches (DDP rebuilds its buckets after
-    the first iteration) is dropped rather than misapplied.
+    Keys are ``(bucket index, stage)``. A residual holds the error of particular parameters at particular offsets,
+    so it is kept only while its bucket's ``layout`` (which parameters, in which order, with which shapes: see
+    :func:`aiak.comm.hooks.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
+    iteration, in the order the gradients became ready: a bucket of the same size may then hold other parameters
+    at each offset, and a residual matched by shape alone was added to them (measured: 13% gradient error against
+    0.7% for a fresh quantisation). A residual whose layout changed is dropped, not misapplied.
 
-    Protocol per bucket: ``sent = add(key, x)``, compress ``sent``, ``update(key, sent, decoded)``, and once the
-    bucket's allreduce is done ``commit(keys, FiniteFlag(bucket))``. A new residual replaces the old one only if
-    the bucket came out finite. A bucket holding inf/NaN (an fp16 overflow: the loss scaler will skip the step)
+    Protocol per bucket: ``sent = add(key, x, layout)``, compress ``sent``, ``update(key, sent, decoded)``, and
+    once the bucket's allreduce is done ``commit(keys, FiniteFlag(bucket))``. A new residual replaces the old one
+    only if the bucket came out finite. A bucket holding inf/NaN (an fp16 overflow: the loss scaler will skip the step)
     leaves the residuals as they were: they still carry real, not yet transmitted gradient, which a reset would
     throw away, while storing ``(x + r) - decoded`` would put NaN into every later bucket. The verdict is read at
     the next :meth:`add` of the key (a step later), so on CUDA it never stalls the comm stream.
@@ -168,17 +175,20 @@ class ErrorFeedback:
         self.enabled = enabled
         self._slots: Dict[Hashable, _Residual] = {}
 
-    def add(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
+    def add(self, key: Hashable, x: torch.Tensor, layout: Optional[Hashable] = None) -> torch.Tensor:
         """``x`` plus the residual for ``key``, as float32 in a buffer of its own (``x`` and the residual are
-        left alone). Pass the result, once compressed, to :meth:`update`."""
+        left alone). Pass the result, once compressed, to :meth:`update`.
+
+        ``layout`` names what ``x`` holds (any hashable; ``None`` for buffers that are not gradient buckets):
+        the residual is used only if it was computed on the same layout and shape, else it is dropped."""
         if not self.enabled:
             return x.float()
         slot = self._slots.setdefault(key, _Residual())
         slot.settle()
         out = slot.buffer_like(x)
-        if slot.value is not None and slot.value.shape == x.shape:
+        if slot.value is not None and slot.value.shape == x.shape and slot.layout == layout:
             return torch.add(slot.value, x, out=out)
-        slot.value = None
+        slot.value, slot.layout = None, layout
         return out.copy_(x)
 
     def update(self, key: Hashable, sent: torch.Tensor, decoded: torch.Tensor) -> None:

@@ -23,7 +23,9 @@ Compression wraps the inter-node step only by default (``compress_intra=False``)
 bandwidth is scarce. int8 is Bagua's ByteGrad: reduce-scatter in compressed form (all-to-all of
 quantized chunks), decompress and sum, compress the summed chunk, allgather; both quantizations keep an
 error-feedback residual per bucket and chunk (:class:`~aiak.comm.compression.ErrorFeedback`); a bucket that
-comes out non-finite (an fp16 overflow, which the loss scaler skips) leaves them as they were.
+comes out non-finite (an fp16 overflow, which the loss scaler skips) leaves them as they were. The residuals
+are tied to the bucket's layout (:func:`bucket_layout`: which parameters, in which order), so when DDP rebuilds
+its buckets after the first iteration they are dropped rather than added to other parameters.
 
 Averaging matches DDP's default: divide by the world size before communicating (also keeps fp16 from
 overflowing). Collectives are looked up in ``torch.distributed`` at call time, so the deadlock guard
@@ -33,10 +35,11 @@ import contextlib
 import functools
 import queue
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
@@ -101,17 +104,18 @@ class _Int8Allreduce:
     :attr:`keys` once the whole bucket is known finite (or not): a non-finite bucket keeps the old residuals.
     """
 
-    __slots__ = ("x", "group", "size", "block", "feedback", "keys", "n", "chunk", "received", "gathered")
+    __slots__ = ("x", "group", "size", "block", "feedback", "keys", "layout", "n", "chunk", "received", "gathered")
 
-    def __init__(self, x: torch.Tensor, group, feedback: ErrorFeedback, key, block: int):
+    def __init__(self, x: torch.Tensor, group, feedback: ErrorFeedback, key, block: int, layout: Optional[Hashable]):
         self.x, self.group, self.feedback, self.block = x, group, feedback, block
         self.size = dist.get_world_size(group)
         self.keys = ((key, "local"), (key, "shard"))
+        self.layout = layout  # what ``x`` holds (:func:`bucket_layout`); the residuals are kept per layout
 
     def exchange(self) -> _Issued:
         padded, self.n = pad_to_multiple(self.x, self.size * self.block)
         self.chunk = padded.numel() // self.size
-        sent = self.feedback.add(self.keys[0], padded)
+        sent = self.feedback.add(self.keys[0], padded, self.layout)
         packed = quantize_int8_chunks(sent, self.size, self.block)
         if self.feedback.enabled:
             self.feedback.update(self.keys[0], sent, dequantize_int8_chunks(packed, self.chunk, self.block))
@@ -120,7 +124,7 @@ class _Int8Allreduce:
 
     def share(self) -> _Issued:
         total = dequantize_int8_chunks(self.received, self.chunk, self.block).view(self.size, self.chunk).sum(0)
-        sent = self.feedback.add(self.keys[1], total)
+        sent = self.feedback.add(self.keys[1], total, self.layout)
         mine = quantize_int8(sent, self.block)
         if self.feedback.enabled:
             self.feedback.update(self.keys[1], sent, dequantize_int8(mine, self.chunk, self.block))
@@ -132,6 +136,36 @@ class _Int8Allreduce:
             dequantize_int8_chunks(self.gathered, self.chunk, self.block, out=self.x)
         else:
             self.x.copy_(dequantize_int8_chunks(self.gathered, self.chunk, self.block)[:self.n])
+
+
+# -- what a gradient bucket holds --------------------------------------------------------------------
+class ParameterNumbers:
+    """Small integers naming parameters, in the order they are first asked for.
+
+    A parameter keeps its number for its lifetime; the numbers depend neither on ``id`` (reused once a tensor is
+    freed) nor on storage addresses (which move with ``.to()``). Parameters are held weakly: a state never keeps
+    a model alive.
+    """
+
+    __slots__ = ("_numbers", "_next")
+
+    def __init__(self):
+        self._numbers = WeakIdKeyDictionary()
+        self._next = 0
+
+    def __call__(self, p: torch.Tensor) -> int:
+        number = self._numbers.get(p)
+        if number is None:
+            number = self._numbers[p] = self._next
+            self._next += 1
+        return number
+
+
+def bucket_layout(bucket: dist.GradBucket, numbers: ParameterNumbers) -> Tuple[Tuple[int, Tuple[int, ...]], ...]:
+    """``((parameter number, shape), ...)`` in bucket order: which parameters a DDP gradient bucket holds, in which
+    order, and so at which offsets (DDP packs a bucket's gradients back to back). Two buckets of one size can
+    differ here: DDP rebuilds its buckets after the first iteration, in the order gradients became ready."""
+    return tuple((numbers(p), tuple(p.shape)) for p in bucket.parameters())
 
 
 # -- state -------------------------------------------------------------------------------------------
@@ -150,7 +184,7 @@ class CommState:
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
-                 "int8_block", "pipeline_mb", "feedback", "tuner", "iteration", "worker")
+                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
@@ -171,6 +205,7 @@ class CommState:
         self.int8_block = int8_block
         self.pipeline_mb = pipeline_mb
         self.feedback = ErrorFeedback(error_feedback)
+        self.parameter_numbers = ParameterNumbers()  # names the parameters in :func:`bucket_layout`
         self.tuner = None  # an aiak.comm.autotune.StepTuner while tuning
         self.iteration = 0
         self.worker = _Worker()
@@ -189,9 +224,9 @@ class CommState:
 
 
 # -- the algorithms, each run by the worker on one bucket (already divided by the world size) ----------------
-def _flat(state: CommState, compression: str, x: torch.Tensor, key) -> None:
+def _flat(state: CommState, compression: str, x: torch.Tensor, key, layout: Optional[Hashable]) -> None:
     if compression == "int8":
-        op = _Int8Allreduce(x, state.process_group, state.feedback, key, state.int8_block)
+        op = _Int8Allreduce(x, state.process_group, state.feedback, key, state.int8_block, layout)
         op.exchange().wait()
         op.share().wait()
         op.finish()
@@ -235,8 +270,8 @@ class _Hierarchical:
     the result and issues the chunk's next collective. :meth:`run` is the software pipeline.
     """
 
-    def __init__(self, state: CommState, compression: str, x: torch.Tensor, key):
-        self.state, self.compression, self.x, self.key = state, compression, x, key
+    def __init__(self, state: CommState, compression: str, x: torch.Tensor, key, layout: Optional[Hashable]):
+        self.state, self.compression, self.x, self.key, self.layout = state, compression, x, key, layout
         self.intra, self.inter = state.groups.intra, state.groups.inter
         local = len(state.groups.intra_ranks)
         self.padded, self.n = pad_to_multiple(x, local)
@@ -275,7 +310,7 @@ class _Hierarchical:
     def exchange_across_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
         chunk.int8 = _Int8Allreduce(chunk.shard, self.inter, self.state.feedback, (self.key, chunk.index),
-                                    self.state.int8_block)
+                                    self.state.int8_block, self.layout)
         chunk.inflight = chunk.int8.exchange()
 
     def share_across_nodes(self, chunk: _Chunk) -> None:
@@ -340,15 +375,15 @@ class _Worker:
             yield
 
 
-def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: torch.Tensor, key, fut: Future,
-                ready: Optional["torch.cuda.Event"]) -> None:
+def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: torch.Tensor, key,
+                layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"]) -> None:
     """The worker's job for one bucket: sum ``tensor`` (already divided) in place, then complete or fail ``fut``."""
     try:
         with state.worker.on_comm_stream(tensor, ready):
             if hierarchical:
-                _Hierarchical(state, compression, tensor, key).run()
+                _Hierarchical(state, compression, tensor, key, layout).run()
             else:
-                _flat(state, compression, tensor, key)
+                _flat(state, compression, tensor, key, layout)
             fut.set_result(tensor)  # on CUDA: records the completion event on the comm stream
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
         if not fut.done():
@@ -356,11 +391,13 @@ def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: 
 
 
 # -- the hook ----------------------------------------------------------------------------------------
-def average(state: CommState, tensor: torch.Tensor, key=0) -> Future:
+def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hashable] = None) -> Future:
     """Average a 1-D tensor in place across ranks with ``state``'s algorithm; resolves to ``tensor``.
 
     Returns at once; the state's worker does the work. Used by :func:`comm_hook` and, outside DDP, by
     benchmarks and the comm-mode tuner. Every rank must average the same tensors in the same order.
+    ``key`` names the tensor's int8 residuals; ``layout`` says what it holds (:func:`bucket_layout`): a residual
+    computed on another layout under the same key is dropped.
     """
     tensor.div_(state.world_size)  # here, not in the worker: off the path between one bucket and the next
     if tensor.is_cuda:
@@ -370,7 +407,7 @@ def average(state: CommState, tensor: torch.Tensor, key=0) -> Future:
         fut, ready = Future(), None
     # The algorithm is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
     state.worker.submit(functools.partial(_run_bucket, state, state.hierarchical, state.compression, tensor, key,
-                                          fut, ready))
+                                          layout, fut, ready))
     return fut
 
 
@@ -379,7 +416,9 @@ def comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future
     # (annotations are real objects here, no ``from __future__ import annotations``: DDP checks them)
     if state.tuner is not None:
         state.tuner.on_bucket(state, bucket)
-    fut = average(state, bucket.buffer(), key=bucket.index())
+    keeps_residuals = state.compression == "int8" and state.feedback.enabled
+    layout = bucket_layout(bucket, state.parameter_numbers) if keeps_residuals else None
+    fut = average(state, bucket.buffer(), key=bucket.index(), layout=layout)
     if bucket.is_last():
         state.iteration += 1
     return fut
