@@ -23,6 +23,14 @@ Patched names (torch 2.14, ``torch/nn/utils/clip_grad.py``):
   handed gradients, not parameters, and would see a window's partial sum): a call of them on an aiak
   model's gradients warns once, saying what to call instead.
 
+Clip functions of other libraries that read ``.grad`` themselves are routed the same way where aiak knows them
+(:data:`ELEMENTWISE_CLIPS`: timm's adaptive gradient clipping, Brock et al. 2021, "High-Performance Large-Scale
+Image Recognition Without Normalization", section 3, which timm's ``dispatch_clip_grad(..., mode="agc")`` calls):
+on a real step they run on the real step's gradients, on a micro-step not at all. They are patched in their
+modules when aiak routes (timm imported first, as every timm script does). One bound by name before that, or a
+library aiak does not know, edits the partial sums; the step controller notices a gradient changed in place
+between ``backward()`` and a micro-step's ``step()`` and says so once.
+
 Parameters of an aiak optimizer mixed in one call with other parameters that have gradients (or with a
 second aiak optimizer's) cannot be attributed to one real step: torch's function runs unchanged on the
 gradients as they are, and a warning (once) says to clip each optimizer's parameters separately.
@@ -125,7 +133,7 @@ def _owner_of(tensors: List[torch.Tensor], fn: str, *, as_grads: bool) -> Option
     if found is None:
         return None
     if stray:
-        warn_once("clip-mixed", f"aiak: torch.nn.utils.{fn} got parameters of an aiak-optimized model together with "
+        warn_once("clip-mixed", f"aiak: {fn if '.' in fn else 'torch.nn.utils.' + fn} got parameters of an aiak-optimized model together with "
                   "other parameters that have gradients (or another aiak optimizer's): aiak cannot tell which "
                   "real step they belong to, so torch's function ran on the gradients as they are (loss-scaled, "
                   "partial sums under accumulation). Clip each optimizer's parameters in its own call, e.g. "
@@ -225,8 +233,48 @@ def _group_by_device_and_dtype(tensorlistlist, *args, **kwargs):
         return original([step_grads], *args, **kwargs) if step_grads else {}
 
 
+# Per-parameter clip functions of other libraries, ``(module, name)``, taking ``(parameters, *args)`` and
+# editing each ``p.grad`` from ``p`` and ``p.grad`` alone: run as they are on the real step's gradients.
+ELEMENTWISE_CLIPS = (("timm.utils.agc", "adaptive_clip_grad"), ("timm.utils.clip_grad", "adaptive_clip_grad"),
+                     ("timm.utils", "adaptive_clip_grad"))
+
+
+def _real_step_only(original, name: str):
+    """``original`` (an elementwise clip of another library) routed: on an aiak optimizer's parameters it runs on
+    the real step's gradients (averaged over the window, unscaled) and does nothing on a micro-step."""
+    def clip(parameters, *args, **kwargs):
+        params = _as_list(parameters, warn_empty_generator=False)
+        found = _owner_of(params, name, as_grads=False) if _routing() else None
+        if found is None:
+            return original(params, *args, **kwargs)
+        owner, owned = found
+        if not owner.real_step_grads(owned):
+            return None  # a micro-step, or an overflow the step will skip
+        with _passthrough():
+            return original(owned, *args, **kwargs)
+
+    clip.__wrapped__ = original
+    clip._aiak_routed = True
+    clip.__doc__ = original.__doc__
+    return clip
+
+
+def _install_elementwise_clips() -> None:
+    """Patch the known clip functions of libraries already imported (each once)."""
+    routed: Dict[int, Any] = {}
+    for module_name, name in ELEMENTWISE_CLIPS:
+        module = sys.modules.get(module_name)
+        original = getattr(module, name, None) if module is not None else None
+        if original is None or getattr(original, "_aiak_routed", False):
+            continue
+        if id(original) not in routed:
+            routed[id(original)] = _real_step_only(original, f"{module_name}.{name}")
+        setattr(module, name, routed[id(original)])
+
+
 def _install() -> None:
     global _installed
+    _install_elementwise_clips()
     if _installed:
         return
     _installed = True

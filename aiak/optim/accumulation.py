@@ -94,6 +94,8 @@ class StepController:
         self._framework_checked = accumulation == 1
         self._model = model
         self._partial: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(param) -> (param, its grad, version)
+        self._after_backward: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, version) after backward
+        self._backward_passes = 0    # the most backward passes any parameter got since the last step() call
         self._hooked: set = set()    # ids of the parameters carrying an _AfterAccumulation hook
         self._hook = _AfterAccumulation(self)
         self._params: List[torch.Tensor] = []
@@ -140,19 +142,50 @@ class StepController:
         accumulates too; a gradient started anew (a framework's ``model.zero_grad()``) gets the kept sum back."""
         self._check_framework_accumulation()
         kept = self._partial.pop(id(param), None)
-        if kept is None:
-            return
-        _, grad, version = kept
-        if param.grad is grad:
-            if grad._version > version + 1 and not grad.is_sparse:  # zeroed in place, then accumulated into
-                raise RuntimeError(
-                    f"aiak: a gradient was modified in place inside a {self.accumulation}-step accumulation window "
-                    "(zero_grad(set_to_none=False) on the model?): the micro-batches summed so far are lost. "
-                    "Clear gradients with optimizer.zero_grad() (aiak keeps the sum) or set_to_none=True, or let "
-                    "the framework accumulate and set grad_accumulation: 1")
-        elif param.grad is not None and param.grad.grad_fn is None:  # cleared to None, then started anew
-            with torch.no_grad():
-                param.grad.add_(grad)
+        if kept is not None:
+            _, grad, version = kept
+            if param.grad is grad:
+                if grad._version > version + 1 and not grad.is_sparse:  # zeroed in place, then accumulated into
+                    raise RuntimeError(
+                        f"aiak: a gradient was modified in place inside a {self.accumulation}-step accumulation "
+                        "window (zero_grad(set_to_none=False) on the model?): the micro-batches summed so far are "
+                        "lost. Clear gradients with optimizer.zero_grad() (aiak keeps the sum) or set_to_none=True, "
+                        "or let the framework accumulate and set grad_accumulation: 1")
+            elif param.grad is not None and param.grad.grad_fn is None:  # cleared to None, then started anew
+                with torch.no_grad():
+                    param.grad.add_(grad)
+        seen = self._after_backward.get(id(param))
+        passes = seen[2] + 1 if seen is not None else 1
+        grad = param.grad
+        self._after_backward[id(param)] = (grad, grad._version if grad is not None else 0, passes)
+        self._backward_passes = max(self._backward_passes, passes)
+
+    def _check_the_scripts_loop(self) -> None:
+        """At each ``step()``, before aiak touches a gradient: several backward passes since the last ``step()``
+        (the script accumulates too), or a gradient changed in place since its backward on a micro-step (a clip
+        function aiak does not route saw a partial sum). Each is said once."""
+        if self.accumulation > 1 and self._backward_passes > 1:
+            passes = self._backward_passes
+            warn_once("script-accumulation",
+                      f"aiak: {passes} backward passes between optimizer.step() calls. If the script accumulates "
+                      "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` loop), "
+                      f"aiak's grad_accumulation: {self.accumulation} multiplies with it: a real step every "
+                      f"{passes * self.accumulation} batches. Set only one of them (grad_accumulation: 1 in the "
+                      "strategy, or 1 in the script). Several losses backpropagated separately per batch are fine")
+        if self.accumulation > 1 and self.micro_step + 1 < self.accumulation:
+            for p in self._params_of_groups():
+                seen = self._after_backward.get(id(p))
+                if seen is not None and p.grad is seen[0] and p.grad is not None and p.grad._version != seen[1]:
+                    warn_once("grad-edited-in-window",
+                              f"aiak: a gradient was changed in place between backward() and step() inside a "
+                              f"{self.accumulation}-step accumulation window: a clipping function aiak does not "
+                              "route (bound by name before aiak.optimize(), or of a library aiak does not know) saw "
+                              "a partial sum. Clip with torch.nn.utils.clip_grad_norm_ / clip_grad_value_ or "
+                              "aiak.clip_grad_norm_(optimizer, max_norm), which clip the real step's gradient; or "
+                              "import the function after aiak.optimize()")
+                    break
+        self._after_backward = {}
+        self._backward_passes = 0
 
     def _keep_partial_sum(self) -> None:
         self._partial = {id(p): (p, p.grad, p.grad._version) for p in self._params_of_groups() if p.grad is not None}
@@ -205,6 +238,7 @@ class StepController:
             with torch.enable_grad():
                 loss = closure()
         self._check_framework_accumulation()
+        self._check_the_scripts_loop()
         self._restore_partial_sum()
         self.step_calls += 1
         self.micro_step += 1
@@ -343,6 +377,7 @@ class StepController:
     def _clear_grads(self, set_to_none: bool = True) -> None:
         self._prepared = None
         self._partial = {}
+        self._after_backward = {}
         self._inner_zero_grad(set_to_none=set_to_none)
 
     # -- scheduler: advance once per real step -------------------------------------------------
