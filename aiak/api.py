@@ -11,6 +11,7 @@ from torch import nn
 from aiak import amp, comm, loaders, ops, optim
 from aiak.amp import warn as amp_warn
 from aiak.distributed_hints import warn_if_unsharded
+from aiak.integrations.framework_ddp import framework_ddp
 from aiak.integrations.wrappers import rewrap_optimizer, unwrap_optimizer
 from aiak.optim.accumulation import StepController
 from aiak.rollback import Snapshot
@@ -131,8 +132,10 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     if model is not None and device is not None:
         model.to(dev)
     summary = Summary()
-    wrapped_by_user = _is_ddp(model)  # a script that built DistributedDataParallel before calling optimize()
-    bare = model.module if wrapped_by_user else model
+    bare = model.module if _is_ddp(model) else model
+    # a DistributedDataParallel the script (or a framework: Lightning's DDP strategy) built before optimize()
+    existing_ddp = model if _is_ddp(model) else framework_ddp(bare) if distributed else None
+    wrapped_by_user = existing_ddp is not None
 
     # 2. global switches
     summary.add("tf32", s.tf32, amp.apply_tf32(s.tf32, dev))
@@ -163,11 +166,12 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     comm_cfg = s.comm
     if s.precision.level == "O2" and s.comm.compression == "none" and distributed and _world_size() > 1:
         comm_cfg = replace(s.comm, compression=s.precision.dtype)
-    wrapped = comm.wrap_distributed(model, comm_cfg, dev) if distributed else model
+    wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
     if wrapped is not bare and controller is not None:
         controller.attach_ddp(wrapped)
     summary.add("comm", compact(s.comm, ("hierarchical", "compression", "bucket_mb")), _describe_comm(wrapped, bare))
-    model = wrapped
+    if existing_ddp is None or existing_ddp is model:
+        model = wrapped  # (a framework's DDP stays the framework's: the module comes back as it was given)
 
     # 6. torch.compile last
     summary.add("compile", s.compile, amp.apply_compile(model, dev) if s.compile else "off")
@@ -206,8 +210,9 @@ def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler
     user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
     controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, record.scaler, summary)
-    if controller is not None and _is_ddp(model):
-        controller.attach_ddp(model)
+    ddp = model if _is_ddp(model) else framework_ddp(bare)
+    if controller is not None and ddp is not None:
+        controller.attach_ddp(ddp)
     if loader is not None:
         loader = loaders.wrap_loader(loader, s.loader, model_device(model, device), channels_last=s.channels_last)
     summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
