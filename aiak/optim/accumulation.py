@@ -164,14 +164,15 @@ class StepController:
         """At each ``step()``, before aiak touches a gradient: several backward passes since the last ``step()``
         (the script accumulates too), or a gradient changed in place since its backward on a micro-step (a clip
         function aiak does not route saw a partial sum). Each is said once."""
-        if self.accumulation > 1 and self._backward_passes > 1:
+        self._check_the_scripts_accumulation()
+        if self.accumulation > 1 and self._backward_passes > 1:  # seen after the first step: too late to give way
             passes = self._backward_passes
             warn_once("script-accumulation",
                       f"aiak: {passes} backward passes between optimizer.step() calls. If the script accumulates "
-                      "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` loop), "
-                      f"aiak's grad_accumulation: {self.accumulation} multiplies with it: a real step every "
+                      "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` "
+                      f"loop), aiak's grad_accumulation: {self.accumulation} multiplies with it: a real step every "
                       f"{passes * self.accumulation} batches. Set only one of them (grad_accumulation: 1 in the "
-                      "strategy, or 1 in the script). Several losses backpropagated separately per batch are fine")
+                      "strategy, or 1 in the script)")
         if self.accumulation > 1 and self.micro_step + 1 < self.accumulation:
             for p in self._params_of_groups():
                 seen = self._after_backward.get(id(p))
@@ -218,6 +219,36 @@ class StepController:
                   f"aiak: {where}{f' = {steps}' if steps else ''} already accumulates gradients, so aiak's "
                   f"grad_accumulation: {self.requested_accumulation} is off (the two would multiply to {product} per "
                   "step). The framework's accumulation wins; set only one of them.")
+
+    def _check_the_scripts_accumulation(self) -> None:
+        """Before the first step reads a gradient (``step()``, or a clip routed here just before it): several
+        backward passes so far mean the script accumulates itself, and nothing of aiak's window is lost yet."""
+        if self.step_calls == 0 and self.accumulation > 1 and self._backward_passes > 1:
+            self._give_way_to_the_scripts_accumulation(self._backward_passes)
+
+    def _give_way_to_the_scripts_accumulation(self, passes: int) -> None:
+        """Several backward passes before the first ``step()``: the script accumulates gradients itself, so aiak's
+        accumulation is turned off (as for a framework's). Under DDP those passes ran inside aiak's window, without
+        the allreduce the script's last one would have had: the gradients are averaged over the ranks now, once."""
+        requested, self.accumulation = self.accumulation, 1
+        self._set_sync()
+        if self.ddp is not None:
+            import torch.distributed as dist
+
+            group = self.ddp.process_group
+            grads = [p.grad for p in self._params_of_groups() if p.grad is not None and not p.grad.is_sparse]
+            if grads:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=group)
+                flat.div_(dist.get_world_size(group))
+                for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(synced)
+        warn_once("script-accumulation",
+                  f"aiak: {passes} backward passes before the first optimizer.step(): the script accumulates "
+                  "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` loop), so "
+                  f"aiak's grad_accumulation: {requested} is off (the two would multiply to a real step every "
+                  f"{passes * requested} batches). The script's accumulation wins; set only one of them (to keep "
+                  "aiak's with several losses per batch, add them and call backward() once)")
 
     # -- DDP no_sync ------------------------------------------------------------------------
     def attach_ddp(self, ddp_model) -> None:
@@ -296,6 +327,7 @@ class StepController:
 
     def _in_window(self) -> bool:
         """The coming ``step()`` is an accumulation micro-step (the gradients are still a partial sum)."""
+        self._check_the_scripts_accumulation()
         return self.micro_step + 1 < self.accumulation
 
     def _step_side(self, tensors) -> List[torch.Tensor]:
