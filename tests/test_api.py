@@ -103,8 +103,6 @@ def test_import_aiak_imports_no_optional_dependency_and_never_touches_cuda():
 def test_auto_changes_the_math_only_through_a_gated_candidate():
     """auto may turn on bf16 only after its gradients matched fp32's on the user's batch; whatever it picks,
     training reaches plain PyTorch's loss (4 epochs of the demo model: within 5%, measured gap < 1%)."""
-    from aiak.tune.gate import MIN_COSINE
-
     def setup():
         torch.manual_seed(0)
         model = DemoNet(width=8)
@@ -127,7 +125,7 @@ def test_auto_changes_the_math_only_through_a_gated_candidate():
     decision = aiak.last_decision().to_dict()
     chosen = next(t for t in decision["trials"] if "chosen" in t["why"])
     if decision["strategy"]["precision"]["level"] != "O0":
-        assert chosen["accepted"] and chosen["grad_cosine"] >= MIN_COSINE
+        assert chosen["accepted"] and "numerics gate passes" in chosen["why"]
     assert abs(final_loss(model, opt, loader) - plain) <= 0.05 * plain + 0.02
 
 

@@ -3,25 +3,31 @@
 TF32 runs fp32 matmuls and convolutions on Ampere+ tensor cores with a 10-bit mantissa (NVIDIA,
 "Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020): several times faster, slightly different
 numerics, so it is off in the ``default`` profile. Without CUDA these knobs cannot apply: they warn and
-are skipped.
+are skipped (:func:`aiak.strategy.probes.cuda_capability` says which device they act on).
+
+A knob that is off writes nothing: the process keeps its own setting (the script's, or PyTorch's default).
+The measured trials time each candidate under the switches its own run would have, written before each of
+its steps through :mod:`aiak.rollback`'s one list of process switches (:mod:`aiak.tune.trials`).
 """
 from __future__ import annotations
 
 import torch
 
 from aiak.amp.warn import warn
+from aiak.strategy import probes
 
 
 def apply_tf32(enabled: bool, device: torch.device) -> str:
     """Set matmul and cuDNN TF32; returns what was done, for the summary."""
     if not enabled:
         return "off"
-    if device.type != "cuda":
+    capability = probes.cuda_capability(device)
+    if capability is None:
         warn(f"aiak: tf32 requested but the model runs on {device.type}, not CUDA: skipped")
         return f"skipped (no CUDA: model on {device.type})"
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability
     if major < 8:
         return f"on (no effect: compute capability {major}.x has no TF32 tensor cores)"
     return "on (matmul + cuDNN)"
@@ -45,7 +51,7 @@ def apply_channels_last(model: torch.nn.Module) -> str:
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
     if not enabled:
         return "off"
-    if device.type != "cuda":
+    if probes.cuda_capability(device) is None:
         warn("aiak: cudnn_benchmark requested without CUDA: skipped")
         return "skipped (no CUDA)"
     torch.backends.cudnn.benchmark = True

@@ -5,7 +5,6 @@ usable on its own. Importing this package needs only torch (DALI is imported ins
 """
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -67,7 +66,4 @@ def _keep_scripts_prefetcher(prefetcher: PrefetchLoader, cfg: Any) -> PrefetchLo
                     "loader.prefetch / mean / std of the strategy are not stacked on it", prefetcher.depth)
     if not cfg.balanced:
         return prefetcher
-    balanced = copy.copy(prefetcher)
-    balanced.loader = balance_loader(prefetcher.loader, max_tokens=getattr(cfg, "max_tokens", None))
-    balanced._active = None
-    return balanced
+    return prefetcher.around(balance_loader(prefetcher.loader, max_tokens=getattr(cfg, "max_tokens", None)))

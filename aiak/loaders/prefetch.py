@@ -354,6 +354,20 @@ class PrefetchLoader:
         self._active = weakref.ref(epoch)
         return epoch
 
+    def prepare(self, batch: Any) -> Any:
+        """One batch of the wrapped loader as this loader would yield it (on its device, normalized, laid out),
+        made now in the calling thread: what the trials of ``aiak.optimize`` feed a model."""
+        moved, event = _BatchMover(*self._mover_args)(batch)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return moved
+
+    def around(self, loader: Iterable) -> "PrefetchLoader":
+        """A PrefetchLoader with this one's settings around ``loader``."""
+        device, pin_memory, mean, std, channels_last, dtype = self._mover_args
+        return PrefetchLoader(loader, device, self.depth, pin_memory=pin_memory, mean=mean, std=std,
+                              channels_last=channels_last, dtype=dtype, join_timeout=self.join_timeout)
+
     def __len__(self) -> int:
         return len(self.loader)
 

@@ -4,14 +4,23 @@ In order of preference (the order breaks ties within noise, and ``tune.candidate
 
 1. the rules' pick (:func:`aiak.strategy.select.select`);
 2. its numerics-neutral subset: the pick with every knob that changes numerics set back to plain PyTorch
-   (layouts and loader knobs kept; :data:`aiak.tune.gate.NEUTRAL_KEYS`);
-3. plain PyTorch (the ``default`` profile); always timed, since it is also the fp32 reference of the gate
-   and the speed auto must never fall below;
+   (layouts and loader knobs kept, :data:`aiak.tune.gate.NEUTRAL_KEYS`; the training knobs kept as below);
+3. plain: plain PyTorch compute (the ``default`` profile's precision, layout, kernels) training what the pick
+   trains; always timed, since it is also the fp32 reference of the gate and the speed auto must never fall
+   below;
 4. one-knob variants of the pick: O2 <-> O1, bf16 <-> fp16, channels_last flipped, fused ops off, compile on.
 
-What a trial step does not exercise (:data:`UNTIMED_KEYS`: the loader, DDP communication, process affinity,
-the tuning settings) is the pick's in every candidate, plain included: the trial feeds the borrowed batches
-itself and runs without DDP, so those knobs could not be told apart; the rules set them.
+Candidates differ only in how a step computes: knobs whose effect on the numbers the gate can judge, or that
+have none (precision, tf32, channels_last, fused_ops, compile, cudnn_benchmark). Two kinds of knobs are the
+pick's in every candidate, plain included, and the rules set them:
+
+* what changes WHAT is trained (:data:`TRAINING_KEYS`: gradient accumulation, the optimizer and its
+  hyper-parameters, which samples form a batch, how the inputs are normalized). The gate compares one
+  micro-step's gradients, which these leave alone or change by changing the data, and a speed race would
+  always prefer doing less (no accumulation, plain SGD); dropping them would silently train another model;
+* what a trial step does not exercise (:data:`UNTIMED_KEYS`: the loader, DDP communication, process
+  affinity, the tuning settings): the trial feeds the borrowed batches itself and runs without DDP, so
+  those knobs could not be told apart.
 
 A variant is only proposed where it can run well: fp16 or bf16 only where the device computes it natively
 (``probes.fp16_native`` / ``bf16_native``; emulated half precision runs 7-30x slower on this CPU,
@@ -20,6 +29,7 @@ compile only when the tuning budget can pay for compiling (:data:`COMPILE_MIN_BU
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -33,6 +43,10 @@ from aiak.tune.gate import is_neutral
 # tune.max_seconds allows at least this much.
 COMPILE_MIN_BUDGET_S = 60.0
 UNTIMED_KEYS = ("loader", "comm", "cpu_affinity", "tune")
+# What changes WHAT is trained (see the module docstring); from the schema: the effective batch and how often
+# the optimizer steps, the update rule and its hyper-parameters, which samples form a batch, input normalization.
+TRAINING_KEYS = ("grad_accumulation", "optimizer", "loader.balanced", "loader.max_tokens", "loader.mean",
+                 "loader.std")
 
 
 @dataclass
@@ -57,6 +71,19 @@ def differences(strategy: Strategy, base: Strategy) -> Dict[str, Any]:
     return {k: v for k, v in a.items() if b.get(k) != v}
 
 
+def with_picks_knobs(data: Dict[str, Any], pick: Strategy) -> Dict[str, Any]:
+    """``data`` (a strategy dict) with the pick's :data:`TRAINING_KEYS` and :data:`UNTIMED_KEYS`, which no
+    trial decides: whole sections where a key names one (``optimizer`` with its hyper-parameters)."""
+    picked = pick.to_dict()
+    for key in UNTIMED_KEYS + TRAINING_KEYS:
+        section, _, leaf = key.partition(".")
+        if leaf:
+            data.setdefault(section, {})[leaf] = copy.deepcopy(picked[section][leaf])
+        else:
+            data[key] = copy.deepcopy(picked[key])
+    return data
+
+
 def _variant(pick: Strategy, label: str, changes: Dict[str, Any]) -> Strategy:
     data = pick.to_dict()
     for path, value in changes.items():
@@ -67,9 +94,8 @@ def _variant(pick: Strategy, label: str, changes: Dict[str, Any]) -> Strategy:
 
 def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds: Optional[float]) -> List[Candidate]:
     """Up to ``limit`` distinct candidates (plain PyTorch always among them), in order of preference."""
-    plain_data = load_strategy("default").to_dict()
-    picked = pick.to_dict()
-    plain_data.update({key: picked[key] for key in UNTIMED_KEYS}, name="plain")
+    plain_data = with_picks_knobs(load_strategy("default").to_dict(), pick)
+    plain_data["name"] = "plain"
     plain = Strategy.from_dict(plain_data, source="<candidate plain>")
     changed = differences(pick, plain)
     neutral_changes = {k: v for k, v in changed.items() if is_neutral([k])}

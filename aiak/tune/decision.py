@@ -9,14 +9,16 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
 * ``tuning_seconds`` and ``cache_hit``;
 
-plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why no trial ran, if so).
+plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why nothing was measured, if
+so: no trial ran, or every candidate failed; a knob is ``measured`` only when a trial chose it).
 :meth:`Decision.render` is the one table the ``aiak`` logger prints at ``optimize()`` and ``aiak explain`` shows.
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from aiak.tune.candidates import flatten
 
@@ -43,21 +45,24 @@ class Decision:
             "not_matched": self.not_matched, "probes": self.probes, "tuning": self.tuning}, default=_jsonable))
 
     def render(self, full: bool = False) -> str:
-        """The table: knobs (value, source, reason), trials, what each step did. ``full=False`` (the log) leaves
-        out the knobs still at plain PyTorch's defaults; ``aiak explain`` shows them all."""
+        """The table: knobs (value, source, reason), trials, what each step did.
+
+        ``full=False`` (the log ``optimize()`` prints) leaves out the knobs still at plain PyTorch's defaults and
+        groups the others by what set them: the source and the words their reasons share once, as a heading,
+        then each knob with its value and what is its own (a profile sets many knobs for one reason).
+        ``full=True`` (``aiak explain``) is the complete table: every knob on its own row, with its value, source
+        and whole reason."""
         name = self.strategy.get("name", "?")
         out = [f"aiak.optimize: strategy {name!r}"
                + (f"; rules matched: {', '.join(self.matched)}" if self.matched else "")]
         shown = {p: k for p, k in self.knobs.items() if full or k["source"] != "default"}
-        rows = [(path, _fmt(k["value"]), k["source"], k["reason"]) for path, k in shown.items()]
-        widths = [max(len(r[i]) for r in rows + [("knob", "value", "source", "")]) for i in range(3)]
-        widths[1] = min(widths[1], 24)
-        out.append(f"  {'knob':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason")
-        for path, value, source, reason in rows:
-            out.append(f"  {path:<{widths[0]}}  {value:<{widths[1]}}  {source:<{widths[2]}}  {reason}")
-        if len(shown) < len(self.knobs):
-            out.append(f"  ({len(self.knobs) - len(shown)} other knobs at plain PyTorch's defaults; "
-                       f"`aiak explain` lists every one)")
+        if full:
+            out += _knob_table(shown)
+        else:
+            out += _knob_groups(shown)
+            if len(shown) < len(self.knobs):
+                out.append(f"  ({len(self.knobs) - len(shown)} other knobs at plain PyTorch's defaults; "
+                           f"`aiak explain` lists every one)")
         if self.trials:
             head = "cached trials" if self.cache_hit else "trials"
             out.append(f"  {head} ({self.tuning_seconds:.2f} s{', cache hit: none run now' if self.cache_hit else ''}):")
@@ -69,7 +74,7 @@ class Decision:
                 cos = f"{t['grad_cosine']:.5f}" if t.get("grad_cosine") is not None else "-"
                 verdict = ("kept: " if t["accepted"] else "dropped: ") + t["why"]
                 out.append(f"    {t['label']:<22} {ms:>8} {spread:>15} {ratio:>8} {cos:>9}  {verdict}")
-        elif self.tuning:
+        if self.tuning:
             out.append(f"  trials: {self.tuning}")
         effects = [e for e in self.effects if full or any(p == e[0] or p.startswith(e[0] + ".") for p in shown)]
         if effects:
@@ -77,6 +82,74 @@ class Decision:
             width = max(len(k) for k, _, _ in effects)
             out += [f"    {k:<{width}}  {effect}" for k, _, effect in effects]
         return "\n".join(out)
+
+    def headline(self) -> str:
+        """Two lines for the log: the strategy applied, its knobs that differ from plain PyTorch (compact) and
+        what the trials did; then where to read why."""
+        name = self.strategy.get("name", "?")
+        how = f"rules: {', '.join(self.matched)}" if self.matched else ""
+        chosen = next((t["label"] for t in self.trials if "chosen" in t.get("why", "")), None)
+        if chosen is not None:
+            trials = (f"cached trials chose {chosen!r}" if self.cache_hit
+                      else f"trials chose {chosen!r} of {len(self.trials)} measured")
+        elif self.tuning.startswith("skipped: "):
+            trials = "trials skipped"
+        elif self.tuning and self.trials:  # they ran and every candidate failed
+            trials = "trials measured nothing: every candidate failed"
+        else:
+            trials = ""
+        knobs = [f"{path}={_fmt(k['value'])}" for path, k in self.knobs.items()
+                 if k["source"] != "default" and not path.startswith("tune.")]
+        shown = ", ".join(knobs[:HEADLINE_KNOBS]) + (f", +{len(knobs) - HEADLINE_KNOBS} more"
+                                                     if len(knobs) > HEADLINE_KNOBS else "")
+        context = "; ".join(part for part in (how, trials) if part)
+        return (f"aiak: applied strategy {name!r}" + (f" ({context})" if context else "")
+                + f": {shown or 'plain PyTorch'}\n"
+                + "aiak: the reason for each knob: aiak.last_decision().render(), or `aiak explain` for a model spec")
+
+
+HEADLINE_KNOBS = 8  # knobs named in the headline; the rest are counted
+
+
+def _knob_table(knobs: Dict[str, Dict[str, Any]]) -> List[str]:
+    """One row per knob: path, value, source, whole reason."""
+    rows = [(path, _fmt(k["value"]), k["source"], k["reason"]) for path, k in knobs.items()]
+    widths = [max(len(r[i]) for r in rows + [("knob", "value", "source", "")]) for i in range(3)]
+    widths[1] = min(widths[1], 24)
+    out = [f"  {'knob':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason"]
+    for path, value, source, reason in rows:
+        out.append(f"  {path:<{widths[0]}}  {value:<{widths[1]}}  {source:<{widths[2]}}  {reason}")
+    return out
+
+
+def _knob_groups(knobs: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The knobs grouped by source (in order of first appearance): ``from <source>: <shared reason>``, then one
+    indented row per knob with its value and the rest of its own reason."""
+    groups: Dict[str, List[str]] = {}
+    for path, k in knobs.items():
+        groups.setdefault(k["source"], []).append(path)
+    width = max((len(path) for path in knobs), default=0)
+    value_width = min(max((len(_fmt(k["value"])) for k in knobs.values()), default=0), 24)
+    out = []
+    for source, paths in groups.items():
+        shared, own = _shared_reason([knobs[p]["reason"] for p in paths])
+        out.append(f"  from {source}: {shared}" if shared else f"  from {source}:")
+        for path, tail in zip(paths, own):
+            out.append(f"    {path:<{width}}  {_fmt(knobs[path]['value']):<{value_width}}  {tail}".rstrip())
+    return out
+
+
+def _shared_reason(reasons: List[str]) -> Tuple[str, List[str]]:
+    """The words every reason starts with, cut where a clause ends (``; ``, `` (``), and what is left of each:
+    ``["set by profile 'swin' (default: false)", "set by profile 'swin' (default: O0)"]`` ->
+    ``("set by profile 'swin'", ["(default: false)", "(default: O0)"])``."""
+    if len(set(reasons)) == 1:
+        return reasons[0], [""] * len(reasons)
+    prefix = os.path.commonprefix(reasons)
+    cut = len(prefix) if prefix in reasons else max(prefix.rfind("; "), prefix.rfind(" ("))
+    if cut <= 0:
+        return "", reasons
+    return prefix[:cut], [r[cut:].lstrip("; ").lstrip() for r in reasons]
 
 
 def _fmt(value: Any) -> str:
@@ -105,10 +178,12 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None)
     for path, value in flatten(applied.to_dict()).items():
         knob = selection.knobs.get(path)
         if path in measured:
-            ms = f" at {winner['step_ms']:.2f} ms/step" if winner and winner["step_ms"] else ""
             how = "cached decision of earlier trials" if tuning.cache_hit else "trials"
-            reason = (f"{how}: candidate {tuning.label!r} was the fastest accepted{ms}; the rules' pick had "
-                      f"{_fmt(knob.value) if knob else '?'}")
+            if winner is not None and winner["step_ms"]:
+                chose = f"candidate {tuning.label!r} was the fastest accepted at {winner['step_ms']:.2f} ms/step"
+            else:  # a cache entry without its measurements: say what was chosen, claim no timing
+                chose = f"candidate {tuning.label!r} was chosen"
+            reason = f"{how}: {chose}; the rules' pick had {_fmt(knob.value) if knob else '?'}"
             knobs[path] = {"value": value, "source": "measured", "reason": reason}
         elif knob is not None:
             knobs[path] = {"value": value, "source": knob.source, "reason": knob.reason}
@@ -118,8 +193,8 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None)
     tuning_note = ""
     if tuning is None:
         tuning_note = "off (tune: false)" if not getattr(selection.strategy, "tune", False) else "not run"
-    elif tuning.skipped:
-        tuning_note = f"skipped: {tuning.skipped}"
+    elif tuning.skipped:  # trials that ran but measured nothing say why themselves
+        tuning_note = tuning.skipped if tuning.trials else f"skipped: {tuning.skipped}"
     effects = [list(line) for line in summary.lines] if summary is not None else []
     return Decision(strategy=applied.to_dict(), knobs=knobs, trials=trials,
                     tuning_seconds=tuning.seconds if tuning is not None else 0.0,

@@ -8,20 +8,40 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    through the same :func:`aiak.api.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
    wrapping, which do not change the step's compute). The user's objects are never touched.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; its
-   gradients go through the numerics gate (:mod:`aiak.tune.gate`) against plain fp32's.
-5. Timed rounds, alternating candidates (the order rotates every round), one step each, until
+   gradients go through the numerics gate (:mod:`aiak.tune.gate`) against plain fp32's, their error judged
+   against the sampling noise of that gradient. Plain estimates the noise first, from the same weights, only
+   when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
+   when only one batch was borrowed).
+5. Warm-up: untimed steps, a round at a time, until each candidate's step time settles (its last two steps
+   no faster than its best before them, within :data:`SETTLE_TOLERANCE`; at most :data:`WARMUP_MAX_STEPS`,
+   the gate's step included; while the budget lasts, but at least one round). A new copy's first steps pay
+   one-time costs (the allocator growing, oneDNN creating primitives, cuDNN autotuning): in timm's script a
+   trial's plain step took 3.75 s where the real run's took 0.33 s.
+6. Timed rounds, alternating candidates (the order rotates every round), one step each, until
    ``tune.steps`` rounds are done or the budget is spent (at least :data:`MIN_TIMED_ROUNDS`, so no decision
    rests on one sample). Default budget: :data:`BUDGET_FRACTION` of :data:`BUDGET_RUN_STEPS` plain steps.
-6. The fastest accepted candidate by median step time wins; a simpler candidate (plain PyTorch, then the
+   Every step, warm-up included, runs under its candidate's own process switches (TF32, cuDNN autotuning,
+   CPU affinity, threads: what applying it set), all written before the step, on or off, so no candidate
+   inherits another's, and plain fp32, the gate's reference, none.
+7. The fastest accepted candidate by median step time wins; a simpler candidate (plain PyTorch, then the
    numerics-neutral subset, then the others in preference order) within noise of it is preferred.
-7. RNG (torch CPU/CUDA, Python, NumPy, the loader's generator) and process switches are put back as they
-   were after the batches were borrowed, so the run that follows is the one the winner would have given
-   from step 0 (bit-identical on CPU for a deterministic model).
+8. RNG (torch CPU/CUDA, Python, NumPy, the loader's generators) and process switches are put back as they
+   were before the batches were borrowed, so ``optimize()`` returns with every random stream as it found it.
+   The replay loader gives the borrowed batches back at the loop's first iteration only if the script left
+   the streams and the sampler's epoch alone (it then moves the streams on as drawing them did), and opens
+   the loader afresh otherwise (a reseed or ``set_epoch`` before the loop, augmentation drawing in this
+   process). So the run that follows is the one the winner would have given from step 0 (bit-identical on
+   CPU for a deterministic model).
 
 The trial step is the loop aiak assumes: ``model(batch)`` for a tensor, ``model(batch[0])`` for a tuple or
 list, ``model(**batch)`` for a mapping; loss = the output's ``.loss`` (Hugging Face), else cross-entropy
-with ``batch[1]`` for 2-D logits and integer labels, else the mean square of the output. The loss only has
-to make the step's compute real: the same function is timed for every candidate and gated against fp32.
+with ``batch[1]`` where it is a class index for the output (an integer tensor of the scores' shape without
+the class dimension, every value in [0, classes) or the ignore index), else the mean square of the output,
+which is valid for any floating output (regression targets, sample indices, masks of another shape). The
+loss only has to make the step's compute real: the same function is timed for every candidate and gated
+against fp32. When no candidate is accepted (plain PyTorch itself failed: the trial step cannot run this
+model on these batches), nothing was measured: the rules' pick is used as is, and the decision record says
+so with plain's error instead of naming a winner.
 
 Distributed (world size > 1): every rank runs the same candidates in the same order; after each round one
 all-reduce (MAX) gives every candidate the slowest rank's time and fails a candidate that failed on any
@@ -32,12 +52,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,17 +63,20 @@ from torch import nn
 
 from aiak._nested import iter_tensors, map_tensors
 from aiak.amp import warn as amp_warn
+from aiak.rollback import read_switches, write_switches
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.cache import TuneCache
-from aiak.tune.candidates import Candidate, candidate_strategies
-from aiak.tune.replay import borrow
+from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_knobs
+from aiak.tune.replay import RandomStreams, borrow
 from aiak.versions import installed_version
 
 BUDGET_FRACTION = 0.05     # the issue's budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
 MIN_TIMED_ROUNDS = 2
 NOISE_FLOOR = 0.03         # step times closer than 3% are never told apart
+WARMUP_MAX_STEPS = 6       # untimed steps per candidate at most (the gate's included) ...
+SETTLE_TOLERANCE = 0.2     # ... until they stop getting faster by more than 20% (first-call costs: multiples)
 
 
 @dataclass
@@ -90,42 +111,13 @@ class Tuning:
     seconds: float
     cache_hit: bool
     loader: Any
-    skipped: str = ""                           # why no trial ran (empty when they ran or the cache answered)
+    skipped: str = ""                           # why nothing was measured: no trial ran, or every candidate
+                                                # failed (empty when the trials or the cache decided)
     restore_rng: Any = None                     # puts the RNG back as it was before borrowing (on failure)
 
 
 # -- RNG ------------------------------------------------------------------------------------------
-class _Rng:
-    """Every random stream a training step or a loader may draw from."""
-
-    def __init__(self, loader: Any, cuda: bool):
-        self.cuda = cuda
-        self.torch = torch.get_rng_state()
-        self.cuda_states = torch.cuda.get_rng_state_all() if cuda else None
-        self.python = random.getstate()
-        np = sys.modules.get("numpy")
-        self.numpy = np.random.get_state() if np is not None else None
-        self.generators = list({id(g): g for g in _generators(loader)}.values())
-        self.generator_states = [g.get_state() for g in self.generators]
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda_states is not None:
-            torch.cuda.set_rng_state_all(self.cuda_states)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
-        for g, state in zip(self.generators, self.generator_states):
-            g.set_state(state)
-
-
-def _generators(loader: Any) -> List[torch.Generator]:
-    out = []
-    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator):
-            out.append(g)
-    return out
+_Rng = RandomStreams  # every random stream a training step or a loader may draw from (aiak.tune.replay)
 
 
 # -- the cache key --------------------------------------------------------------------------------
@@ -184,12 +176,31 @@ def trial_loss(output: Any, batch: Any) -> torch.Tensor:
     try:
         logits = logits_of(output)
     except TypeError:  # no class scores (a backbone's features): any floating output makes the compute real
-        logits = next(t for t in iter_tensors(output) if t.is_floating_point())
+        logits = next((t for t in iter_tensors(output) if t.is_floating_point()), None)
+        if logits is None:
+            raise TypeError(f"trial step: the model's output ({type(output).__name__}) holds no floating-point "
+                            f"tensor to backpropagate from") from None
     target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
-    if (isinstance(target, torch.Tensor) and logits.dim() == 2 and target.dim() == 1
-            and not target.is_floating_point() and target.shape[0] == logits.shape[0]):
+    if _class_indices(target, logits):
         return nn.functional.cross_entropy(logits.float(), target.to(logits.device))
     return logits.float().square().mean()
+
+
+IGNORE_INDEX = -100  # cross-entropy's default ignore_index (padding, unlabelled pixels)
+
+
+def _class_indices(target: Any, logits: torch.Tensor) -> bool:
+    """Whether ``target`` can be cross-entropy's class indices for ``logits`` ((N, C, ...) scores): an integer
+    tensor of shape (N, ...) with every value in [0, C) or the ignore index. A sample index, a regression
+    target or a mask of another shape is not, and cross-entropy would raise (or, on CUDA, assert on the
+    device) on it."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() \
+            or target.dtype == torch.bool or logits.dim() < 2 or not logits.is_floating_point():
+        return False
+    if target.shape != logits.shape[:1] + logits.shape[2:]:
+        return False
+    valid = ((target >= 0) & (target < logits.shape[1])) | (target == IGNORE_INDEX)
+    return bool(valid.all())
 
 
 def _call(model: nn.Module, batch: Any) -> Any:
@@ -203,7 +214,7 @@ def _call(model: nn.Module, batch: Any) -> Any:
 
 
 class _Contender:
-    """A candidate applied to its own copy of the model and optimizer."""
+    """A candidate applied to its own copy of the model and optimizer, with the process switches it sets."""
 
     def __init__(self, candidate: Candidate, device: torch.device):
         self.candidate = candidate
@@ -211,11 +222,16 @@ class _Contender:
         self.device = device
         self.channels_last = candidate.strategy.channels_last and candidate.strategy.loader.prefetch > 0
         self.failed = ""
+        self.process_switches: Dict[str, Any] = {}  # aiak.rollback's switches as applying this candidate left them
+        self.warmup_s: List[float] = []             # untimed steps' seconds (slowest rank), the gate's first
 
     def build(self, model: nn.Module, optimizer: Any) -> None:
-        """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded)."""
+        """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded).
+        The process switches it set are kept for its steps and the process's put back, so every candidate is
+        applied from the same ones (a knob that is off writes nothing: it would inherit the previous one's)."""
         from aiak.api import apply_strategy
 
+        process = read_switches()
         try:
             with amp_warn.quiet():
                 self.bare, optimizer = copy.deepcopy((model, optimizer))
@@ -224,6 +240,9 @@ class _Contender:
             self.model, self.optimizer, self.controller = applied.model, applied.optimizer, applied.controller
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be applied is dropped, not fatal
             self.fail(f"could not be applied: {_describe(e)}")
+        finally:
+            self.process_switches = read_switches()
+            write_switches(process)
 
     def fail(self, why: str) -> None:
         self.failed = self.failed or why
@@ -231,11 +250,8 @@ class _Contender:
         self.record.accepted = False
 
     def switches(self) -> None:
-        from aiak import amp
-
-        s = self.candidate.strategy
-        amp.apply_tf32(s.tf32, self.device)
-        amp.apply_cudnn_benchmark(s.cudnn_benchmark, self.device)
+        """Write every process switch as this candidate's run would have it, on or off."""
+        write_switches(self.process_switches)
 
     def prepare(self, batch: Any) -> Any:
         """The batch as this candidate's loader would deliver it (device, and channels_last when prefetched)."""
@@ -257,6 +273,24 @@ class _Contender:
             self.optimizer.step()
             self.optimizer.zero_grad()
         return grads
+
+    def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
+        """The gradients of one forward and backward on ``batch`` from the current weights, as
+        :func:`aiak.tune.gate.gradients` gives them, the copy left as it was: taken by ``autograd.grad``, so no
+        ``.grad`` is written and no gradient hook sees a backward (a step controller counts them to tell a
+        script's own accumulation); no optimizer step; buffers (BatchNorm's running statistics) put back."""
+        named = [(n, p) for n, p in self.bare.named_parameters() if p.requires_grad]
+        buffers = [b.detach().clone() for b in self.bare.buffers()]
+        try:
+            batch = self.prepare(batch)
+            loss = trial_loss(_call(self.model, batch), batch)
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        finally:
+            with torch.no_grad():
+                for b, saved in zip(self.bare.buffers(), buffers):
+                    b.copy_(saved)
+        return {n: (g if g is not None else torch.zeros_like(p)).detach().float().contiguous()
+                for (n, p), g in zip(named, grads)}
 
 
 def _plain(value: Any) -> Any:
@@ -288,7 +322,8 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     hit = _shared_lookup(cache, key, group)
     if hit is not None:
         try:
-            strategy = Strategy.from_dict(hit["strategy"], source=f"{cache.path} [{key}]")
+            # what the trials may not change is the pick's, also in an entry written before that rule held
+            strategy = Strategy.from_dict(with_picks_knobs(hit["strategy"], pick), source=f"{cache.path} [{key}]")
             trials = [TrialRecord(**t) for t in hit.get("trials", [])]
             return Tuning(strategy, hit.get("label", strategy.name), trials, time.perf_counter() - start, True, loader)
         except Exception:  # a stale or malformed entry: tune again and overwrite it
@@ -299,10 +334,12 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
 
     source = loader.loader if isinstance(loader, PrefetchLoader) else loader
     cuda = device.type == "cuda"
-    before = _Rng(source, cuda)
-    batches, replay = borrow(source, max(cfg.steps, 1))
-    after = _Rng(source, cuda)
+    batches, replay = borrow(source, max(cfg.steps, 1), cuda=cuda)
+    before, after = replay.opened, replay.drawn   # the streams as the trials found them; as the borrowing left them
+    if isinstance(loader, PrefetchLoader):  # the script's own prefetcher: trials see what it yields, and it stays
+        batches, replay = [loader.prepare(b) for b in batches], loader.around(replay)
     if not batches:
+        before.restore()
         return Tuning(pick, pick.name, [], time.perf_counter() - start, False, replay,
                       skipped="the loader gave no batch", restore_rng=before.restore)
     switches = Snapshot()
@@ -316,11 +353,16 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         return Tuning(pick, pick.name, [], time.perf_counter() - start, False, replay,
                       skipped=f"trials failed ({_describe(e)}); the rules' pick is used as is",
                       restore_rng=before.restore)
-    finally:
+    finally:  # the streams as the trials found them: the replay loader moves them on as the loop draws
         switches.restore()
-        after.restore()
+        before.restore()
     trials = [c.record for c in contenders]
     seconds = time.perf_counter() - start
+    if not winner.record.accepted:  # plain PyTorch itself could not be measured: the trials tell nothing
+        reference = next(c for c in contenders if c.candidate.label == "plain")
+        return Tuning(pick, pick.name, trials, seconds, False, replay, restore_rng=before.restore,
+                      skipped=f"every candidate failed in the trials, so nothing was measured (plain PyTorch: "
+                              f"{reference.record.why}); the rules' pick is used as is")
     if key is not None and (group is None or dist.get_rank(group) == 0):
         cache.put_entry(key, {"kind": "strategy", "label": winner.candidate.label,
                               "strategy": winner.candidate.strategy.to_dict(),
@@ -362,45 +404,66 @@ def _build(candidates: List[Candidate], model, optimizer, device, group) -> List
 
 
 def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) -> None:
-    """One step each on batch 0 from the same RNG state; gradients gated against plain fp32's."""
+    """One timed step each on batch 0 from the same RNG state; gradients gated against plain fp32's, their error
+    judged against its sampling noise (estimated by plain first, only when a candidate needs the gate)."""
+    from aiak.comm.autotune import StepClock
+
+    plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
+    gated = any(not c.failed and not c.candidate.neutral and c is not plain for c in contenders)
     grads: Dict[int, Dict[str, torch.Tensor]] = {}
-    for c in sorted(contenders, key=lambda c: c.candidate.label != "plain"):  # plain first: the reference
+    seconds: Dict[int, float] = {}
+    noise_samples: List[Tuple[Dict[str, torch.Tensor], int]] = []
+    for c in sorted(contenders, key=lambda c: c is not plain):  # plain first: the reference
         if c.failed:
             continue
-        rng.restore()
         try:
             with amp_warn.quiet():
                 c.switches()
+                if c is plain and gated:  # before its step: the same weights as every candidate's gate step
+                    rng.restore()
+                    noise_samples = _noise_samples(plain, batches)
+                rng.restore()
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
+                clock = StepClock(device)
+                t0 = clock.mark()
                 grads[id(c)] = c.step(batches[0], want_grads=True)
+                seconds[id(c)] = clock.seconds(t0, clock.mark())
                 if device.type == "cuda":
                     c.record.peak_mem_mb = torch.cuda.max_memory_allocated(device) / 2**20
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
             c.fail(_describe(e))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    reference = next((grads.get(id(c)) for c in contenders if c.candidate.label == "plain"), None)
-    packed = []  # per contender: failed, -cosine, norm difference, non-finite; max-reduced over ranks
+    reference = grads.get(id(plain)) if plain is not None else None
+    noise = _sampling_noise(reference, noise_samples, batches[0])
+    results: Dict[int, gate.GateResult] = {}
+    packed = []  # per contender: failed, step seconds, the gate's numbers; max-reduced over ranks
     for c in contenders:
-        result = gate.compare(grads[id(c)], reference) if not c.failed and reference is not None else None
-        packed += [1.0 if c.failed else 0.0,
-                   -(result.cosine if result and result.finite else -1.0),
-                   result.norm_diff if result and result.finite else float("inf"),
-                   0.0 if result is None or result.finite else 1.0]
+        if not c.failed and reference is not None:
+            results[id(c)] = gate.compare(grads[id(c)], reference, noise)
+        result = results.get(id(c), gate.GateResult(True, "", None, 1.0, 1.0, 0.0))  # failed, or no reference
+        packed += [1.0 if c.failed else 0.0, seconds.get(id(c), 0.0)] + result.numbers()
+    width = len(packed) // max(len(contenders), 1)
     reduced = _reduce_max(packed, group)
-    for i, c in enumerate(contenders):
-        failed, neg_cos, norm_diff, nonfinite = reduced[4 * i:4 * i + 4]
+    rows = [reduced[width * i:width * (i + 1)] for i in range(len(contenders))]
+    for c, (failed, *_) in zip(contenders, rows):
         if failed:
             c.fail("failed on another rank")
+    has_reference = plain is not None and not plain.failed  # on every rank
+    for c, (_, step_s, *numbers) in zip(contenders, rows):
+        if c.failed:
             continue
-        result = gate.GateResult(-neg_cos, norm_diff, not nonfinite)
-        c.record.grad_cosine, c.record.grad_norm_diff = result.cosine, result.norm_diff
-        if c.candidate.label == "plain":
+        c.warmup_s.append(step_s)
+        local = results.get(id(c))
+        result = gate.GateResult.from_numbers(numbers, lost=local.lost if local is not None else "")
+        if has_reference:
+            c.record.grad_cosine, c.record.grad_norm_diff = result.cosine, result.norm_diff
+        if c is plain:
             c.record.why = "plain PyTorch: the fp32 reference"
         elif c.candidate.neutral:
             c.record.why = "numerics-neutral: no gate needed"
-        elif reference is None:
+        elif not has_reference:
             c.fail("no fp32 reference to gate against (plain PyTorch failed)")
         elif not result.passed:
             c.fail(result.why())
@@ -408,39 +471,55 @@ def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) ->
             c.record.why = result.why()
 
 
-def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, group) -> None:
-    """Rounds of one step per candidate (order rotating), until ``cfg.steps`` rounds or the budget is spent."""
-    from aiak.comm.autotune import StepClock
+def _noise_samples(plain: _Contender, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
+    """Plain fp32's gradients of samples other than batch 0's, with their counts, for :func:`_sampling_noise`:
+    batch 1's, or else the two halves of batch 0 (none for a batch of one sample). Another batch is better:
+    under BatchNorm a half batch is normalized over fewer samples, which adds noise of its own (MobileNetV3
+    at batch 8: its halves made the noise look 5.6x what two batches show)."""
+    size = _batch_size(batches[0])
+    if len(batches) > 1:
+        return [(plain.gradients(batches[1]), _batch_size(batches[1]) or size or 1)]
+    if size is None or size < 2:
+        return []
+    halves = (slice(0, size // 2), slice(size // 2, size))
+    return [(plain.gradients(_rows(batches[0], half, size)), half.stop - half.start) for half in halves]
 
+
+def _rows(batch: Any, rows: slice, size: int) -> Any:
+    """``batch`` with every tensor of ``size`` samples cut to ``rows``."""
+    return map_tensors(batch, lambda t: t[rows] if t.dim() and t.shape[0] == size else t)
+
+
+def _sampling_noise(reference: Optional[Dict[str, torch.Tensor]], samples, batch: Any) -> Optional[float]:
+    """The sampling noise of ``reference`` (plain's gradient of ``batch``), or None without two gradients."""
+    if reference is None or not samples:
+        return None
+    size = _batch_size(batch) or 1
+    (a, size_a), (b, size_b) = samples if len(samples) == 2 else [(reference, size)] + samples
+    return gate.sampling_noise(a, b, size_a, size_b, size)
+
+
+def _batch_size(batch: Any) -> Optional[int]:
+    """The leading dimension of the batch's first tensor (the samples), or None."""
+    return next((t.shape[0] for t in iter_tensors(batch) if t.dim()), None)
+
+
+def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, group) -> None:
+    """Warm-up rounds until every candidate's step time settles (:func:`_settle`), then rounds of one step per
+    candidate (order rotating), until ``cfg.steps`` rounds or the budget is spent."""
     active = [c for c in contenders if not c.failed]
-    budget, previous = cfg.max_seconds, None
+    _settle(active, batches, cfg, start, group)
+    active = [c for c in active if not c.failed]
+    previous = None
     for r in range(max(cfg.steps, MIN_TIMED_ROUNDS)):
         shift = r % max(len(active), 1)
-        seconds: Dict[int, float] = {}
-        for c in active[shift:] + active[:shift]:
-            clock = StepClock(c.device)
-            try:
-                with amp_warn.quiet():
-                    c.switches()
-                    t0 = clock.mark()
-                    c.step(batches[(r + 1) % len(batches)], want_grads=False)
-                    seconds[id(c)] = clock.seconds(t0, clock.mark())
-            except Exception as e:  # noqa: BLE001
-                c.fail(_describe(e))
-                seconds[id(c)] = float("inf")
-        reduced = _reduce_max([seconds[id(c)] for c in active] + [time.perf_counter() - start], group)
-        for c, t in zip(active, reduced[:-1]):
-            if t == float("inf"):
-                c.fail("failed on another rank")
-            else:
-                c.record.samples_ms.append(t * 1e3)
+        seconds, elapsed = _round(active[shift:] + active[:shift], batches[(r + 1) % len(batches)], start, group)
+        for c in active:
+            if not c.failed:
+                c.record.samples_ms.append(seconds[id(c)] * 1e3)
         active = [c for c in active if not c.failed]
-        elapsed = reduced[-1]
         round_seconds, previous = elapsed - (previous if previous is not None else elapsed), elapsed
-        if budget is None:  # default: 5% of a 200-step run at plain PyTorch's speed
-            plain = next((c for c in active if c.candidate.label == "plain"), None)
-            if plain is not None:
-                budget = BUDGET_FRACTION * BUDGET_RUN_STEPS * min(plain.record.samples_ms) / 1e3
+        budget = _budget(cfg, active)
         done = r + 1
         if done >= MIN_TIMED_ROUNDS and (done >= cfg.steps or budget is None or elapsed + round_seconds > budget):
             break
@@ -454,6 +533,67 @@ def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, grou
                 ratios = [p / t for p, t in zip(plain.record.samples_ms, s)]
                 c.record.speedup = statistics.median_low(ratios)  # of an even count, the lower: conservative
                 c.record.speedup_spread = [min(ratios), max(ratios)]
+
+
+def _settle(active: List[_Contender], batches, cfg, start: float, group) -> None:
+    """Untimed rounds of one step per candidate not yet settled (:func:`_settled`), until all are,
+    :data:`WARMUP_MAX_STEPS` steps were taken, or the budget is spent (after the first round). Decided on the
+    slowest rank's times, so every rank stops together."""
+    previous = None
+    for step in range(1, WARMUP_MAX_STEPS):
+        pending = [c for c in active if not c.failed and not _settled(c.warmup_s)]
+        if not pending:
+            return
+        seconds, elapsed = _round(pending, batches[step % len(batches)], start, group)
+        for c in pending:
+            if not c.failed:
+                c.warmup_s.append(seconds[id(c)])
+        round_seconds, previous = elapsed - (previous if previous is not None else elapsed), elapsed
+        budget = _budget(cfg, active)
+        if budget is not None and elapsed + round_seconds > budget:
+            return
+
+
+def _settled(seconds: List[float]) -> bool:
+    """Neither of the last two steps beat the best step before them by more than :data:`SETTLE_TOLERANCE`: the
+    one-time costs are spent. (A machine's timing noise only ever adds time, so two slow steps that agree with
+    each other do not count.)"""
+    return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
+
+
+def _budget(cfg, contenders: List[_Contender]) -> Optional[float]:
+    """``tune.max_seconds``, or by default 5% of a 200-step run at plain PyTorch's speed (its fastest step so
+    far); None before plain has taken a step."""
+    if cfg.max_seconds is not None:
+        return cfg.max_seconds
+    plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
+    steps = (plain.warmup_s + [ms / 1e3 for ms in plain.record.samples_ms]) if plain is not None else []
+    return BUDGET_FRACTION * BUDGET_RUN_STEPS * min(steps) if steps else None
+
+
+def _round(order: List[_Contender], batch: Any, start: float, group) -> Tuple[Dict[int, float], float]:
+    """One step of each contender in ``order`` on ``batch``, timed under its own switches: the slowest rank's
+    seconds by contender (inf where one failed, here or on another rank: it is marked failed) and since
+    ``start``."""
+    from aiak.comm.autotune import StepClock
+
+    seconds = []
+    for c in order:
+        clock = StepClock(c.device)
+        try:
+            with amp_warn.quiet():
+                c.switches()
+                t0 = clock.mark()
+                c.step(batch, want_grads=False)
+                seconds.append(clock.seconds(t0, clock.mark()))
+        except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
+            c.fail(_describe(e))
+            seconds.append(float("inf"))
+    reduced = _reduce_max(seconds + [time.perf_counter() - start], group)
+    for c, t in zip(order, reduced):
+        if t == float("inf"):
+            c.fail("failed on another rank")
+    return {id(c): t for c, t in zip(order, reduced)}, reduced[-1]
 
 
 def _simplicity(c: _Contender) -> int:

@@ -27,3 +27,19 @@ def test_the_scripts_prefetcher_keeps_its_normalization(strategy):
     assert loader is users and loader.depth == 2
     x, _ = next(iter(loader))
     assert x.dtype == torch.float32 and abs(float(x.mean())) < 0.5  # normalized, not raw uint8 (~127)
+
+
+def test_trials_see_the_prefetchers_batches_and_the_run_keeps_it():
+    """With tune on, the trials borrow the first batches: they used to unwrap the script's prefetcher, so every
+    candidate got raw uint8 images (and failed), and the run got batches without its normalization."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 36, 4))
+    users = PrefetchLoader(_images(), "cpu", depth=2, mean=MEAN, std=STD)
+    _, _, loader = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), users,
+                                 strategy={"tune": {"enabled": True, "steps": 3}})
+    decision = aiak.last_decision().to_dict()
+    plain = next(t for t in decision["trials"] if t["label"] == "plain")
+    assert plain["accepted"] and plain["step_ms"], decision["tuning"]
+    assert isinstance(loader, PrefetchLoader) and loader.depth == 2
+    batches = [x for x, _ in loader]
+    assert len(batches) == 4 and all(x.dtype == torch.float32 and abs(float(x.mean())) < 0.5 for x in batches)
+    assert torch.equal(batches[0], users.prepare(next(iter(_images())))[0])  # the borrowed batch, put back

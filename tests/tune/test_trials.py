@@ -185,14 +185,16 @@ def test_no_loader_means_no_trials_and_says_why():
 
 def test_bf16_candidates_pass_the_gate_on_real_models():
     timm = pytest.importorskip("timm")
-    for name, kwargs in (("resnet18", {}), ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8})):
+    # ResNet-18 and MobileNetV3 through the gate: tests/tune/test_gate_noise.py (bf16 is emulated here: slow)
+    for name, kwargs in (("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8}),):
         torch.manual_seed(0)
         model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         data = TensorDataset(torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)))
         loader = DataLoader(data, batch_size=8)
         strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"},
-                    "tune": {"candidates": 4, "steps": 2}}
+                    "tune": {"candidates": 3, "steps": 2, "max_seconds": 1}}  # the pick, O1 <-> O2, plain
+        # (the budget only shortens warm-up and timing: every candidate is still gated; bf16 is emulated here)
         aiak.optimize(model, optimizer, loader, strategy=strategy)
         trials = aiak.last_decision().to_dict()["trials"]
         half = [t for t in trials if t["strategy"].get("precision.level") in ("O1", "O2")]
