@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -81,6 +82,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
                                   "it keeps")
     decisions.record(decision)
     logger.info("%s", decision.render())
+    _say_what_was_applied(decision)
     warn_if_unsharded(applied.loader)
     result = (applied.model, rewrap_optimizer(wrappers, applied.optimizer), applied.loader)
     return result + (scheduler,) if scheduler is not None else result
@@ -234,6 +236,13 @@ def _same_model_knobs(s: Strategy, first: Strategy) -> Strategy:
             "call strategy='auto' (it keeps the first call's), or the same values for those knobs; only optimizer, "
             "grad_accumulation and loader may differ per optimizer")
     return s
+
+
+def _say_what_was_applied(decision) -> None:
+    """Two lines on rank 0's stderr, however the script configured logging (the full table stays at INFO on the
+    ``aiak`` logger): what was applied, and where to read why."""
+    if amp_warn.is_rank_zero():
+        print(decision.headline(), file=sys.stderr, flush=True)
 
 
 def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold: str) -> None:
