@@ -11,17 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import aiak
-from aiak.amp import warn
 from aiak.loaders import PrefetchLoader
 
-
-@pytest.fixture(autouse=True)
-def _said_again():
-    """aiak's once-per-process warning is said again in this file's tests."""
-    saved = set(warn._warned)
-    warn._warned.clear()
-    yield
-    warn._warned.update(saved)
+pytestmark = pytest.mark.usefixtures("warnings_said_again")
 
 
 class Augmented(Dataset):

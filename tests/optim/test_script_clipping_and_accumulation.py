@@ -16,17 +16,10 @@ import torch
 from torch import nn
 
 import aiak
-from aiak.amp import warn
 
 timm_utils = pytest.importorskip("timm.utils")
 
-
-@pytest.fixture(autouse=True)
-def _said_again():
-    saved = set(warn._warned)
-    warn._warned.clear()
-    yield
-    warn._warned.update(saved)
+pytestmark = pytest.mark.usefixtures("warnings_said_again")
 
 
 def _model():
