@@ -1,16 +1,26 @@
-"""``auto`` against plain PyTorch and against the best strategy found by sweeping the whole space (issue 11).
+"""``auto`` against plain PyTorch and against the best strategy found by sweeping the whole space.
 
-    python benchmarks/auto.py [--models demo,vit,swin,mlp] [--rounds 15] [--no-compile] [--json FILE]
+    python benchmarks/auto.py [--models demo,vit,...] [--rounds 15] [--no-compile] [--json FILE]
     python benchmarks/auto.py --quick          # smoke run: demo and mlp, small, no compile, a few rounds
 
-Four CPU-sized models, each trained with the optimizer its family uses (:mod:`aiak.model_spec`):
+Eight CPU-sized models of different families, each trained with the optimizer its family uses
+(:func:`aiak.model_spec.default_optimizer`: AdamW for transformers, SGD otherwise); random weights, nothing
+downloaded:
 
 * ``demo``: :class:`aiak.demo.DemoNet` (ResNet-style CNN with BatchNorm), 3x32x32, batch 64, SGD;
 * ``vit``: timm ``vit_tiny_patch16_224`` at 64 px (a transformer encoder over 16 patches + class token),
   batch 32, AdamW;
 * ``swin``: timm ``swin_tiny_patch4_window7_224`` made small: 64 px, window 4, embed_dim 48, depths 2,2,2,2,
   batch 32, AdamW;
-* ``mlp``: Flatten, 3072-1024-1024-10 with GELU, batch 128, SGD.
+* ``mlp``: Flatten, 3072-1024-1024-10 with GELU, batch 128, SGD;
+* ``mobilenet``: timm ``mobilenetv3_small_050`` at 64 px (depthwise-separable convolutions, squeeze-excite,
+  hard-swish, BatchNorm; Howard et al. 2019), 0.6M parameters, batch 64, SGD;
+* ``nfnet``: timm ``nf_resnet26`` at 64 px, a ResNet without any normalization layer (scaled weight-standardized
+  convolutions; Brock et al. 2021, "Characterizing signal propagation to close the performance gap in
+  unnormalized ResNets"), 14M parameters, batch 16, SGD;
+* ``resnet50``: timm ``resnet50`` at 32 px (bottleneck blocks, BatchNorm), 23.5M parameters, batch 16, SGD;
+* ``vit_small``: timm ``vit_small_patch16_224`` at 64 px with 6 of its 12 blocks (width 384, 6 heads, 16
+  patches + class token: twice ``vit``'s width, half its depth), 11.0M parameters, batch 16, AdamW.
 
 Contenders, all from the same seed (same initial weights, same batches):
 
@@ -36,8 +46,8 @@ only), which favours the oracle.
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
 (60) on the same batches; the final loss is the mean of the last 10 steps, and auto's must be within
 ``max(5%, 0.02)`` of plain fp32's. Each model's synthetic images carry enough noise that plain fp32 is
-still at a loss of 1.0-1.4 after 60 steps (measured: demo 1.11, vit 1.42, swin 1.14, mlp 1.01), so a
-numerics difference would show.
+still at a loss of 1.0-1.4 after 60 steps (measured: demo 1.11, vit 1.42, swin 1.14, mlp 1.01, mobilenet 1.30,
+nfnet 1.23, resnet50 1.03, vit_small 1.31), so a numerics difference would show.
 
 Goals per model (each printed ok / NOT ok): auto effective >= 0.95x the oracle's best; auto effective
 >= 0.98x plain; final loss within tolerance; on ``demo``, auto effective >= 1.8x plain. A ratio whose
@@ -69,8 +79,9 @@ from optimizers import time_round_robin  # noqa: E402
 import aiak  # noqa: E402
 from aiak import model_spec  # noqa: E402
 from aiak.amp.warn import quiet  # noqa: E402  (silences aiak without spending its warn-once keys)
+from aiak.tune.trials import BUDGET_FRACTION, BUDGET_RUN_STEPS  # noqa: E402
 
-RUN_STEPS = 200            # the run length auto's tuning cost is spread over (issue 11)
+RUN_STEPS = 200            # the run length auto's tuning cost is spread over
 LOSS_TAIL = 10             # final loss = mean of the last 10 steps
 LOSS_RTOL, LOSS_ATOL = 0.05, 0.02
 GOAL_VS_ORACLE, GOAL_VS_PLAIN, GOAL_DEMO = 0.95, 0.98, 1.8
@@ -115,6 +126,16 @@ CASES = {
                                     depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16)),
                       (3, 64, 64), 32, 8, noise=20.0),
     "mlp": ModelCase("mlp", "mlp:3072-1024-1024-10", _mlp, (3, 32, 32), 128, 32, noise=20.0),
+    "mobilenet": ModelCase("mobilenet", "timm:mobilenetv3_small_050@64px",
+                           lambda: _timm("mobilenetv3_small_050"), (3, 64, 64), 64, 16, noise=2.0),
+    # no normalization layer: the input's scale reaches every layer, and noise 20 made SGD diverge (NaN loss)
+    "nfnet": ModelCase("nfnet", "timm:nf_resnet26@64px", lambda: _timm("nf_resnet26"), (3, 64, 64), 16, 4,
+                       noise=2.0),
+    "resnet50": ModelCase("resnet50", "timm:resnet50@32px", lambda: _timm("resnet50"), (3, 32, 32), 16, 4,
+                          noise=3.0),
+    "vit_small": ModelCase("vit_small", "timm:vit_small_patch16_224@64px,depth6",
+                           lambda: _timm("vit_small_patch16_224", img_size=64, depth=6), (3, 64, 64), 16, 4,
+                           noise=10.0),
 }
 
 
@@ -184,6 +205,7 @@ class Contender:
     tuning_s: float = 0.0
     warmup_s: float = 0.0                        # its first steps (compiling, for a compiled one)
     trials: Optional[List[dict]] = None          # auto only: its decision record's trials
+    pick: str = ""                               # auto only: its pick in the oracle's labels
     _it: Any = None
 
     def step(self) -> float:
@@ -212,6 +234,15 @@ def _changed_knobs(decision) -> str:
     return ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(keep.items())) or "plain PyTorch"
 
 
+def _pick_label(decision) -> str:
+    """auto's pick named as the oracle's strategies are (``O1 bf16 +cl``), so the two can be compared."""
+    applied = decision.to_dict()["strategy"]
+    precision = applied["precision"]
+    label = "fp32" if precision["level"] == "O0" else f"{precision['level']} {precision['dtype']}"
+    return (label + (" +cl" if applied["channels_last"] else "") + (" +compile" if applied["compile"] else "")
+            + (" +fused" if applied["fused_ops"] else ""))
+
+
 def build_auto(case: ModelCase, batch_size: int, samples: int) -> Contender:
     setup = make_setup(case, batch_size, samples)
     with quiet():
@@ -222,7 +253,7 @@ def build_auto(case: ModelCase, batch_size: int, samples: int) -> Contender:
     d = decision.to_dict()
     c = Contender("auto", model, optimizer, loader, optimize_s=wall, tuning_s=float(d["tuning_seconds"]))
     c.note = f"picked {_changed_knobs(decision)}; {len(d['trials'])} trials" + (" (cache hit)" * d["cache_hit"])
-    c.trials = d["trials"]
+    c.trials, c.pick = d["trials"], _pick_label(decision)
     return c
 
 
@@ -341,6 +372,11 @@ def run_model(case: ModelCase, args) -> dict:
     print(f"   every row but 'auto' is effective over {RUN_STEPS} steps: steady step + one-time costs / {RUN_STEPS} "
           f"(warm-up excess: compiling); auto effective adds its optimize() {auto_c.optimize_s:.2f} s "
           f"(decision tuning_seconds {auto_c.tuning_s:.2f} s)")
+    # the trials' default budget (aiak.tune.trials): 5% of a 200-step run at plain PyTorch's step, here plain's median
+    budget_s = BUDGET_FRACTION * BUDGET_RUN_STEPS * statistics.median(times["plain"])
+    print(f"   auto's trials took {auto_c.tuning_s:.2f} s against a budget of about {budget_s:.2f} s "
+          f"({BUDGET_FRACTION:.0%} of {BUDGET_RUN_STEPS} plain steps)"
+          + ("" if auto_c.tuning_s <= budget_s else f": over by {auto_c.tuning_s / budget_s - 1:.0%}"))
     print("   auto's own trials: " + "; ".join(
         f"{t['label']} {t['step_ms']:.1f} ms" if t["step_ms"] else f"{t['label']} -" for t in auto_c.trials or [])
         + " -> " + next((t["label"] for t in auto_c.trials or [] if "chosen" in t["why"]), "none chosen"))
@@ -371,9 +407,31 @@ def run_model(case: ModelCase, args) -> dict:
         goals.append(_goal("demo: auto effective / plain", paired_ratios(times["plain"], effective), GOAL_DEMO))
     return {"model": case.name, "spec": case.spec, "batch_size": batch, "rows": [r.__dict__ for r in rows],
             "oracle_best": best.label, "eager_best": eager_best.label, "auto_vs_eager_best": eager[0],
-            "auto_note": auto_c.note, "auto_trials": auto_c.trials,
+            "auto_note": auto_c.note, "auto_pick": auto_c.pick, "auto_trials": auto_c.trials,
             "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}, "auto_optimize_s": auto_c.optimize_s,
-            "auto_tuning_s": auto_c.tuning_s, "losses": losses, "loss_tolerance": tol, "goals": goals}
+            "auto_tuning_s": auto_c.tuning_s, "auto_budget_s": budget_s, "losses": losses, "loss_tolerance": tol,
+            "goals": goals}
+
+
+def print_summary(results: List[dict]) -> None:
+    """One line per model: the figures the README quotes, and the goals it missed."""
+    print(f"\nsummary (every step effective over {RUN_STEPS} steps; ratios: median over rounds, p10-p90):")
+    print(f"  {'model (batch)':<16} {'plain ms':>8}  {'oracle best':<20} {'ms':>7}  {'auto pick':<20} {'ms':>7}  "
+          f"{'vs plain':<18} {'vs oracle best':<18} {'w/o compile':>11} {'trials s / budget':>17}  "
+          f"{'loss diff (tol)':<16} missed")
+    for r in results:
+        rows = {row["label"]: row for row in r["rows"]}
+        g = {x["goal"]: x for x in r["goals"]}
+        vs_plain, vs_oracle = g["auto effective / plain"], g["auto effective / oracle best"]
+        missed = ", ".join(x["goal"] for x in r["goals"] if not x["ok"]) or "-"
+        print(f"  {r['model'] + ' (' + str(r['batch_size']) + ')':<16} {rows['plain']['median_ms']:8.2f}  "
+              f"{r['oracle_best']:<20} {rows[r['oracle_best']]['median_ms']:7.2f}  {r['auto_pick']:<20} "
+              f"{rows['auto effective']['median_ms']:7.2f}  "
+              f"{vs_plain['value']:.2f}x ({vs_plain['low']:.2f}-{vs_plain['high']:.2f})  "
+              f"{vs_oracle['value']:.2f}x ({vs_oracle['low']:.2f}-{vs_oracle['high']:.2f})  "
+              f"{r['auto_vs_eager_best']:10.2f}x "
+              f"{r['auto_tuning_s']:7.2f} / {r['auto_budget_s']:<7.2f}  "
+              f"{g['final loss']['value']:+.4f} ({r['loss_tolerance']:.3f})  {missed}")
 
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
@@ -411,18 +469,13 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     print(f"aiak auto benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, {p.cpu_model}, "
           f"bf16 native {p.bf16_native}, fp16 native {p.fp16_native}; load average {load:.1f}; "
           f"{args.rounds} rounds, warm-up {args.warmup}, compile in the oracle: {not args.no_compile}")
-    results = [run_model(CASES[n], args) for n in names]
-    print("\nsummary (auto effective over 200 steps):")
-    print(f"  {'model':<6} {'vs plain':>9} {'vs oracle best':>15} {'vs best w/o compile':>20} {'loss diff':>10}  "
-          f"auto's pick / oracle best")
-    for r in results:
-        g = {x["goal"]: x for x in r["goals"]}
-        print(f"  {r['model']:<6} {g['auto effective / plain']['value']:8.2f}x "
-              f"{g['auto effective / oracle best']['value']:14.2f}x {r['auto_vs_eager_best']:19.2f}x "
-              f"{g['final loss']['value']:+10.4f}  {r['auto_note'].split(';')[0]} / {r['oracle_best']}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1, default=str)
+    results = []
+    for n in names:
+        results.append(run_model(CASES[n], args))
+        if args.json:  # after every model: a long run that is stopped keeps what it measured
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=1, default=str)
+    print_summary(results)
     return results
 
 
