@@ -190,5 +190,7 @@ def test_demo_auto_learns_and_its_progress_is_plain_lines_when_redirected():
     assert all(0 < float(r["loss"]) < 2.3 for r in rows.values())  # both learned (chance: ln 10 = 2.30)
     assert re.search(r"\d\.\d\dx(,| faster| slower)", verdict), verdict
     assert "\r" not in err
-    progress = [line.split() for line in err.splitlines() if line.strip()]
+    said = [line for line in err.splitlines() if line.startswith("aiak: ")]  # optimize()'s two lines
+    assert len(said) == 2 and said[0].startswith("aiak: applied strategy"), err
+    progress = [line.split() for line in err.splitlines() if line.strip() and not line.startswith("aiak: ")]
     assert progress and all(p[0] in ("baseline", "aiak") and p[1].endswith("/32") for p in progress), err
