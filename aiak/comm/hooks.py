@@ -41,12 +41,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from aiak._threads_at_exit import stop_at_exit
 from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
 from aiak.comm.topology import HierarchicalGroups
 
 Future = torch.futures.Future
 IDLE_EXIT_S = 5.0  # a worker thread without work for this long exits; the next bucket starts a new one
+EXIT_JOIN_S = 10.0  # at interpreter exit, how long to wait for a job in flight (a hung peer must not hang exit)
+_STOP = object()  # put in a worker's queue at interpreter exit
 
 
 # -- collectives on 1-D tensors ------------------------------------------------------------------------
@@ -331,16 +334,19 @@ class _Worker:
     """One daemon thread that runs jobs in submission order, and the CUDA comm stream of each device it uses.
 
     The thread starts with the first job and exits after ``IDLE_EXIT_S`` without one (the next job starts a new
-    thread), so states that are dropped leave no thread behind.
+    thread), so states that are dropped leave no thread behind. At interpreter exit it finishes the job in
+    flight and stops before Python finalizes (see ``aiak._threads_at_exit``: a daemon thread still returning
+    from a collective then would abort the process).
     """
 
-    __slots__ = ("_jobs", "_lock", "_thread", "_streams")
+    __slots__ = ("_jobs", "_lock", "_thread", "_streams", "__weakref__")
 
     def __init__(self):
         self._jobs: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}
+        stop_at_exit(self)
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
@@ -359,7 +365,20 @@ class _Worker:
                         self._thread = None
                         return
                 continue
+            if job is _STOP:
+                with self._lock:
+                    self._thread = None
+                return
             job()
+
+    def stop_for_exit(self) -> None:
+        """Let the thread finish its jobs, then join it (at most ``EXIT_JOIN_S``)."""
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return
+            self._jobs.put(_STOP)
+        thread.join(timeout=EXIT_JOIN_S)
 
     @contextlib.contextmanager
     def on_comm_stream(self, tensor: torch.Tensor, ready: Optional["torch.cuda.Event"]):
