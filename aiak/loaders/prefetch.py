@@ -20,11 +20,13 @@ on-device normalize, ``wait_stream`` before use) and adds what a correct prefetc
   a generator or a DALI iterator;
 * unless loading draws random numbers in this process (``num_workers=0`` with random augmentation): torch's,
   Python's and NumPy's generators are shared by all threads, so a loading thread and a step drawing too
-  (dropout) would race for them, and a seeded run would give other weights each time. The first two batches
-  of each epoch are loaded in the step, and the generators' states compared around the second (the first may
-  draw the sampler's seed, once per epoch); if loading it drew from any of them, the epoch goes on loading in
-  the step, in plain PyTorch's order (one warning says to use ``num_workers >= 1``, whose workers draw from
-  their own seeded generators); otherwise the thread takes over.
+  (dropout) would race for them, and a seeded run would give other weights each time. The first batch of each
+  epoch is loaded in the step, and the generators' states compared around it: if it drew nothing, or only the
+  seed a ``RandomSampler`` draws once per epoch (checked by replaying that one draw on a copy of the state),
+  the thread takes over from the second batch. Otherwise the second batch is loaded in the step too and the
+  states compared again (the first may have drawn a sampler's permutation): if it drew, the epoch goes on
+  loading in the step, in plain PyTorch's order (one warning says to use ``num_workers >= 1``, whose workers
+  draw from their own seeded generators); otherwise the thread takes over.
 
 On CPU the same thread still overlaps loading with compute; pinning and streams are skipped.
 """
@@ -42,6 +44,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from aiak._nested import iter_tensors, map_tensors
+from aiak._threads_at_exit import stop_at_exit
 from aiak.amp.warn import warn_once
 
 logger = logging.getLogger("aiak")
@@ -186,18 +189,42 @@ def _same_states(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
-class _PrefetchIterator:
-    """One epoch: loads its first two batches in the step, then (if the second drew no random numbers) owns a
-    worker thread; closing it (``break``, garbage collection) stops the thread."""
+def _after_a_sampler_seed(a: tuple) -> tuple:
+    """``a`` advanced by exactly the draw ``RandomSampler.__iter__`` makes without a generator of its own."""
+    g = torch.Generator()
+    g.set_state(a[0])
+    torch.empty((), dtype=torch.int64).random_(generator=g)
+    return (g.get_state(),) + a[1:]
 
-    def __init__(self, source: Iterator, mover: _BatchMover, depth: int, join_timeout: float):
+
+def _draws_a_sampler_seed(loader: Any) -> bool:
+    """True if the first ``next()`` on a fresh iterator of ``loader`` draws one seed from torch's generator: a
+    ``DataLoader(num_workers=0)`` whose ``RandomSampler`` has no generator (with workers, ``iter()`` draws it)."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    if not isinstance(loader, DataLoader) or loader.num_workers > 0:
+        return False
+    sampler = loader.sampler if loader.batch_sampler is None else getattr(loader.batch_sampler, "sampler", None)
+    return isinstance(sampler, RandomSampler) and sampler.generator is None
+
+
+class _PrefetchIterator:
+    """One epoch: loads its first batch (or two) in the step, then, if loading drew no random numbers, owns a
+    worker thread; closing it (``break``, garbage collection) stops the thread.
+
+    ``sampler_seed``: the first batch may draw one ``RandomSampler`` seed (see ``_draws_a_sampler_seed``).
+    """
+
+    def __init__(self, source: Iterator, mover: _BatchMover, depth: int, join_timeout: float,
+                 sampler_seed: bool = False):
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._source: Optional[Iterator] = source
         self._mover = mover
         self._join_timeout = join_timeout
         self._thread: Optional[threading.Thread] = None
-        self._in_step = None  # decided at the second batch: load in the step (True) or in the thread (False)
+        self._in_step = None  # decided at batch 0 or 1: load in the step (True) or in the thread (False)
+        self._sampler_seed = sampler_seed
         self._loaded = 0
         self._done = False
 
@@ -207,10 +234,16 @@ class _PrefetchIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        if self._in_step is None and self._loaded == 0:  # may draw the sampler's seed: not telling
+        if self._in_step is None and self._loaded == 0:
             self._loaded += 1
-            return self._load_in_step()
-        if self._in_step is None:
+            before = _rng_states()
+            batch = self._load_in_step()
+            after = _rng_states()
+            if _same_states(before, after) or (self._sampler_seed
+                                               and _same_states(_after_a_sampler_seed(before), after)):
+                self._start_thread()
+            return batch
+        if self._in_step is None:  # batch 0 drew something besides a sampler seed: does batch 1 draw too?
             before = _rng_states()
             batch = self._load_in_step()
             self._in_step = not _same_states(before, _rng_states())
@@ -221,10 +254,7 @@ class _PrefetchIterator:
                           "non-deterministic, so batches load in the step, without overlap. Use num_workers >= 1 "
                           "to load in the background")
             else:
-                self._thread = threading.Thread(target=_produce, args=(self._source, self._mover, self._queue,
-                                                                       self._stop), name="aiak-prefetch", daemon=True)
-                self._source = None
-                self._thread.start()
+                self._start_thread()
             return batch
         if self._in_step:
             return self._load_in_step()
@@ -243,6 +273,14 @@ class _PrefetchIterator:
             self.close()
             raise item.exc  # the original exception object: its traceback shows where loading failed
         return self._hand_over(*item)
+
+    def _start_thread(self) -> None:
+        self._in_step = False
+        self._thread = threading.Thread(target=_produce, args=(self._source, self._mover, self._queue, self._stop),
+                                        name="aiak-prefetch", daemon=True)
+        self._source = None
+        self._thread.start()
+        stop_at_exit(self)
 
     def _load_in_step(self) -> Any:
         try:
@@ -267,6 +305,10 @@ class _PrefetchIterator:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
         return self._thread is None or not self._thread.is_alive()
+
+    def stop_for_exit(self) -> None:
+        """At interpreter exit: the thread leaves the loader before Python finalizes (``aiak._threads_at_exit``)."""
+        self.close()
 
     def close(self) -> None:
         """Stop the worker thread now; batches already prepared are dropped."""
@@ -350,7 +392,8 @@ class PrefetchLoader:
         if previous is not None and not previous.wait_stopped(timeout=60.0):
             logger.warning("aiak PrefetchLoader: the previous epoch's loading thread is still inside the loader "
                            "after 60 s; starting the new epoch anyway")
-        epoch = _PrefetchIterator(iter(self.loader), _BatchMover(*self._mover_args), self.depth, self.join_timeout)
+        epoch = _PrefetchIterator(iter(self.loader), _BatchMover(*self._mover_args), self.depth, self.join_timeout,
+                                  sampler_seed=_draws_a_sampler_seed(self.loader))
         self._active = weakref.ref(epoch)
         return epoch
 

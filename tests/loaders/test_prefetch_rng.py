@@ -68,16 +68,48 @@ def test_a_seeded_run_with_in_process_random_loading_equals_plain_pytorch_every_
     assert len(said) == 1 and "num_workers" in said[0], said  # once, with what to do instead
 
 
+@pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_loading_without_random_draws_still_runs_in_the_thread(shuffle):
-    """A shuffling sampler draws its seed at the first batch, once per epoch: the thread still takes over."""
-    loader = PrefetchLoader(DataLoader(torch.arange(12.0), batch_size=2, shuffle=shuffle), "cpu", depth=2)
+def test_loading_without_random_draws_runs_in_the_thread_from_the_second_batch(shuffle, workers):
+    """A shuffling sampler draws its seed at the first batch, once per epoch: that is not the dataset drawing,
+    so the thread takes over right after the first batch (only that one loads without overlap)."""
+    loader = PrefetchLoader(DataLoader(torch.arange(12.0), batch_size=2, shuffle=shuffle, num_workers=workers),
+                            "cpu", depth=2)
     for _ in range(2):
         epoch = iter(loader)
-        batches = [next(epoch).tolist(), next(epoch).tolist()]
+        batches = [next(epoch).tolist()]
         assert epoch._thread is not None and epoch._in_step is False
         batches += [b.tolist() for b in epoch]
         assert sorted(v for b in batches for v in b) == list(range(12))
+
+
+class Draws:
+    """Whether the sampler's permutation draws from torch's generator, then nothing while loading."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+
+def test_a_sampler_drawing_a_permutation_lets_the_thread_take_over_at_the_second_batch():
+    """Batch 0 drew more than a seed (a sampler's own permutation): batch 1 is checked in the step, drawing
+    nothing, and the thread loads the rest; every batch once, in the sampler's order."""
+    torch.manual_seed(3)
+    expected = [v for b in DataLoader(torch.arange(12.0), batch_size=2, sampler=Draws(12)) for v in b.tolist()]
+    torch.manual_seed(3)
+    loader = PrefetchLoader(DataLoader(torch.arange(12.0), batch_size=2, sampler=Draws(12)), "cpu", depth=2)
+    epoch = iter(loader)
+    batches = [next(epoch).tolist()]
+    assert epoch._thread is None and epoch._in_step is None
+    batches.append(next(epoch).tolist())
+    assert epoch._thread is not None and epoch._in_step is False
+    batches += [b.tolist() for b in epoch]
+    assert [v for b in batches for v in b] == expected
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
