@@ -10,7 +10,10 @@ after each Trainer step keeps aiak's partial sums, ``max_grad_norm`` clips the t
 Schedules count Trainer steps: with aiak's ``grad_accumulation: N`` the scheduler advances once per real step,
 but its horizon (``max_steps``) is still in Trainer steps. For a schedule over real steps, use the Trainer's
 ``gradient_accumulation_steps`` for accumulation, or the recipe below with a scheduler of your own built for the
-real number of steps. The callback runs in one process; under torchrun the Trainer has already wrapped the
+real number of steps. ``trainer.train(resume_from_checkpoint=...)`` continues where the checkpoint left off: the
+Trainer loads the optimizer's state before any callback runs, so what aiak adds to it (the loss scale of
+``dtype: fp16``, the position in an accumulation window) is also kept in the callback's entry of
+``trainer_state.json`` and taken back when training begins. The callback runs in one process; under torchrun the Trainer has already wrapped the
 model in DDP, so use the recipe (aiak's own DDP) there instead.
 
 A complete script (callback)::
@@ -53,22 +56,37 @@ from __future__ import annotations
 from typing import Any
 
 import aiak
+from aiak.optim.accumulation import controller_of
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
 except ImportError as e:
     raise ImportError("aiak.integrations.transformers needs transformers: pip install transformers") from e
 
 __all__ = ["AiakTrainerCallback"]
 
 
-class AiakTrainerCallback(TrainerCallback):
+class AiakTrainerCallback(TrainerCallback, ExportableState):
     """``Trainer(callbacks=[AiakTrainerCallback(strategy)])``: ``aiak.optimize`` on the Trainer's model, optimizer and
-    scheduler when training begins (after the Trainer built them, before the first batch)."""
+    scheduler when training begins (after the Trainer built them, before the first batch).
+
+    As an ``ExportableState`` its :meth:`state` goes into every checkpoint's ``trainer_state.json``: the strategy
+    and aiak's step state (:meth:`aiak.optim.accumulation.StepController.checkpoint_extras`), which a resumed run
+    takes back after ``optimize``.
+    """
 
     def __init__(self, strategy: Any = "auto"):
         self.strategy = strategy
         self.applied = False
+        self._optimizer = None
+
+    def state(self) -> dict:
+        """What the Trainer writes into a checkpoint for this callback (plain JSON values)."""
+        strategy = self.strategy.to_dict() if hasattr(self.strategy, "to_dict") else self.strategy
+        controller = controller_of(self._optimizer) if self._optimizer is not None else None
+        return {"args": {"strategy": strategy},
+                "attributes": {"checkpoint_extras": controller.checkpoint_extras() if controller else None}}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self.applied:
@@ -84,3 +102,17 @@ class AiakTrainerCallback(TrainerCallback):
         else:
             aiak.optimize(model, optimizer, strategy=self.strategy, scheduler=lr_scheduler)
         self.applied = True
+        self._optimizer = optimizer
+        extras = _saved_extras(state, type(self).__name__)
+        controller = controller_of(optimizer)
+        if extras is not None and controller is not None:  # resumed: the Trainer loaded the optimizer without them
+            controller.restore_checkpoint_extras(extras)
+
+
+def _saved_extras(state, name: str):
+    """This callback's ``checkpoint_extras`` in a resumed ``TrainerState`` (None in a fresh run: the entry
+    there was written before ``optimize``)."""
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get(name)
+    if isinstance(saved, list):  # the Trainer keeps a list when several callbacks share the class
+        saved = saved[0] if saved else None
+    return (saved or {}).get("attributes", {}).get("checkpoint_extras")

@@ -430,11 +430,16 @@ class StepController:
                      "aiak.stepped(optimizer) is True (right after a real step), or make the batches per epoch a "
                      f"multiple of grad_accumulation ({self.accumulation}) when saving at the end of each "
                      f"epoch{again}")
+        state_dict["aiak"] = self.checkpoint_extras()
+        return state_dict
+
+    def checkpoint_extras(self) -> Dict[str, Any]:
+        """What a checkpoint holds besides the optimizer's own state (plain JSON values): the position in the
+        accumulation window, the real steps a scheduler has counted, the loss scaler's state."""
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
-        state_dict["aiak"] = extra
-        return state_dict
+        return extra
 
     def _take_extra(self, optimizer, state_dict):
         state_dict = dict(state_dict)
@@ -443,8 +448,11 @@ class StepController:
 
     def _restore_extra(self, optimizer) -> None:
         extra, self._pending_extra = self._pending_extra, None
-        if extra is None:
-            return
+        if extra is not None:
+            self.restore_checkpoint_extras(extra)
+
+    def restore_checkpoint_extras(self, extra: Dict[str, Any]) -> None:
+        """Take back what :meth:`checkpoint_extras` returned, after the optimizer's own state was loaded."""
         self.micro_step = int(extra.get("micro_step", 0))
         self.step_events = int(extra.get("step_events", 0))
         scheduler_steps.rebase(self)
@@ -455,6 +463,14 @@ class StepController:
 
 def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def controller_of(optimizer) -> Optional[StepController]:
+    """The step controller aiak attached to ``optimizer`` or to the optimizer a framework's wrapper holds
+    (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``); None if
+    aiak did not patch it."""
+    inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
+    return getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
 
 
 def stepped(optimizer) -> bool:
@@ -468,8 +484,7 @@ def stepped(optimizer) -> bool:
 
     An optimizer aiak did not patch steps on every call: always True.
     """
-    inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))  # a framework's wrapper
-    controller = getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
+    controller = controller_of(optimizer)
     return controller.stepped if controller is not None and controller.active() else True
 
 
