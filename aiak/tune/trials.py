@@ -12,14 +12,17 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    against the sampling noise of that gradient. Plain estimates the noise first, from the same weights, only
    when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
    when only one batch was borrowed).
-5. Warm-up: untimed steps, a round at a time, until each candidate's step time settles (its last two steps
-   no faster than its best before them, within :data:`SETTLE_TOLERANCE`; at most :data:`WARMUP_MAX_STEPS`,
-   the gate's step included; while the budget lasts, but at least one round). A new copy's first steps pay
-   one-time costs (the allocator growing, oneDNN creating primitives, cuDNN autotuning): in timm's script a
-   trial's plain step took 3.75 s where the real run's took 0.33 s.
-6. Timed rounds, alternating candidates (the order rotates every round), one step each, until
-   ``tune.steps`` rounds are done or the budget is spent (at least :data:`MIN_TIMED_ROUNDS`, so no decision
-   rests on one sample). Default budget: :data:`BUDGET_FRACTION` of :data:`BUDGET_RUN_STEPS` plain steps.
+5. Rounds: every candidate takes one step per round, the order rotating every round; its steps form one
+   series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
+   creating primitives, cuDNN autotuning): in timm's script a trial's plain step took 3.75 s where the real
+   run's took 0.33 s. Timing starts where every series has settled (its last two steps no faster than its
+   best before them, within :data:`SETTLE_TOLERANCE`), or after :data:`WARMUP_MAX_STEPS` steps, or when the
+   budget runs out: those two steps are the first timed samples (:data:`MIN_TIMED_ROUNDS`), so a candidate
+   that needs no warm-up costs three steps in all.
+6. Timed rounds go on until ``tune.steps`` samples, the budget is spent, or the ranking is clear (each
+   candidate faster than plain in every timed round or slower in every one, beyond :data:`NOISE_FLOOR`, and
+   the fastest ahead of each other one in every round). Default budget: :data:`BUDGET_FRACTION` of
+   :data:`BUDGET_RUN_STEPS` plain steps.
    Every step, warm-up included, runs under its candidate's own process switches (TF32, cuDNN autotuning,
    CPU affinity, threads: what applying it set), all written before the step, on or off, so no candidate
    inherits another's, and plain fp32, the gate's reference, none.
@@ -75,7 +78,7 @@ BUDGET_FRACTION = 0.05     # the issue's budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
 MIN_TIMED_ROUNDS = 2
 NOISE_FLOOR = 0.03         # step times closer than 3% are never told apart
-WARMUP_MAX_STEPS = 6       # untimed steps per candidate at most (the gate's included) ...
+WARMUP_MAX_STEPS = 6       # steps per candidate before timing starts at the latest (the gate's included) ...
 SETTLE_TOLERANCE = 0.2     # ... until they stop getting faster by more than 20% (first-call costs: multiples)
 
 
@@ -505,25 +508,40 @@ def _batch_size(batch: Any) -> Optional[int]:
 
 
 def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, group) -> None:
-    """Warm-up rounds until every candidate's step time settles (:func:`_settle`), then rounds of one step per
-    candidate (order rotating), until ``cfg.steps`` rounds or the budget is spent."""
+    """Rounds of one step per candidate (order rotating) after the gate's. Each candidate's steps form one
+    series (``warmup_s``, the gate's step first). Timing starts at the round where every series has settled
+    (:func:`_settled`: its last :data:`MIN_TIMED_ROUNDS` steps were no faster than the best before them), or
+    :data:`WARMUP_MAX_STEPS` steps were taken, or the budget ran out; those last steps are the first timed
+    samples, so a candidate that needs no warm-up costs the gate's step and two more. Rounds go on until
+    ``cfg.steps`` samples, the budget is spent, or the ranking is clear (:func:`_ranking_is_clear`)."""
     active = [c for c in contenders if not c.failed]
-    _settle(active, batches, cfg, start, group)
-    active = [c for c in active if not c.failed]
+    timed_from: Optional[int] = None  # index, in every series, of the first timed step
     previous = None
-    for r in range(max(cfg.steps, MIN_TIMED_ROUNDS)):
-        shift = r % max(len(active), 1)
-        seconds, elapsed = _round(active[shift:] + active[:shift], batches[(r + 1) % len(batches)], start, group)
+    r = 0
+    while active:
+        r += 1
+        shift = r % len(active)
+        seconds, elapsed = _round(active[shift:] + active[:shift], batches[r % len(batches)], start, group)
         for c in active:
             if not c.failed:
-                c.record.samples_ms.append(seconds[id(c)] * 1e3)
+                c.warmup_s.append(seconds[id(c)])
         active = [c for c in active if not c.failed]
         round_seconds, previous = elapsed - (previous if previous is not None else elapsed), elapsed
         budget = _budget(cfg, active)
-        done = r + 1
-        if done >= MIN_TIMED_ROUNDS and (done >= cfg.steps or budget is None or elapsed + round_seconds > budget):
+        out_of_budget = budget is not None and elapsed + round_seconds > budget
+        steps = 1 + r  # the gate's step and one per round, the same in every series
+        if timed_from is None and steps > MIN_TIMED_ROUNDS and (
+                out_of_budget or steps >= WARMUP_MAX_STEPS or all(_settled(c.warmup_s) for c in active)):
+            timed_from = steps - MIN_TIMED_ROUNDS
+        if timed_from is not None and (steps - timed_from >= cfg.steps or out_of_budget
+                                       or _ranking_is_clear(active, timed_from)):
             break
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
+    for c in contenders:
+        if c.failed or timed_from is None:
+            continue
+        c.warmup_s, timed = c.warmup_s[:timed_from], c.warmup_s[timed_from:]
+        c.record.samples_ms = [t * 1e3 for t in timed]
     for c in contenders:
         s = c.record.samples_ms
         if s and not c.failed:
@@ -535,28 +553,27 @@ def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, grou
                 c.record.speedup_spread = [min(ratios), max(ratios)]
 
 
-def _settle(active: List[_Contender], batches, cfg, start: float, group) -> None:
-    """Untimed rounds of one step per candidate not yet settled (:func:`_settled`), until all are,
-    :data:`WARMUP_MAX_STEPS` steps were taken, or the budget is spent (after the first round). Decided on the
-    slowest rank's times, so every rank stops together."""
-    previous = None
-    for step in range(1, WARMUP_MAX_STEPS):
-        pending = [c for c in active if not c.failed and not _settled(c.warmup_s)]
-        if not pending:
-            return
-        seconds, elapsed = _round(pending, batches[step % len(batches)], start, group)
-        for c in pending:
-            if not c.failed:
-                c.warmup_s.append(seconds[id(c)])
-        round_seconds, previous = elapsed - (previous if previous is not None else elapsed), elapsed
-        budget = _budget(cfg, active)
-        if budget is not None and elapsed + round_seconds > budget:
-            return
+def _ranking_is_clear(active: List[_Contender], timed_from: int) -> bool:
+    """More rounds would not change the decision, so the budget left is not spent: every candidate is faster
+    than plain PyTorch in every timed round or slower in every one, by more than :data:`NOISE_FLOOR`, and the
+    fastest is faster than each other one in every round."""
+    plain = next((c for c in active if c.candidate.label == "plain"), None)
+    if plain is None:
+        return False
+    base = plain.warmup_s[timed_from:]
+    ratios = [[p / t for p, t in zip(base, c.warmup_s[timed_from:])] for c in active if c is not plain]
+    if any(min(q) <= 1 + NOISE_FLOOR and max(q) >= 1 / (1 + NOISE_FLOOR) for q in ratios):
+        return False  # within noise of plain in some round
+    faster = [q for q in ratios if min(q) > 1]
+    if len(faster) < 2:
+        return True
+    best = max(faster, key=statistics.median)
+    return all(min(best) > max(q) for q in faster if q is not best)
 
 
 def _settled(seconds: List[float]) -> bool:
-    """Neither of the last two steps beat the best step before them by more than :data:`SETTLE_TOLERANCE`: the
-    one-time costs are spent. (A machine's timing noise only ever adds time, so two slow steps that agree with
+    """Neither of the last :data:`MIN_TIMED_ROUNDS` steps beat the best step before them by more than
+    :data:`SETTLE_TOLERANCE`: the one-time costs are spent. (A machine's timing noise only ever adds time, so two slow steps that agree with
     each other do not count.)"""
     return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
 

@@ -72,5 +72,51 @@ def test_warm_up_stops_when_the_budget_is_spent():
     contenders = _build(candidates, model, optimizer, torch.device("cpu"), None)
     _warm_up(contenders, batches, _Rng(loader), torch.device("cpu"), None)
     _timed_rounds(contenders, batches, selection.strategy.tune, time.perf_counter(), None)
-    for c in contenders:   # the gate step and one more, then the fewest timed rounds: the budget is long spent
-        assert len(c.warmup_s) == 2 and len(c.record.samples_ms) == MIN_TIMED_ROUNDS, c.candidate.label
+    for c in contenders:   # the gate step, then the fewest timed rounds: the budget is long spent
+        assert len(c.warmup_s) == 1 and len(c.record.samples_ms) == MIN_TIMED_ROUNDS, c.candidate.label
+
+
+class SleepyNet(DemoNet):
+    """A step of a steady length (a sleep dominates it), longer by ``layout_s`` when fed channels_last."""
+
+    def __init__(self, step_s, layout_s):
+        super().__init__(width=8)
+        self.step_s, self.layout_s = step_s, layout_s
+
+    def forward(self, x):
+        channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+        time.sleep(self.step_s + (self.layout_s if channels_last else 0.0))
+        return super().forward(x)
+
+
+def test_steady_candidates_take_the_gate_step_and_the_timed_ones_only():
+    """Steps that are steady from the start: the two after the gate's are settled, and they are the first
+    timed samples (a separate warm-up made it five steps per candidate for two samples)."""
+    candidates = build_candidates(step_s=0.03, layout_s=0.0, steps=2)
+    for c in candidates:
+        assert len(c.warmup_s) == 1 and len(c.record.samples_ms) == 2, (c.candidate.label, c.warmup_s)
+
+
+def build_candidates(step_s, layout_s, steps):
+    torch.manual_seed(0)
+    model = SleepyNet(step_s, layout_s)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(synthetic_dataset(48, image_size=16), batch_size=16)
+    batches = [b for b, _ in zip(loader, range(3))]
+    strategy = {"extends": "default", "channels_last": True,
+                "tune": {"candidates": 2, "steps": steps, "max_seconds": 60}}
+    selection = resolve_strategy(strategy, model, optimizer, loader)
+    candidates = candidate_strategies(selection.strategy, selection.probes, limit=2, max_seconds=60)
+    contenders = _build(candidates, model, optimizer, torch.device("cpu"), None)
+    _warm_up(contenders, batches, _Rng(loader), torch.device("cpu"), None)
+    _timed_rounds(contenders, batches, selection.strategy.tune, time.perf_counter(), None)
+    return contenders
+
+
+def test_a_clear_ranking_ends_the_rounds_and_a_close_one_uses_them_all():
+    """A candidate slower than plain in every round by far more than noise (0.03 s of sleep against 0.1 s)
+    ends the rounds at the fewest samples; two equal candidates take all ``tune.steps`` rounds."""
+    clear = build_candidates(step_s=0.03, layout_s=0.1, steps=6)
+    assert all(len(c.record.samples_ms) == MIN_TIMED_ROUNDS for c in clear), [c.record.samples_ms for c in clear]
+    close = build_candidates(step_s=0.03, layout_s=0.0, steps=6)
+    assert all(len(c.record.samples_ms) == 6 for c in close), [c.record.samples_ms for c in close]
