@@ -1,25 +1,24 @@
-"""``aiak.optimize``: sequences the steps of applying a strategy; every step lives in its own subpackage."""
+"""``aiak.optimize``: chooses a strategy (the rules, then the trials), applies it through :mod:`aiak.apply` inside a
+snapshot (all or nothing), records the decision and says what was applied."""
 from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
-import torch.distributed as dist
 from torch import nn
 
-from aiak import amp, comm, loaders, ops, optim
 from aiak.amp import warn as amp_warn
+from aiak.apply import MODEL_KNOBS, ModelRecord, apply_strategy, is_ddp
 from aiak.distributed_hints import warn_if_unsharded
-from aiak.integrations.framework_ddp import framework_ddp
 from aiak.integrations.wrappers import rewrap_optimizer, unwrap_optimizer
-from aiak.optim.accumulation import StepController
 from aiak.rollback import Snapshot
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import model_device, resolve_strategy
-from aiak.summary import Summary, compact
+from aiak.summary import Summary
 from aiak.tune import decision as decisions
+from aiak.tune.trials import run_trials
 
 logger = logging.getLogger("aiak")
 _last_summary: Optional[Summary] = None
@@ -48,7 +47,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     """
     global _last_summary
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
-    bare = model.module if _is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
+    bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
     before: Optional[ModelRecord] = getattr(bare, "_aiak_applied", None)
     if before is not None:  # a second optimizer for a model optimized before
         selection = None
@@ -59,8 +58,6 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         s = selection.strategy
     tuning, given_loader = None, loader
     if s.tune and before is None:
-        from aiak.tune.trials import run_trials
-
         tuning = run_trials(selection, bare, optimizer, loader, model_device(model, device))
         s, loader = tuning.strategy, tuning.loader
     snapshot = Snapshot(model, optimizer, scheduler, given_loader, given_optimizer)
@@ -88,140 +85,6 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     return result + (scheduler,) if scheduler is not None else result
 
 
-# The knobs that change the model itself (its modules, hooks, layout, wrapping) or the process, as opposed to one
-# optimizer's stepping (optimizer, grad_accumulation) and the loader: a model optimized once keeps them.
-MODEL_KNOBS = ("precision", "channels_last", "fused_ops", "compile", "comm", "tf32", "cudnn_benchmark",
-               "cpu_affinity")
-
-
-@dataclass
-class ModelRecord:
-    """What ``optimize()`` applied to a model, kept on it (``model._aiak_applied``) for a later ``optimize()`` of
-    another optimizer of the same model: two optimizers of one module, or Lightning calling
-    ``configure_optimizers`` again for a second ``fit``. Model-level knobs (:data:`MODEL_KNOBS`) are applied once;
-    each optimizer gets its own step controller, sharing the model's loss scaler."""
-
-    strategy: Strategy
-    scaler: Any                   # the model's LossScaler (fp16), or None
-    decision: Any                 # the decision record of that call
-
-
-@dataclass
-class Applied:
-    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary and the step controller."""
-
-    model: Any
-    optimizer: Any
-    loader: Any
-    summary: Summary
-    controller: Optional[StepController]
-    scaler: Any = None
-
-
-def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
-                   *, distributed: bool = True, model_applied: Optional[ModelRecord] = None) -> Applied:
-    """Steps 2-7 of applying a validated strategy (switches, surgery, optimizer and precision, DDP, compile,
-    loader).
-
-    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`),
-    and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
-    ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only the optimizer's and the
-    loader's steps run.
-    """
-    if model_applied is not None:
-        return _apply_to_another_optimizer(s, model, optimizer, loader, scheduler, device, model_applied)
-    dev = model_device(model, device)
-    if model is not None and device is not None:
-        model.to(dev)
-    summary = Summary()
-    bare = model.module if _is_ddp(model) else model
-    # a DistributedDataParallel the script (or a framework: Lightning's DDP strategy) built before optimize()
-    existing_ddp = model if _is_ddp(model) else framework_ddp(bare) if distributed else None
-    wrapped_by_user = existing_ddp is not None
-
-    # 2. global switches
-    summary.add("tf32", s.tf32, amp.apply_tf32(s.tf32, dev))
-    summary.add("cudnn_benchmark", s.cudnn_benchmark, amp.apply_cudnn_benchmark(s.cudnn_benchmark, dev))
-    summary.add("cpu_affinity", s.cpu_affinity, comm.apply_cpu_affinity(s.cpu_affinity))
-
-    # 3. module surgery on the bare model
-    if s.fused_ops and wrapped_by_user:
-        _skip_under_users_ddp(summary, "fused_ops", s.fused_ops, "the parameters as they are")
-    elif s.fused_ops:
-        counts = ops.apply_fused_ops(bare, s.fused_ops)
-        summary.add("fused_ops", s.fused_ops, ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items()))
-    else:
-        summary.add("fused_ops", s.fused_ops, "none")
-
-    # 4. optimizer swap, memory format, precision; the step controller owns optimizer.step()
-    user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
-    summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
-    if s.channels_last and wrapped_by_user:
-        _skip_under_users_ddp(summary, "channels_last", s.channels_last, "the parameters in their current layout")
-    else:
-        summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
-    precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
-    summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
-    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary)
-
-    # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
-    comm_cfg = s.comm
-    if s.precision.level == "O2" and s.comm.compression == "none" and distributed and _world_size() > 1:
-        comm_cfg = replace(s.comm, compression=s.precision.dtype)
-    wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
-    if wrapped is not bare and controller is not None:
-        controller.attach_ddp(wrapped)
-    summary.add("comm", compact(s.comm, ("hierarchical", "compression", "bucket_mb")), _describe_comm(wrapped, bare))
-    if existing_ddp is None or existing_ddp is model:
-        model = wrapped  # (a framework's DDP stays the framework's: the module comes back as it was given)
-
-    # 6. torch.compile last
-    summary.add("compile", s.compile, amp.apply_compile(model, dev) if s.compile else "off")
-
-    # 7. loader
-    if loader is not None:
-        loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last)
-    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
-                type(loader).__name__ if loader is not None else "no loader")
-
-    summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
-    return Applied(model, optimizer, loader, summary, controller, precision.scaler)
-
-
-def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scaler, summary: Summary):
-    """The scheduler re-pointed to a swapped optimizer, and the step controller (accumulation, loss scaling)."""
-    if scheduler is not None and optimizer is not user_optimizer:
-        optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
-    controller = None
-    if optimizer is not None and (scaler is not None or s.grad_accumulation > 1):
-        controller = StepController(optimizer, s.grad_accumulation, scaler, model=bare)
-    summary.add("grad_accumulation", s.grad_accumulation,
-                f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
-    if scheduler is not None and controller is not None:
-        controller.attach_scheduler(scheduler)
-    return controller
-
-
-def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler, device,
-                                record: ModelRecord) -> Applied:
-    """The optimizer's and the loader's steps of :func:`apply_strategy`, for a model optimized before."""
-    summary = Summary()
-    bare = model.module if _is_ddp(model) else model
-    for knob in MODEL_KNOBS:
-        summary.add(knob, getattr(s, knob), "kept as the first optimize() call of this model applied it")
-    user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
-    summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
-    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, record.scaler, summary)
-    ddp = model if _is_ddp(model) else framework_ddp(bare)
-    if controller is not None and ddp is not None:
-        controller.attach_ddp(ddp)
-    if loader is not None:
-        loader = loaders.wrap_loader(loader, s.loader, model_device(model, device), channels_last=s.channels_last)
-    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
-                type(loader).__name__ if loader is not None else "no loader")
-    return Applied(model, optimizer, loader, summary, controller, record.scaler)
-
-
 def _is_auto(strategy: Any) -> bool:
     return isinstance(strategy, str) and strategy == "auto"
 
@@ -243,28 +106,6 @@ def _say_what_was_applied(decision) -> None:
     ``aiak`` logger): what was applied, and where to read why."""
     if amp_warn.is_rank_zero():
         print(decision.headline(), file=sys.stderr, flush=True)
-
-
-def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold: str) -> None:
-    amp_warn.warn(f"aiak: {knob} skipped: the model is already a DistributedDataParallel, whose buckets hold "
-                  f"{buckets_hold}; call aiak.optimize before wrapping the model in DDP (aiak wraps it itself under "
-                  "torchrun)")
-    summary.add(knob, value, "skipped: the model was already wrapped in DDP")
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _is_ddp(model) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel)
-
-
-def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:
-    if wrapped is model:
-        return "single process: no DDP"
-    state = getattr(wrapped, "aiak_comm_state", None)
-    return f"DDP, {state.describe() if state is not None else 'built-in allreduce'}"
 
 
 def last_decision() -> Optional["decisions.Decision"]:

@@ -74,7 +74,7 @@ def apply_precision(model: nn.Module, config: Precision, device_type: str, *,
     """Make ``model`` (a bare model, or the module a DDP wraps) compute in O1/O2; its parameters are untouched.
 
     ``scaled``: fp16 loss scaling is wanted (it needs a step controller to skip overflowing steps and adjust the
-    scale, so :func:`aiak.api.apply_strategy` passes False without an optimizer). ``device`` (default: where the
+    scale, so :func:`aiak.apply.apply_strategy` passes False without an optimizer). ``device`` (default: where the
     parameters are) only tells whether the device computes the half dtype natively.
     """
     if config.level == "O0" or model is None:

@@ -5,7 +5,7 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 1. The cache (:mod:`aiak.tune.cache`) is asked first, under :func:`decision_key`; a hit runs no trial.
 2. ``tune.steps`` batches are borrowed from the loader (:mod:`aiak.tune.replay`; given back untouched).
 3. Each candidate (:mod:`aiak.tune.candidates`) is applied to its own deep copy of the model and optimizer,
-   through the same :func:`aiak.api.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
+   through the same :func:`aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
    wrapping, which do not change the step's compute). The user's objects are never touched.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; its
    gradients go through the numerics gate (:mod:`aiak.tune.gate`) against plain fp32's, their error judged
@@ -66,6 +66,7 @@ from torch import nn
 
 from aiak._nested import iter_tensors, map_tensors
 from aiak.amp import warn as amp_warn
+from aiak.apply import apply_strategy
 from aiak.rollback import read_switches, write_switches
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
@@ -226,13 +227,12 @@ class _Contender:
         self.channels_last = candidate.strategy.channels_last and candidate.strategy.loader.prefetch > 0
         self.failed = ""
         self.process_switches: Dict[str, Any] = {}  # aiak.rollback's switches as applying this candidate left them
-        self.warmup_s: List[float] = []             # untimed steps' seconds (slowest rank), the gate's first
+        self.warmup_s: List[float] = []             # steps' seconds before timing began (slowest rank), the gate's first
 
     def build(self, model: nn.Module, optimizer: Any) -> None:
         """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded).
         The process switches it set are kept for its steps and the process's put back, so every candidate is
         applied from the same ones (a knob that is off writes nothing: it would inherit the previous one's)."""
-        from aiak.api import apply_strategy
 
         process = read_switches()
         try:

@@ -54,7 +54,9 @@ def test_no_timed_sample_pays_a_first_call_cost():
                 "tune": {"candidates": 2, "steps": 3, "max_seconds": 60}}
     aiak.optimize(model, optimizer, loader, strategy=strategy)
     trials = aiak.last_decision().to_dict()["trials"]
-    assert len(trials) == 2 and all(t["accepted"] and len(t["samples_ms"]) == 3 for t in trials), trials
+    # 3 timed samples, or 2 where the ranking was clear in both rounds
+    assert len(trials) == 2 and all(t["accepted"] and MIN_TIMED_ROUNDS <= len(t["samples_ms"]) <= 3
+                                    for t in trials), trials
     layout = next(t for t in trials if t["strategy"].get("channels_last"))
     [log] = SlowFirstLayoutCalls.logs                              # one copy computed in channels_last ...
     assert log[:len(FIRST_CALLS_S)] == [True] * len(FIRST_CALLS_S)  # ... and paid its first-call costs ...
@@ -114,9 +116,9 @@ def build_candidates(step_s, layout_s, steps):
 
 
 def test_a_clear_ranking_ends_the_rounds_and_a_close_one_uses_them_all():
-    """A candidate slower than plain in every round by far more than noise (0.03 s of sleep against 0.1 s)
+    """A candidate slower than plain in every round by far more than noise (0.1 s more sleep on a 0.03 s step)
     ends the rounds at the fewest samples; two equal candidates take all ``tune.steps`` rounds."""
     clear = build_candidates(step_s=0.03, layout_s=0.1, steps=6)
     assert all(len(c.record.samples_ms) == MIN_TIMED_ROUNDS for c in clear), [c.record.samples_ms for c in clear]
-    close = build_candidates(step_s=0.03, layout_s=0.0, steps=6)
+    close = build_candidates(step_s=0.1, layout_s=0.0, steps=6)  # the sleep drowns any difference in compute
     assert all(len(c.record.samples_ms) == 6 for c in close), [c.record.samples_ms for c in close]
