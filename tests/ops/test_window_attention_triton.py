@@ -1,7 +1,7 @@
 """The Triton window-attention kernels, run for real by the Triton interpreter on CPU.
 
 All cases run in one subprocess (tests/ops/triton_interpret_worker.py) with TRITON_INTERPRET=1, so the
-flag never reaches the rest of the pytest session. Tolerance rule (flash-attn, ../shared/STYLE.md):
+flag never reaches the rest of the pytest session. Tolerance rule (as flash-attn tests its kernels):
 |kernel - float64 ref| <= 2 * |same-dtype torch - float64 ref| + atol.
 
 bf16: the interpreter multiplies bf16 bit patterns as integers inside tl.dot and truncates fp32 -> bf16
