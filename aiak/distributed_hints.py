@@ -2,7 +2,7 @@
 
 Under DDP each rank must see its own shard (``DistributedSampler``, or aiak's ``BalancedBatchSampler``); a plain
 ``DataLoader(dataset, shuffle=True)`` makes every rank train on all the data, so an epoch does world-size times
-the work and the gradients average near-duplicate batches, with no error anywhere (the issue ran it on 2 gloo
+the work and the gradients average near-duplicate batches, with no error anywhere (seen on 2 gloo
 ranks). aiak warns rather than shards the loader itself: sharding changes ``len(loader)``, hence the number of
 steps, the epoch boundary and any schedule the user computed from it, and it needs ``set_epoch`` each epoch
 to reshuffle, which only the user's loop can call.

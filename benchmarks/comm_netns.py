@@ -2,7 +2,7 @@
 
 Two network namespaces play two nodes joined by a veth pair shaped with ``tc qdisc ... tbf rate 500mbit``;
 two gloo ranks run in each namespace, so intra-node traffic stays on the namespace's loopback and only
-inter-node traffic crosses the shaped link (the setting of the issue: hierarchical allreduce made Swin
+inter-node traffic crosses the shaped link (the reference setting: hierarchical allreduce made Swin
 training 85% faster on 4 nodes x 8 GPUs over 25 Gb/s TCP; ByteGrad cuts traffic 4x).
 
 Measured in one run, against flat allreduce (what DDP does by default):

@@ -1,6 +1,6 @@
 """Cost of `import aiak` against `import torch`, each in fresh interpreters, measured in one run.
 
-Goal (issue 2): at most 1.2x `import torch` (aiak's own modules load lazily; no optional dependency).
+Goal: at most 1.2x `import torch` (aiak's own modules load lazily; no optional dependency).
 
     python benchmarks/import_time.py [--repeats 7]
 """

@@ -4,7 +4,7 @@ Overlap table: each batch costs L to load (``sleep``: a storage-latency stand-in
 decoding) and C to train on (a single-threaded matmul chain). Serial loading costs ``n * (L + C)`` per epoch;
 perfect overlap costs ``n * max(L, C)`` (the "limit"). The table times a plain DataLoader (``num_workers``
 0 and 2) and a PrefetchLoader over each, all in this run, and prints each epoch time as a ratio to the limit.
-Goal (issue 3): PrefetchLoader over ``num_workers=0`` within 1.10x of the limit for the sleep case.
+Goal: PrefetchLoader over ``num_workers=0`` within 1.10x of the limit for the sleep case.
 
 Balance table: on log-normal sequence lengths, padded tokens per rank at each step for ``DistributedSampler``
 vs ``BalancedBatchSampler``: the max/min ratio across ranks (1.0 = no rank waits at the allreduce).

@@ -1,6 +1,6 @@
 """Step time of aiak's LAMB / LARS against torch's AdamW / SGD-momentum (foreach), measured in one run.
 
-Issue 4's goals, on CPU with ~32M parameters in ~300 tensors of ResNet-50-like shapes:
+The goals, on CPU with ~32M parameters in ~300 tensors of ResNet-50-like shapes:
   LAMB / AdamW(foreach=True) <= 1.0      LARS / SGD(momentum, foreach=True) <= 1.5
 and LAMB's achieved bandwidth, counted at the minimum of 7 x 4 bytes per parameter (read w, g, m, v;
 write w, m, v), printed beside a measured copy bandwidth.

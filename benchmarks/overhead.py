@@ -1,6 +1,6 @@
 """Per-step overhead of aiak.optimize on a tiny model, against a plain loop measured in the same run.
 
-Goal (issue 2): strategy="default" costs at most 1.03x a plain PyTorch step. The other rows show what the
+Goal: strategy="default" costs at most 1.03x a plain PyTorch step. The other rows show what the
 step controller and the precision hooks cost when they have work to do (accumulation, O2) on a model this small,
 where the framework's bookkeeping is most visible.
 

@@ -1,6 +1,6 @@
 """Swin window attention: eager vs SDPA-with-mask vs aiak, measured in one run.
 
-Reference claim (issue 5): window attention fused into one kernel went from 392 us to 13 us (30x) on the
+Reference claim: window attention fused into one kernel went from 392 us to 13 us (30x) on the
 Swin-B stage-1 shape and made whole Swin training >20% faster. Goals: CPU path >= 2.5x eager forward at
 Swin-T stage-1 shapes; on a GPU (gpu_checks), the fused forward >= 30x eager at Swin-B stage 1,
 forward+backward at least as fast as SDPA with the mask, the fused HF module faster than eager, and a
@@ -215,7 +215,7 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-# Reference figures of issue 5: fused window attention 392 us -> 13 us on the Swin-B stage-1 shape (30x),
+# Reference figures: fused window attention 392 us -> 13 us on the Swin-B stage-1 shape (30x),
 # and whole Swin training more than 20% faster.
 GOAL_FUSED_FWD_SPEEDUP = 30.0
 REFERENCE_US = (392, 13)
@@ -269,7 +269,7 @@ def _kernel_error_ratio(device, windows, n, d, nw, dtype) -> float:
 def gpu_checks(device="cuda", batch=64, repeats=20, warmup=5, train_step=True) -> list:
     """CUDA checks for benchmarks/gpu_check.py, each row compared with a stated goal: Triton correctness
     (fwd + every grad vs float64, flash-attn tolerance rule), the largest admitted shape (runs, in Triton or
-    through the warned torch fallback, and matches), and the speed goals of issue 5. Touches CUDA only when
+    through the warned torch fallback, and matches), and the speed goals above. Touches CUDA only when
     called; budget under 2 minutes on one H200, mostly autotune compiles. (``device="cpu"`` with
     ``TRITON_INTERPRET=1`` and a tiny batch dry-runs the same code on CPU.)"""
     from aiak.ops.window_attention import TRITON_MAX_D, TRITON_MAX_N

@@ -3,7 +3,7 @@
 Lightning (``Trainer(accumulate_grad_batches=N)``), Accelerate (``Accelerator(gradient_accumulation_steps=N)``,
 whose ``backward`` divides the loss by N and whose optimizer wrapper steps on every N-th call) and the Hugging
 Face ``Trainer`` (``gradient_accumulation_steps``, run through Accelerate) each divide the loss and skip
-optimizer steps themselves. aiak's ``grad_accumulation`` on top would multiply the window (the issue measured
+optimizer steps themselves. aiak's ``grad_accumulation`` on top would multiply the window (measured once:
 6 aiak steps in 12 Trainer steps, on partial gradients); the step controller asks here once, before its first
 scaled backward, and turns its own accumulation off when a framework's is on.
 

@@ -75,7 +75,7 @@ from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_kno
 from aiak.tune.replay import RandomStreams, borrow
 from aiak.versions import installed_version
 
-BUDGET_FRACTION = 0.05     # the issue's budget: 5% ...
+BUDGET_FRACTION = 0.05     # the trials' budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
 MIN_TIMED_ROUNDS = 2
 NOISE_FLOOR = 0.03         # step times closer than 3% are never told apart
