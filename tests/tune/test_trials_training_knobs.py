@@ -67,6 +67,21 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _train(model, optimizer, loader, calls):
+    """``calls`` iterations of the plain loop; for each, whether its ``step()`` changed the weights."""
+    changed, previous = [], _params(model)
+    batches = iter(loader)
+    for _ in range(calls):
+        x, y = next(batches)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        now = _params(model)
+        changed.append(any(not torch.equal(a, b) for a, b in zip(previous, now)))
+        previous = now
+    return changed
+
+
 def _setup(refuses_channels_last):
     model, optimizer, loader = setup(n=256)
     if refuses_channels_last:
@@ -92,17 +107,7 @@ def test_whatever_wins_the_run_keeps_accumulation_and_lars(strategy, refuses_cha
     assert isinstance(optimizer, Lars)
 
     # the optimizer really steps every 4th step() call (not on the others), with LARS's update
-    changed, previous = [], _params(model)
-    batches = iter(loader)
-    for call in range(8):
-        x, y = next(batches)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        now = _params(model)
-        changed.append(any(not torch.equal(a, b) for a, b in zip(previous, now)))
-        previous = now
-    assert changed == [False, False, False, True] * 2
+    assert _train(model, optimizer, loader, 8) == [False, False, False, True] * 2
 
     # and the run equals the winner applied with the trials off
     winner = copy.deepcopy(decision["strategy"])
@@ -110,12 +115,7 @@ def test_whatever_wins_the_run_keeps_accumulation_and_lars(strategy, refuses_cha
     ref_model, ref_optimizer, ref_loader = _setup(refuses_channels_last)
     ref_model, ref_optimizer, ref_loader = aiak.optimize(ref_model, ref_optimizer, ref_loader, strategy=winner)
     assert isinstance(ref_optimizer, Lars)
-    batches = iter(ref_loader)
-    for _ in range(8):
-        x, y = next(batches)
-        torch.nn.functional.cross_entropy(ref_model(x), y).backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+    _train(ref_model, ref_optimizer, ref_loader, 8)
     a, b = state(model), state(ref_model)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
