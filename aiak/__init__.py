@@ -19,9 +19,9 @@ _LAZY = {
     "load_strategy": ("aiak.strategy.profiles", "load_strategy"),
     "select_strategy": ("aiak.strategy.select", "select_strategy"),
     "last_decision": ("aiak.api", "last_decision"),
-    "clip_grad_norm_": ("aiak.optim.accumulation", "clip_grad_norm_"),
-    "clip_grad_value_": ("aiak.optim.accumulation", "clip_grad_value_"),
-    "stepped": ("aiak.optim.accumulation", "stepped"),
+    "clip_grad_norm_": ("aiak.step.controller", "clip_grad_norm_"),
+    "clip_grad_value_": ("aiak.step.controller", "clip_grad_value_"),
+    "stepped": ("aiak.step.controller", "stepped"),
 }
 _SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "tune", "cli")
 

@@ -1,5 +1,5 @@
 """``aiak.optimize``: chooses a strategy (the rules, then the trials), applies it through :mod:`aiak.apply` inside a
-snapshot (all or nothing), records the decision and says what was applied."""
+snapshot (all or nothing), records the decision and says what was applied; ``explain`` says what it would do."""
 from __future__ import annotations
 
 import logging
@@ -9,19 +9,18 @@ from typing import Any, Optional
 
 from torch import nn
 
-from aiak.amp import warn as amp_warn
 from aiak.apply import MODEL_KNOBS, ModelRecord, apply_strategy, is_ddp
-from aiak.distributed_hints import warn_if_unsharded
-from aiak.integrations.wrappers import rewrap_optimizer, unwrap_optimizer
-from aiak.rollback import Snapshot
+from aiak.loaders.distributed_hints import warn_if_unsharded
+from aiak.runtime.rollback import Snapshot
+from aiak.step.wrappers import rewrap_optimizer, unwrap_optimizer
 from aiak.strategy.schema import Strategy
-from aiak.strategy.select import model_device, resolve_strategy
-from aiak.summary import Summary
+from aiak.strategy.select import resolve_strategy
 from aiak.tune import decision as decisions
 from aiak.tune.trials import run_trials
+from aiak.util import warn as amp_warn
+from aiak.util.devices import model_device
 
 logger = logging.getLogger("aiak")
-_last_summary: Optional[Summary] = None
 
 
 def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "auto", scheduler=None,
@@ -38,14 +37,13 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     (:mod:`aiak.tune.trials`); ``aiak.last_decision()`` says what was chosen and why.
 
     All or nothing: the strategy is validated before anything is touched, and if a later step fails, the
-    model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.rollback`) before
+    model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.runtime.rollback`) before
     the error propagates.
 
     A framework's optimizer wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
     seen through: the optimizer inside is the one patched, and the wrapper comes back
-    (:mod:`aiak.integrations.wrappers`).
+    (:mod:`aiak.step.wrappers`).
     """
-    global _last_summary
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
     bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
     before: Optional[ModelRecord] = getattr(bare, "_aiak_applied", None)
@@ -68,7 +66,6 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         if tuning is not None and tuning.restore_rng is not None:
             tuning.restore_rng()
         raise
-    _last_summary = applied.summary
     if before is None:
         decision = decisions.build(selection, s, tuning, applied.summary)
         if bare is not None:
@@ -108,12 +105,24 @@ def _say_what_was_applied(decision) -> None:
         print(decision.headline(), file=sys.stderr, flush=True)
 
 
+def explain(model, optimizer=None, loader=None, *, strategy: Any = "auto", tune: bool = False, device: Any = None
+            ) -> "decisions.Decision":
+    """What ``strategy`` would apply to these objects, knob by knob, and why.
+
+    ``tune=False``: the rules' pick only; nothing is measured and the objects are not changed.
+    ``tune=True``: ``optimize()`` runs on the objects (trials included) and its record is returned.
+    """
+    if tune:
+        optimize(model, optimizer, loader, strategy=strategy, device=device)
+        return decisions.last_decision()
+    selection = resolve_strategy(strategy, model, optimizer, loader, device=device)
+    record = decisions.build(selection, selection.strategy, None, None)
+    if selection.strategy.tune:
+        record.tuning = "not measured here (aiak explain --tune measures the candidates)"
+    return record
+
+
 def last_decision() -> Optional["decisions.Decision"]:
     """The record of the most recent ``optimize()``: strategy, knobs with source and reason, trials
     (:mod:`aiak.tune.decision`); ``.to_dict()`` is JSON-ready."""
     return decisions.last_decision()
-
-
-def last_summary() -> Optional[Summary]:
-    """The summary of the most recent ``optimize()`` call (what ``aiak explain`` prints)."""
-    return _last_summary

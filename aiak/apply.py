@@ -1,31 +1,49 @@
 """The one applier of a strategy: switches, module surgery, optimizer and precision, the step controller, DDP,
-compile, loader, in that order, each step writing what it did into a :class:`~aiak.summary.Summary`.
+compile, loader, in that order, each step writing what it did into a :class:`Summary`.
 
-``aiak.optimize()`` calls :func:`apply_strategy` inside a :class:`~aiak.rollback.Snapshot` (all or nothing), and
+``aiak.optimize()`` calls :func:`apply_strategy` inside a :class:`~aiak.runtime.rollback.Snapshot` (all or nothing), and
 the trials (:mod:`aiak.tune.trials`) call it on their copies with ``distributed=False``, so a candidate is timed
 exactly as it would be applied.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Optional
+import dataclasses
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
-from aiak.amp import warn as amp_warn
-from aiak.integrations.framework_ddp import framework_ddp
-from aiak.optim.accumulation import StepController
+from aiak.step.controller import StepController
+from aiak.step.framework_ddp import framework_ddp
+from aiak.strategy import knobs
 from aiak.strategy.schema import Strategy
-from aiak.strategy.select import model_device
-from aiak.summary import Summary, compact
+from aiak.util import warn as amp_warn
+from aiak.util.devices import model_device
+from aiak.util.text import yaml_text
+
+
+@dataclass
+class Summary:
+    """What each step of :func:`apply_strategy` did, knob by knob: the "applied" part of the decision record."""
+
+    lines: List[Tuple[str, str, str]] = field(default_factory=list)  # (knob, value, effect)
+
+    def add(self, knob: str, value: object, effect: str) -> None:
+        self.lines.append((knob, yaml_text(value), effect))
+
+
+def compact(section: object, always: Tuple[str, ...]) -> Dict[str, object]:
+    """A config section as a dict of the ``always`` keys plus every key that differs from its default."""
+    defaults = type(section)()
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+            if f.name in always or getattr(section, f.name) != getattr(defaults, f.name)}
 
 
 # The knobs that change the model itself (its modules, hooks, layout, wrapping) or the process, as opposed to one
 # optimizer's stepping (optimizer, grad_accumulation) and the loader: a model optimized once keeps them.
-MODEL_KNOBS = ("precision", "channels_last", "fused_ops", "compile", "comm", "tf32", "cudnn_benchmark",
-               "cpu_affinity")
+MODEL_KNOBS = knobs.model_knobs()
 
 
 @dataclass
@@ -57,7 +75,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     """Steps 2-7 of applying a validated strategy (switches, surgery, optimizer and precision, DDP, compile,
     loader).
 
-    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.rollback.Snapshot`),
+    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.runtime.rollback.Snapshot`),
     and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
     ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only the optimizer's and the
     loader's steps run.
@@ -73,10 +91,10 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     existing_ddp = model if is_ddp(model) else framework_ddp(bare) if distributed else None
     wrapped_by_user = existing_ddp is not None
 
-    # 2. global switches
-    summary.add("tf32", s.tf32, amp.apply_tf32(s.tf32, dev))
-    summary.add("cudnn_benchmark", s.cudnn_benchmark, amp.apply_cudnn_benchmark(s.cudnn_benchmark, dev))
-    summary.add("cpu_affinity", s.cpu_affinity, comm.apply_cpu_affinity(s.cpu_affinity))
+    # 2. process switches (the knob table's process rows)
+    for knob in knobs.process_knobs():
+        value = getattr(s, knob.path)
+        summary.add(knob.path, value, knob.apply(value, dev))
 
     # 3. module surgery on the bare model
     if s.fused_ops and wrapped_by_user:

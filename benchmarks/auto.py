@@ -4,10 +4,10 @@
     python benchmarks/auto.py --quick          # smoke run: demo and mlp, small, no compile, a few rounds
 
 Eight CPU-sized models of different families, each trained with the optimizer its family uses
-(:func:`aiak.model_spec.default_optimizer`: AdamW for transformers, SGD otherwise); random weights, nothing
+(:func:`aiak.cli.model_spec.default_optimizer`: AdamW for transformers, SGD otherwise); random weights, nothing
 downloaded:
 
-* ``demo``: :class:`aiak.demo.DemoNet` (ResNet-style CNN with BatchNorm), 3x32x32, batch 64, SGD;
+* ``demo``: :class:`aiak.cli.demo.DemoNet` (ResNet-style CNN with BatchNorm), 3x32x32, batch 64, SGD;
 * ``vit``: timm ``vit_tiny_patch16_224`` at 64 px (a transformer encoder over 16 patches + class token),
   batch 32, AdamW;
 * ``swin``: timm ``swin_tiny_patch4_window7_224`` made small: 64 px, window 4, embed_dim 48, depths 2,2,2,2,
@@ -77,8 +77,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optimizers import time_round_robin  # noqa: E402
 
 import aiak  # noqa: E402
-from aiak import model_spec  # noqa: E402
-from aiak.amp.warn import quiet  # noqa: E402  (silences aiak without spending its warn-once keys)
+from aiak.cli import model_spec  # noqa: E402
+from aiak.util.warn import quiet  # noqa: E402  (silences aiak without spending its warn-once keys)
 from aiak.tune.trials import BUDGET_FRACTION, BUDGET_RUN_STEPS  # noqa: E402
 
 RUN_STEPS = 200            # the run length auto's tuning cost is spread over
@@ -96,7 +96,7 @@ def _timm(name: str, **kwargs) -> nn.Module:
 
 
 def _demo() -> nn.Module:
-    from aiak.demo import DemoNet
+    from aiak.cli.demo import DemoNet
 
     return DemoNet()
 
@@ -145,7 +145,7 @@ _MATERIALISED: Dict[tuple, TensorDataset] = {}
 def make_setup(case: ModelCase, batch_size: int, samples: int, seed: int = 0) -> model_spec.ModelSetup:
     """A fresh model (weights from ``seed``), its optimizer, and a loader over the case's synthetic samples.
 
-    The images are :class:`aiak.model_spec.SyntheticImages` with the case's noise (the default 0.8 lets
+    The images are :class:`aiak.cli.model_spec.SyntheticImages` with the case's noise (the default 0.8 lets
     ViT, Swin and the MLP reach a loss near 0 within 60 steps, where a loss comparison says nothing). They
     are materialised once per case and shared by every contender's loader (each with its own seeded
     shuffle, so all see the same batches in the same order): a batch then costs a fraction of a millisecond

@@ -325,8 +325,12 @@ def _autotune_rows(device) -> list:
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from aiak.comm import CommChoice, CommState, StepTuner, TuneCache, cache_key, comm_hook, tune_comm
-    from aiak.comm.autotune import StepClock, algorithm_candidates, decide, group_device, shared_cache_lookup
+    from aiak.comm import CommChoice, CommState, StepTuner, cache_key, comm_hook, read_choice, tune_comm
+    from aiak.comm.autotune import algorithm_candidates, decide
+    from aiak.util.cache import TuneCache
+    from aiak.util.dist import rank0_object
+    from aiak.measure.clock import StepClock
+    from aiak.util.dist import group_device
     from aiak.comm.compression import COMPRESSIONS
 
     rows = []
@@ -341,10 +345,10 @@ def _autotune_rows(device) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         cache = TuneCache(Path(tmp) / "tune.json")
         key = cache_key(model, 1, 1, "cuda", "comm")
-        miss = shared_cache_lookup(cache, key)
+        miss = rank0_object(lambda: read_choice(cache, key))
         choice = tune_comm(model, CommState(), [1.0, 5.0], allow_int8=True, repeats=2, device=device)
-        cache.put(key, choice, perf_mode="comm")
-        hit = shared_cache_lookup(cache, key)
+        cache.put_entry(key, choice.entry(perf_mode="comm"))
+        hit = rank0_object(lambda: read_choice(cache, key))
     valid = isinstance(choice, CommChoice) and not choice.hierarchical and choice.compression in COMPRESSIONS \
         and choice.bucket_mb in (1.0, 5.0)
     rows.append(_row("comm.autotune: comm mode + cache on NCCL", valid and miss is None and hit == choice,

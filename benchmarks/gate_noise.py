@@ -44,7 +44,7 @@ def _bf16_gradients(model, level, x, y):
     import torch
 
     import aiak
-    from aiak.amp import warn as amp_warn
+    from aiak.util import warn as amp_warn
 
     m = copy.deepcopy(model)
     with amp_warn.quiet():

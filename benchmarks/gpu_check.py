@@ -62,7 +62,7 @@ def core_checks(device: str = "cuda", speed_shape=(128, 256, 64), rounds: int = 
     trained-for-30-steps models. ``device="cpu"`` with a small
     shape dry-runs the same code on CPU (the TF32 row then fails: no CUDA)."""
     import aiak
-    from aiak.demo import DemoNet
+    from aiak.cli.demo import DemoNet
 
     rows = []
     dev = torch.device(device)
@@ -174,7 +174,7 @@ def auto_checks(device: str = "cuda", width: int = 64, batch: int = 128, size: i
     trials run on CUDA (event-timed, peak memory recorded), pick a strategy at least as fast as plain fp32,
     train to fp32's loss, and a second call is a cache hit. ``device="cpu"`` dry-runs it on CPU."""
     import aiak
-    from aiak.demo import DemoNet, synthetic_dataset
+    from aiak.cli.demo import DemoNet, synthetic_dataset
     from aiak.strategy.probes import probe
     from aiak.strategy.select import select
     from torch.utils.data import DataLoader
@@ -289,7 +289,7 @@ def section(name: str):
         from comm_netns import gpu_checks
         return gpu_checks()
     if name == "doctor":
-        from aiak.doctor import gpu_checks
+        from aiak.cli.doctor import gpu_checks
         return gpu_checks()
     if name == "bench":
         return bench_checks()

@@ -13,14 +13,14 @@ momentum, from the same initial weights on the same batches, two ways:
   cast to bf16 in place outside norm layers, fp32 masters stepped and copied back). The old O2 made those
   moves from aiak's step controller, whose bookkeeping is left out: a small head start for ``old``.
 
-Models: ``demo`` (:class:`aiak.demo.DemoNet` at width 16, 3x32x32, batch 16), ``mlp`` (3072-1024-1024-10,
-batch 16), ``vit`` (timm ``vit_tiny_patch16_224`` at 64 px, batch 4), on :func:`aiak.demo.synthetic_dataset`
+Models: ``demo`` (:class:`aiak.cli.demo.DemoNet` at width 16, 3x32x32, batch 16), ``mlp`` (3072-1024-1024-10,
+batch 16), ``vit`` (timm ``vit_tiny_patch16_224`` at 64 px, batch 4), on :func:`aiak.cli.demo.synthetic_dataset`
 images; small batches, as a CPU without AVX512-BF16 emulates bf16 matmuls at about 1 GFLOP/s. First each
 model trains 3 steps both ways: the new parameters and the old fp32 masters must agree within bf16
 tolerance (``W_RTOL``, ``W_ATOL``), and so must their updates (``UPDATE_RTOL``), or the script stops.
 
-Timing is :mod:`aiak.measure`'s: both sides warm up, then alternate in rounds; new vs old is old round time /
-new round time, the median over rounds with its distribution-free interval and aiak.measure's verdict. One
+Timing is :mod:`aiak.measure.rounds`'s: both sides warm up, then alternate in rounds; new vs old is old round time /
+new round time, the median over rounds with its distribution-free interval and aiak.measure.rounds's verdict. One
 torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads wait for each other
 whenever another process holds a core (a DemoNet step: 440-670 ms with 2 threads, 80 ms with 1, load 8).
 
@@ -52,11 +52,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import aiak
-from aiak._nested import map_tensors
-from aiak.amp.warn import quiet
-from aiak.demo import DemoNet, synthetic_dataset
-from aiak.measure import Contender, Spread, alternate, plan_rounds, speedup
-from aiak.rollback import read_switches
+from aiak.util.nested import map_tensors
+from aiak.util.warn import quiet
+from aiak.cli.demo import DemoNet, synthetic_dataset
+from aiak.measure.rounds import Contender, Spread, alternate, plan_rounds, speedup
+from aiak.runtime.switches import read_switches
 
 O2_BF16 = {"precision": {"level": "O2", "dtype": "bf16"}, "tune": False}
 LR, MOMENTUM = 0.01, 0.9
@@ -148,7 +148,7 @@ def _timm_vit() -> nn.Module:
 
 # name -> (factory, image size, batch, --quick batch, steps per side, description)
 CASES: Dict[str, Tuple[Callable[[], nn.Module], int, int, int, int, str]] = {
-    "demo": (lambda: DemoNet(width=16), 32, 16, 8, 48, "aiak.demo.DemoNet(width=16), 3x32x32"),
+    "demo": (lambda: DemoNet(width=16), 32, 16, 8, 48, "aiak.cli.demo.DemoNet(width=16), 3x32x32"),
     "mlp": (lambda: nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 1024), nn.GELU(), nn.Linear(1024, 1024),
                                   nn.GELU(), nn.Linear(1024, 10)), 32, 16, 8, 48, "MLP 3072-1024-1024-10"),
     "vit": (_timm_vit, 64, 4, 2, 16, "timm vit_tiny_patch16_224 @ 64 px"),

@@ -43,7 +43,7 @@ DEFAULT_CANDIDATES = ("fp32", "O2 fp16", "O2 bf16", "O1 bf16")
 def _models() -> Dict[str, Tuple[Callable, Tuple[int, ...]]]:
     """name -> (factory, input shape): the demo's ResNet-like DemoNet and torchvision's resnet18, CPU-sized."""
     def demo():
-        from aiak.demo import DemoNet
+        from aiak.cli.demo import DemoNet
         return DemoNet(width=16)
 
     def resnet18():

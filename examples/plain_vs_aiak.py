@@ -3,11 +3,11 @@
 Not something a training script needs: each example's ``--no-compare`` trains with aiak alone. With the
 comparison on, the example builds its setup twice from one seed (same weights, same batches), passes one copy
 through ``aiak.optimize`` and leaves the other plain, then hands both training loops (generators yielding each
-step's loss) to :func:`compare`. That is how ``aiak demo`` measures (:func:`aiak.demo.run_demo`): on a shared
+step's loss) to :func:`compare`. That is how ``aiak demo`` measures (:func:`aiak.cli.demo.run_demo`): on a shared
 machine a step's time drifts several-fold within minutes, so one run of each side after the other measures the
 drift as much as aiak. Here both sides warm up in turn, the timed steps are cut into rounds with the order
 rotating, and the speedup is the median of the per-round ratios with its confidence interval
-(:mod:`aiak.measure`), called "within noise" when the interval straddles 1.00x.
+(:mod:`aiak.measure.rounds`), called "within noise" when the interval straddles 1.00x.
 
 Global switches that ``aiak.optimize`` sets for the process (TF32, cuDNN autotuning) would also speed up the
 plain side; each side's steps run under its own setting of them, so the plain side stays plain.
@@ -20,13 +20,13 @@ from typing import Iterator, Sequence, Tuple
 
 import torch
 
-from aiak.measure import Contender, alternate, plan_rounds, speedup
-from aiak.rollback import write_switches
+from aiak.measure.rounds import Contender, alternate, plan_rounds, speedup
+from aiak.runtime.rollback import write_switches
 
 
 class Side:
     """One training run: its loop (a generator of step losses), its model (for the held-out loss), and the
-    switches its steps run under (:func:`aiak.rollback.read_switches`, taken right after it was set up)."""
+    switches its steps run under (:func:`aiak.runtime.rollback.read_switches`, taken right after it was set up)."""
 
     def __init__(self, name: str, steps: Iterator[torch.Tensor], model: torch.nn.Module, switches: dict):
         self.name, self.steps, self.model, self.switches = name, steps, model, switches
@@ -71,8 +71,8 @@ def compare(plain: Side, aiak: Side, *, total_steps: int, samples_per_step: int,
 
     The throughput is ``samples_per_step`` (every rank's samples of one step) times the timed steps over their
     total time (not over the median step: with balanced batches of varying length the steps differ by design);
-    the speedup is the median of the per-round ratios with its interval (:func:`aiak.measure.speedup`). The loss
-    is each trained model's on the ``held_out`` batches. A side that :func:`aiak.measure.alternate` stops as too
+    the speedup is the median of the per-round ratios with its interval (:func:`aiak.measure.rounds.speedup`). The loss
+    is each trained model's on the ``held_out`` batches. A side that :func:`aiak.measure.rounds.alternate` stops as too
     slow (10x the plain step) is reported as such. The aiak side always trains to the end of its loop (untimed
     past ``total_steps``, e.g. a balanced loader with more batches), so its model is trained fully either way.
     """

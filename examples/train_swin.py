@@ -140,7 +140,7 @@ def main(argv=None) -> None:
     if args.compare:  # --- comparison only: the same setup again, left plain -----------------------------------
         from plain_vs_aiak import Side, check_steps, compare
 
-        from aiak.rollback import read_switches
+        from aiak.runtime.rollback import read_switches
 
         check_steps(args.epochs * len(loader), args.rounds)
         plain_setup, plain_switches = build(args, device), read_switches()

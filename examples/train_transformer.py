@@ -223,7 +223,7 @@ def main(argv=None) -> None:
 
         from plain_vs_aiak import Side, check_steps, compare
 
-        from aiak.rollback import read_switches
+        from aiak.runtime.rollback import read_switches
 
         check_steps(args.epochs * len(loader), args.rounds)
         plain_model, plain_optimizer, plain_loader, plain_sampler = build(args, device)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import aiak
-from aiak.demo import DemoNet, synthetic_dataset
+from aiak.cli.demo import DemoNet, synthetic_dataset
 
 STRATEGIES = {
     "O2-fp16+accum2": {"precision": {"level": "O2", "dtype": "fp16"}, "grad_accumulation": 2},

@@ -22,8 +22,8 @@ from typing import FrozenSet, Optional, Tuple
 
 import torch
 
-from aiak.amp.warn import warn_once
-from aiak.strategy import probes
+from aiak.util import cpu, devices
+from aiak.util.warn import warn_once
 
 FP16_CPU_COST = ("measured ~27x slower than fp32 per training step of torchvision's resnet18 and ~7x for the demo "
                  "CNN on a 2-core AMD EPYC (`python benchmarks/precision_cpu.py`)")
@@ -35,19 +35,19 @@ def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[F
                       capability: Optional[Tuple[int, int]] = None) -> Optional[Tuple[str, str]]:
     """``(key, message)`` if ``dtype`` ("fp16" / "bf16") is emulated on ``device``, else None.
 
-    ``cpu_flags`` and ``capability`` default to the probes of this machine (:mod:`aiak.strategy.probes`);
+    ``cpu_flags`` and ``capability`` default to the probes of this machine (:mod:`aiak.util.cpu`, :mod:`aiak.util.devices`);
     passing them describes another machine. ``key`` names the knob and device kind, for warning once.
     """
     if device.type == "cpu":
-        flags = probes.cpu_features() if cpu_flags is None else cpu_flags
-        native_bf16 = sorted(flags & probes.NATIVE_BF16_CPU_FLAGS)
+        flags = cpu.cpu_features() if cpu_flags is None else cpu_flags
+        native_bf16 = sorted(flags & cpu.NATIVE_BF16_CPU_FLAGS)
         if dtype == "fp16":
             if native_bf16:
                 instead = f"use precision.dtype: bf16 instead (this CPU has {'/'.join(native_bf16)})"
             else:
                 instead = ("use precision.level: O0 (fp32) instead (this CPU has no bf16 hardware either: no "
                            "avx512_bf16 / amx_bf16)")
-            native_fp16 = sorted(flags & probes.NATIVE_FP16_CPU_FLAGS)
+            native_fp16 = sorted(flags & cpu.NATIVE_FP16_CPU_FLAGS)
             caveat = (f" This CPU reports {'/'.join(native_fp16)}, which oneDNN can use; the cost there was not "
                       "measured, time it with benchmarks/precision_cpu.py." if native_fp16 else "")
             return "fp16-on-cpu", (f"aiak: precision.dtype fp16 on CPU is emulated (most CPU kernels have no fp16 "
@@ -58,7 +58,7 @@ def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[F
                                    "instead.")
         return None
     if device.type == "cuda" and dtype == "bf16":
-        cap = probes.cuda_capability(device) if capability is None else capability
+        cap = devices.cuda_capability(device) if capability is None else capability
         if cap is not None and cap < (8, 0):
             return "bf16-on-cuda", (f"aiak: precision.dtype bf16 on {device} (compute capability {cap[0]}.{cap[1]}) "
                                     "is emulated: bf16 tensor cores need compute capability 8.0 (Ampere) or newer "

@@ -49,16 +49,12 @@ from typing import Any, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from aiak._nested import iter_tensors, map_tensors
+from aiak.util.nested import iter_tensors, map_tensors
+from aiak.util.norm_layers import is_norm_layer
 
 # These accept a half input with fp32 weights natively (CPU and CUDA) and return the input's dtype.
 NATIVE_MIXED_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def is_norm_layer(module: nn.Module) -> bool:
-    """Normalization layers compute in fp32 under O2: torch's norm classes, and any class named ``*Norm*``."""
-    return isinstance(module, NATIVE_MIXED_NORMS) or "Norm" in type(module).__name__
 
 
 # -- gradient scaling inside the graph -----------------------------------------------------------------

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from aiak.amp import script_scaler
+from aiak.amp.config import Precision
 from aiak.amp.emulation import warn_if_emulated
 from aiak.amp.half_compute import HalfCompute
 from aiak.amp.loss_scaler import LossScaler
-from aiak.strategy.schema import Precision
-from aiak.strategy.select import model_device
+from aiak.util.devices import model_device
 
 logger = logging.getLogger("aiak")
 

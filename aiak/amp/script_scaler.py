@@ -27,7 +27,7 @@ from typing import List
 import torch
 
 from aiak.amp.half_compute import scaling_node_scaler
-from aiak.amp.warn import warn_once
+from aiak.util.warn import warn_once
 
 _installed = False
 

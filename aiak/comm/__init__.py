@@ -6,7 +6,7 @@ other names are for users who assemble the pieces themselves. Importing this pac
 CUDA nor a process group.
 """
 from aiak.comm.affinity import apply_cpu_affinity
-from aiak.comm.autotune import CommChoice, StepTuner, TuneCache, cache_key, model_signature, tune_comm
+from aiak.comm.autotune import CommChoice, StepTuner, cache_key, model_signature, read_choice, tune_comm
 from aiak.comm.compression import ErrorFeedback, dequantize_int8, quantize_int8
 from aiak.comm.ddp import resolve_options, use_plain_state_dict_keys, wrap_distributed
 from aiak.comm.deadlock import CollectiveMismatchError, deadlock_guard, disable_deadlock_guard, enable_deadlock_guard
@@ -18,6 +18,6 @@ __all__ = [
     "CommState", "comm_hook", "average",
     "Topology", "HierarchicalGroups", "detect_topology", "build_groups",
     "ErrorFeedback", "quantize_int8", "dequantize_int8",
-    "CommChoice", "TuneCache", "StepTuner", "tune_comm", "cache_key", "model_signature",
+    "CommChoice", "read_choice", "StepTuner", "tune_comm", "cache_key", "model_signature",
     "CollectiveMismatchError", "deadlock_guard", "enable_deadlock_guard", "disable_deadlock_guard",
 ]

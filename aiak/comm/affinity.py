@@ -8,13 +8,12 @@ thread count is set to the number of cores kept, so the ranks do not oversubscri
 """
 from __future__ import annotations
 
-import logging
 import os
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
-logger = logging.getLogger("aiak")
+from aiak.util.warn import warn
 
 
 def _local_rank_and_size() -> tuple:
@@ -56,16 +55,18 @@ def _nvml_cores(local_rank: int) -> Optional[List[int]]:
         words = pynvml.nvmlDeviceGetCpuAffinity(handle, (os.cpu_count() + 63) // 64)
         return [w * 64 + b for w, word in enumerate(words) for b in range(64) if word >> b & 1]
     except Exception as e:  # noqa: BLE001 - NVML quirks must not stop training
-        logger.warning("aiak.comm: NVML CPU affinity unavailable (%s); splitting cores evenly", e)
+        warn(f"aiak.comm: NVML CPU affinity unavailable ({e}); splitting cores evenly")
         return None
 
 
-def apply_cpu_affinity(enabled: bool) -> str:
-    """Bind this process per the module docstring; returns a one-line description of what was done."""
+def apply_cpu_affinity(enabled: bool, device: Any = None) -> str:
+    """Bind this process per the module docstring; returns a one-line description of what was done.
+
+    ``device`` is not read (the cores follow the local rank): it makes the signature every process knob's."""
     if not enabled:
         return "cpu affinity: off"
     if not hasattr(os, "sched_setaffinity"):
-        logger.warning("aiak.comm: cpu_affinity needs os.sched_setaffinity (Linux); skipped")
+        warn("aiak.comm: cpu_affinity needs os.sched_setaffinity (Linux); skipped")
         return "cpu affinity: skipped (no sched_setaffinity on this platform)"
     local_rank, local_size = _local_rank_and_size()
     allowed = sorted(os.sched_getaffinity(0))

@@ -15,7 +15,7 @@ Each rank measures; timings are max-reduced (a step is as slow as the slowest ra
 fastest and broadcasts it, so every rank runs the same algorithm. The tuner's own tensors (timings, the
 choice, the cache broadcast) live on :func:`group_device`: CPU for gloo, the current CUDA device for NCCL,
 which has no CPU path. Step times come from a :class:`StepClock`: CUDA events on the stream, not host time.
-Results are cached in the one tuning cache (:mod:`aiak.tune.cache`, shared with the strategy trials), keyed
+Results are cached in the one tuning cache (:mod:`aiak.util.cache`, shared with the strategy trials), keyed
 by every input of the decision (:class:`TuneInputs`: model signature, world and local size, device type, torch
 version, perf mode, and the settings that change the candidates or how they are measured: int8 allowed,
 hierarchical allowed and available, bucket sizes tried, timed runs, int8 block, intra-node compression,
@@ -28,18 +28,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import statistics
-import time
 from dataclasses import asdict, astuple, dataclass, fields
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-
-from aiak.amp.warn import warn
 import torch.distributed as dist
 
 from aiak.comm.compression import COMPRESSIONS
 from aiak.comm.hooks import CommState, average
-from aiak.tune.cache import TuneCache as _SharedCache
+from aiak.measure.clock import StepClock
+from aiak.measure.rounds import Contender, alternate
+from aiak.util.cache import TuneCache
+from aiak.util.dist import group_device, max_across_ranks, rank0_index, rank0_object
+from aiak.util.warn import warn
 
 logger = logging.getLogger("aiak")
 PERF_MODES = ("comm", "step")
@@ -52,6 +53,10 @@ class CommChoice:
     hierarchical: bool
     compression: str
     bucket_mb: float
+
+    def entry(self, **extra: Any) -> Dict[str, Any]:
+        """The cache entry of this choice (:mod:`aiak.util.cache`), with ``extra`` beside it."""
+        return {**asdict(self), **extra}
 
     def describe(self) -> str:
         algo = "hierarchical" if self.hierarchical else "flat"
@@ -100,7 +105,7 @@ class TuneInputs:
 
     @classmethod
     def of(cls, opts: Any, world_size: int, local_size: int, device_type: str, groups: bool) -> "TuneInputs":
-        """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.strategy.schema.CommConfig`).
+        """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.comm.config.CommConfig`).
 
         Comm mode tries the configured bucket size, 5 and 50 MB; step mode keeps the configured one (DDP fixes
         it at construction)."""
@@ -139,51 +144,24 @@ class TuneInputs:
         return None
 
 
-class TuneCache(_SharedCache):
-    """The shared tuning cache (:class:`aiak.tune.cache.TuneCache`), read and written as :class:`CommChoice`."""
-
-    def get(self, key: str) -> Optional[CommChoice]:
-        entry = self._read().get(key)
-        try:
-            return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
-        except (TypeError, KeyError, ValueError):
-            if entry is not None:
-                warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {self.path}")
-            return None
-
-    def put(self, key: str, choice: CommChoice, **extra) -> None:
-        self.put_entry(key, {**asdict(choice), **extra})
-
-
-# -- where the tuner's tensors live --------------------------------------------------------------
-def device_type_for_backend(backend: str) -> str:
-    """``cpu`` if one of the backends in ``backend`` (``gloo``, or ``cpu:gloo,cuda:nccl``) runs CPU tensors,
-    else ``cuda``: NCCL has no CPU path, so CPU tensors in a collective on an NCCL group crash."""
-    names = [part.rsplit(":", 1)[-1].strip().lower() for part in str(backend).split(",")]
-    capability = getattr(dist.Backend, "backend_capability", {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]})
-    return "cpu" if any("cpu" in capability.get(name, ()) for name in names) else "cuda"
-
-
-def group_device(group=None) -> torch.device:
-    """The device for the tuner's own tensors in collectives on ``group``: CPU where the group can, else the
-    current CUDA device (with NCCL, ``torch.cuda.set_device(local_rank)`` makes that the gradient device)."""
-    if device_type_for_backend(dist.get_backend(group)) == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def shared_cache_lookup(cache: TuneCache, key: str, group=None) -> Optional[CommChoice]:
-    """Rank 0 reads the cache and broadcasts the entry, so all ranks agree even without a shared disk."""
-    box = [cache.get(key) if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=group, device=group_device(group))
-    return box[0]
+# -- the cache, read on rank 0 ----------------------------------------------------------------
+def read_choice(cache: TuneCache, key: str) -> Optional[CommChoice]:
+    """The :class:`CommChoice` cached under ``key``, or None (absent, or malformed: said once)."""
+    entry = cache.get_entry(key)
+    try:
+        return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
+    except (TypeError, KeyError, ValueError):
+        if entry is not None:
+            warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {cache.path}")
+        return None
 
 
 def cached_choice(cache: TuneCache, key: str, inputs: TuneInputs, group=None) -> Optional[CommChoice]:
-    """The entry under ``key`` (:func:`shared_cache_lookup`) if ``inputs`` allow it, else ``None`` (tune again).
+    """The entry under ``key``, read on rank 0 and broadcast (so the ranks agree without a shared disk), if
+    ``inputs`` allow it, else ``None`` (tune again).
 
     Checked after the broadcast: every rank holds the same entry and the same inputs, so every rank agrees."""
-    choice = shared_cache_lookup(cache, key, group)
+    choice = rank0_object(lambda: read_choice(cache, key), group)
     why = inputs.refusal(choice) if choice is not None else None
     if why is not None:
         logger.info("aiak.comm autotune: cache entry %s in %s chose %s, which this run cannot apply: %s; tuning "
@@ -194,13 +172,9 @@ def cached_choice(cache: TuneCache, key: str, inputs: TuneInputs, group=None) ->
 
 # -- deciding on rank 0 ------------------------------------------------------------------------
 def decide(times: Sequence[float], group=None) -> int:
-    """Index of the fastest candidate by the slowest rank's time; decided on rank 0, broadcast to all."""
-    device = group_device(group)
-    t = torch.tensor(list(times), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    choice = torch.argmin(t).reshape(1)  # int64, on ``device``
-    dist.broadcast(choice, src=0, group=group)
-    return int(choice)
+    """Index of the fastest candidate by the slowest rank's time; decided on rank 0, followed by all."""
+    slowest = max_across_ranks(times, group)
+    return rank0_index(min(range(len(slowest)), key=slowest.__getitem__), group)
 
 
 def algorithm_candidates(hierarchical_available: bool, allow_int8: bool) -> List[tuple]:
@@ -225,89 +199,68 @@ def gradient_bucket_sizes(model: torch.nn.Module, bucket_mb: float) -> List[int]
     return sizes
 
 
-def time_average(state: CommState, sizes: Sequence[int], repeats: int, device=None, group=None) -> float:
-    """Median seconds to average buffers of ``sizes`` elements with ``state`` (one warm-up run first).
-
-    ``device``: where the gradients live (default: :func:`group_device`)."""
-    device = torch.device(device) if device is not None else group_device(group)
-    buffers = [torch.randn(n, device=device) for n in sizes]
-    times = []
-    for i in range(repeats + 1):
+def _averaging(state: CommState, algorithm: tuple, buffers: List[torch.Tensor], group) -> Callable[[], None]:
+    """One timed step of the comm mode: every bucket averaged with ``algorithm`` (all ranks start together)."""
+    def step() -> None:
+        state.set_algorithm(*algorithm)
         for b in buffers:
             b.normal_()
         dist.barrier(group=group)
-        start = time.perf_counter()
-        futures = [average(state, b, key=k) for k, b in enumerate(buffers)]
-        torch.futures.wait_all(futures)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
+        torch.futures.wait_all([average(state, b, key=k) for k, b in enumerate(buffers)])
+    return step
+
+
+def _time_in_rounds(state: CommState, candidates: List[tuple], sizes_of: Callable[[tuple], List[int]], repeats: int,
+                    device, group) -> List[float]:
+    """Median seconds per candidate, the candidates alternating in rounds on the one timing engine
+    (:func:`aiak.measure.rounds.alternate`: a warm-up each, then ``repeats`` rounds in rotating order), so that a
+    slow minute of a shared link costs every candidate alike. Each candidate is ``(hierarchical, compression)``
+    plus its buffers' sizes (:func:`gradient_bucket_sizes`)."""
+    device = torch.device(device) if device is not None else group_device(group)
+    contenders = [Contender(str(c), _averaging(state, c[:2], [torch.randn(n, device=device) for n in sizes_of(c)],
+                                               group), device) for c in candidates]
+    alternate(contenders, warmup=1, rounds=repeats, steps_per_round=1, group=group,
+              slow_factor=float("inf"))
     state.feedback.reset()
-    return statistics.median(times)
+    return [statistics.median(c.step_seconds) for c in contenders]
 
 
 def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[float], allow_int8: bool,
               repeats: int = 3, device=None, *, allow_hierarchical: bool = True) -> CommChoice:
     """Comm-mode tuning (collective: every rank calls it at the same point). Leaves ``state`` on the winner.
 
-    Hierarchical candidates are timed where ``state`` has groups, unless ``allow_hierarchical`` is false
-    (``comm.hierarchical: false``)."""
+    The algorithms are timed at the first bucket size, then the bucket sizes with the best algorithm, each set
+    in alternating rounds. Hierarchical candidates are timed where ``state`` has groups, unless
+    ``allow_hierarchical`` is false (``comm.hierarchical: false``)."""
     group = state.process_group
     base_mb = bucket_mbs[0]
     algos = algorithm_candidates(state.groups is not None and allow_hierarchical, allow_int8)
     sizes = gradient_bucket_sizes(model, base_mb)
-    times = []
-    for h, c in algos:
-        state.set_algorithm(h, c)
-        times.append(time_average(state, sizes, repeats, device, group))
+    times = _time_in_rounds(state, algos, lambda _: sizes, repeats, device, group)
     best = algos[decide(times, group)]
-    state.set_algorithm(*best)
     report = [f"{CommChoice(h, c, base_mb).describe()}: {t * 1e3:.1f} ms" for (h, c), t in zip(algos, times)]
-    bucket_times = [times[algos.index(best)]]
-    for mb in bucket_mbs[1:]:
-        bucket_times.append(time_average(state, gradient_bucket_sizes(model, mb), repeats, device, group))
-        report.append(f"{CommChoice(*best, mb).describe()}: {bucket_times[-1] * 1e3:.1f} ms")
-    mb = bucket_mbs[decide(bucket_times, group)]
+    mb = base_mb
+    if len(bucket_mbs) > 1:
+        buckets = [(*best, m) for m in bucket_mbs]
+        bucket_times = _time_in_rounds(state, buckets, lambda c: gradient_bucket_sizes(model, c[2]), repeats,
+                                       device, group)
+        report += [f"{CommChoice(*c).describe()}: {t * 1e3:.1f} ms" for c, t in zip(buckets, bucket_times)]
+        mb = bucket_mbs[decide(bucket_times, group)]
+    state.set_algorithm(*best)
     choice = CommChoice(best[0], best[1], mb)
     logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", choice.describe(), "; ".join(report))
     return choice
 
 
 # -- step mode ---------------------------------------------------------------------------------
-class StepClock:
-    """Marks step boundaries where the work runs; seconds between two marks.
-
-    CPU: ``time.perf_counter``. CUDA: an event recorded on the current stream at each mark, because host time
-    between two hook calls is kernel-launch time, not step time. CUDA marks are read (one synchronisation) only
-    by :meth:`seconds`, which the tuner calls once, when it has all its samples.
-    """
-
-    __slots__ = ("device",)
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-
-    def mark(self):
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def seconds(self, start, end) -> float:
-        if self.device.type != "cuda":
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
 class StepTuner:
     """Times whole training steps under each algorithm; attached to ``CommState.tuner`` by the DDP wrapper.
 
-    Each candidate runs ``1 + steps`` synchronizing steps (the first is a warm-up); a step is timed from
-    one bucket-0 hook call to the next, which covers its communication, the next forward and backward, on the
-    :class:`StepClock` of the gradients' device (CUDA: stream time between events, not host time).
+    Every candidate runs one warm-up step, then ``steps`` rounds follow, each running every candidate for one
+    synchronizing step in an order rotated from round to round (alternation, as :mod:`aiak.measure.rounds`
+    does: drift of the machine or the link costs every candidate alike). A step is timed from one bucket-0 hook
+    call to the next, which covers its communication, the next forward and backward, on the :class:`StepClock`
+    of the gradients' device (CUDA: stream time between events, not host time).
     """
 
     def __init__(self, candidates: Sequence[tuple], steps: int, bucket_mb: float,
@@ -324,9 +277,8 @@ class StepTuner:
         self._intervals: List[List[tuple]] = [[] for _ in self.candidates]  # (start mark, end mark) per timed step
         self._last_mark = None
         self.choice: Optional[CommChoice] = None
-
-    def _candidate_of(self, step: int) -> int:
-        return step // (self.steps + 1)
+        n = len(self.candidates)
+        self._schedule = [(i, False) for i in range(n)] + [((r + j) % n, True) for r in range(steps) for j in range(n)]
 
     def on_bucket(self, state: CommState, bucket) -> None:
         if bucket.index() != 0:
@@ -335,16 +287,14 @@ class StepTuner:
             self._clock = StepClock(bucket.buffer().device)
         now = self._clock.mark()
         if self._last_mark is not None:
-            prev = self.step - 1
-            idx, pos = divmod(prev, self.steps + 1)
-            if pos > 0:  # not the warm-up step of its candidate
+            idx, timed = self._schedule[self.step - 1]
+            if timed:
                 self._intervals[idx].append((self._last_mark, now))
         self._last_mark = now
-        idx = self._candidate_of(self.step)
-        if idx >= len(self.candidates):
+        if self.step >= len(self._schedule):
             self._finish(state)
             return
-        state.set_algorithm(*self.candidates[idx])
+        state.set_algorithm(*self.candidates[self._schedule[self.step][0]])
         self.step += 1
 
     def _finish(self, state: CommState) -> None:

@@ -19,12 +19,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from aiak.comm.autotune import StepTuner, TuneCache, TuneInputs, cached_choice, tune_comm
-from aiak.amp.warn import warn
+from aiak.comm.autotune import StepTuner, TuneInputs, cached_choice, tune_comm
+from aiak.comm.config import CommConfig, check_comm
+from aiak.comm.deadlock import enable_deadlock_guard
 from aiak.comm.hooks import CommState, comm_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.topology import build_groups, detect_topology
-from aiak.strategy.schema import CommConfig, check_comm
+from aiak.util.cache import TuneCache
+from aiak.util.warn import warn
 
 logger = logging.getLogger("aiak")
 PREFIX = "module."
@@ -102,7 +104,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                      **options: Any) -> torch.nn.Module:
     """Wrap ``model`` in DDP with the communication settings of ``cfg`` (a ``CommConfig``).
 
-    ``options`` are the ``comm:`` keys the schema lacks yet (fields of :class:`~aiak.strategy.schema.CommConfig`): ``perf_mode``
+    ``options`` are the ``comm:`` keys the schema lacks yet (fields of :class:`~aiak.comm.config.CommConfig`): ``perf_mode``
     (``comm`` | ``step``), ``tune_steps`` (timed runs or steps per candidate, default 3), ``tune_cache``
     (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/tune.json``), ``tune_int8`` (let the tuner
     pick int8, default False: it changes numerics), ``deadlock_guard`` (default False), ``timeout_s`` (guard
@@ -157,8 +159,6 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     use_plain_state_dict_keys(ddp)
     mark_built_by_aiak(ddp)  # the script's own DDP line, after the aiak line, returns this DDP
     if opts.deadlock_guard:
-        from aiak.comm.deadlock import enable_deadlock_guard
-
         enable_deadlock_guard(timeout_s=opts.timeout_s)
     logger.info("aiak.comm: DDP over %s, bucket %g MB, %s%s", topology.describe(), bucket_mb,
                 "autotuning (step mode)" if tuner else state.describe(),
@@ -184,8 +184,6 @@ def _hook_existing(ddp, opts: CommConfig):
     ddp.register_comm_hook(state, comm_hook)
     ddp.aiak_comm_state = state
     if opts.deadlock_guard:
-        from aiak.comm.deadlock import enable_deadlock_guard
-
         enable_deadlock_guard(timeout_s=opts.timeout_s)
     logger.info("aiak.comm: the script's DDP, %s", state.describe())
     return ddp
@@ -202,22 +200,21 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
     cache = TuneCache(opts.tune_cache)
     key = inputs.key(model)
     cached = cached_choice(cache, key, inputs, process_group)
-    is_rank0 = dist.get_rank(process_group) == 0
     if cached is not None:
         logger.info("aiak.comm autotune: cache hit in %s for %s -> %s (tuning skipped)", cache.path, key,
                     cached.describe())
         state.set_algorithm(cached.hierarchical, cached.compression)
         return cached.bucket_mb, None
+
+    def remember(choice, times=None):
+        if dist.get_rank(process_group) == 0:
+            cache.put_entry(key, choice.entry(perf_mode=opts.perf_mode))
+
     if opts.perf_mode == "comm":
         device = torch.device("cuda", device_ids[0]) if device_ids else None
         choice = tune_comm(model, state, inputs.bucket_mbs, inputs.int8, repeats=opts.tune_steps, device=device,
                            allow_hierarchical=inputs.hierarchical_allowed)
-        if is_rank0:
-            cache.put(key, choice, perf_mode=opts.perf_mode)
+        remember(choice)
         return choice.bucket_mb, None
-
-    def remember(choice, times):
-        if is_rank0:
-            cache.put(key, choice, perf_mode=opts.perf_mode)
 
     return opts.bucket_mb, StepTuner(inputs.candidates(), opts.tune_steps, opts.bucket_mb, remember)

@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from aiak._threads_at_exit import stop_at_exit
 from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
 from aiak.comm.topology import HierarchicalGroups
+from aiak.util.threads_at_exit import stop_at_exit
 
 Future = torch.futures.Future
 IDLE_EXIT_S = 5.0  # a worker thread without work for this long exits; the next bucket starts a new one
@@ -335,7 +335,7 @@ class _Worker:
 
     The thread starts with the first job and exits after ``IDLE_EXIT_S`` without one (the next job starts a new
     thread), so states that are dropped leave no thread behind. At interpreter exit it finishes the job in
-    flight and stops before Python finalizes (see ``aiak._threads_at_exit``: a daemon thread still returning
+    flight and stops before Python finalizes (see ``aiak.util.threads_at_exit``: a daemon thread still returning
     from a collective then would abort the process).
     """
 

@@ -16,7 +16,6 @@ caller falls back to flat allreduce with a warning.
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-logger = logging.getLogger("aiak")
+from aiak.util.warn import warn
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def _env_int(*names: str) -> Optional[int]:
             try:
                 return int(value)
             except ValueError:
-                logger.warning("aiak.comm: ignoring non-integer %s=%r", name, value)
+                warn(f"aiak.comm: ignoring non-integer {name}={value!r}")
     return None
 
 
@@ -132,8 +131,8 @@ def build_groups(topology: Topology, backend: Optional[str] = None) -> Optional[
     """
     if not topology.uniform:
         sizes = [len(r) for r in topology.nodes]
-        logger.warning("aiak.comm: nodes hold different numbers of ranks %s; hierarchical allreduce needs "
-                       "equal nodes, falling back to flat allreduce", sizes)
+        warn(f"aiak.comm: nodes hold different numbers of ranks {sizes}; hierarchical allreduce needs equal nodes, "
+             "falling back to flat allreduce")
         return None
     key = (id(dist.group.WORLD), topology.nodes, backend)
     if key in _GROUP_CACHE:

@@ -7,6 +7,6 @@ script.
 * :mod:`aiak.integrations.accelerate`: ``prepare(accelerator, model, optimizer, loader, strategy=...)``.
 
 Nothing here is imported by ``import aiak``; each of those three imports its framework when it is imported.
-:mod:`aiak.integrations.stacking` (is a framework accumulating?) and :mod:`aiak.integrations.wrappers` (the
-optimizer inside a framework's wrapper) import no framework: the step controller and ``optimize()`` use them.
+What the core must know of the frameworks without importing them (their own accumulation, their optimizer
+wrappers, their DDP) is in :mod:`aiak.step`.
 """

@@ -56,7 +56,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiak
-from aiak.optim.accumulation import controller_of
+from aiak.step.controller import controller_of
 
 try:
     from transformers import TrainerCallback
@@ -72,7 +72,7 @@ class AiakTrainerCallback(TrainerCallback, ExportableState):
     scheduler when training begins (after the Trainer built them, before the first batch).
 
     As an ``ExportableState`` its :meth:`state` goes into every checkpoint's ``trainer_state.json``: the strategy
-    and aiak's step state (:meth:`aiak.optim.accumulation.StepController.checkpoint_extras`), which a resumed run
+    and aiak's step state (:meth:`aiak.step.controller.StepController.checkpoint_extras`), which a resumed run
     takes back after ``optimize``.
     """
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from aiak.loaders.balance import BalancedBatchSampler, PadCollate, tokens_per_rank
+from aiak.loaders.balanced_sampler import BalancedBatchSampler, PadCollate, tokens_per_rank
 from aiak.loaders.balanced_loader import BalancedDataLoader, balance_loader, sample_lengths
 from aiak.loaders.dali import DaliLoader, dali_loader
 from aiak.loaders.prefetch import PrefetchLoader
+from aiak.util.warn import warn
 
 __all__ = ["PrefetchLoader", "dali_loader", "DaliLoader", "BalancedBatchSampler", "PadCollate", "tokens_per_rank",
            "BalancedDataLoader", "balance_loader", "sample_lengths", "wrap_loader"]
@@ -47,14 +48,13 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
     if cfg.balanced:
         loader = balance_loader(loader, max_tokens=getattr(cfg, "max_tokens", None))
     if cfg.pin_memory and device.type != "cuda":
-        logger.warning("aiak loader.pin_memory: skipped, the device is %s (pinning only speeds up copies to CUDA)",
-                       device)
+        warn(f"aiak loader.pin_memory: skipped, the device is {device} (pinning only speeds up copies to CUDA)")
     mean, std = getattr(cfg, "mean", None), getattr(cfg, "std", None)
     if cfg.prefetch > 0:
         loader = PrefetchLoader(loader, device, depth=cfg.prefetch, pin_memory=cfg.pin_memory,
                                 channels_last=channels_last, mean=mean, std=std)
     elif mean is not None:
-        logger.warning("aiak loader.mean/std: skipped, normalization happens in the prefetcher (loader.prefetch >= 1)")
+        warn("aiak loader.mean/std: skipped, normalization happens in the prefetcher (loader.prefetch >= 1)")
     return loader
 
 

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler)
 
-from aiak.loaders.balance import BalancedBatchSampler
+from aiak.loaders.balanced_sampler import BalancedBatchSampler
+from aiak.util.warn import warn
 
 logger = logging.getLogger("aiak")
 
@@ -94,7 +95,7 @@ def balance_loader(loader: Any, *, rank: Optional[int] = None, world_size: Optio
     ``batch_size`` is then not used).
     """
     def skip(reason: str) -> Any:
-        logger.warning("aiak loader.balanced: skipped, %s", reason)
+        warn(f"aiak loader.balanced: skipped, {reason}")
         return loader
 
     if isinstance(loader, BalancedDataLoader):

@@ -16,6 +16,8 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
+from aiak.loaders.balanced_sampler import _default_rank_and_world
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 LAYOUTS = ("NCHW", "NHWC")
@@ -127,8 +129,6 @@ def dali_loader(root: str, batch_size: int, *, train: bool = True, size: int = 2
         raise ValueError(f"dali_loader: batch_size must be a positive integer, got {batch_size!r}")
     if len(mean) != 3 or len(std) != 3:
         raise ValueError(f"dali_loader: mean and std need 3 values (RGB), got {list(mean)} and {list(std)}")
-    from aiak.loaders.balance import _default_rank_and_world
-
     rank, world_size = _default_rank_and_world(rank, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"dali_loader: rank must be in [0, {world_size}), got {rank}")

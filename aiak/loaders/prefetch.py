@@ -32,10 +32,8 @@ On CPU the same thread still overlaps loading with compute; pinning and streams 
 """
 from __future__ import annotations
 
-import logging
+import copy
 import queue
-import random
-import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -43,11 +41,11 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from aiak._nested import iter_tensors, map_tensors
-from aiak._threads_at_exit import stop_at_exit
-from aiak.amp.warn import warn_once
+from aiak.util.nested import iter_tensors, map_tensors
+from aiak.util.rng import GlobalRng
+from aiak.util.threads_at_exit import stop_at_exit
+from aiak.util.warn import warn, warn_once
 
-logger = logging.getLogger("aiak")
 
 _END = object()  # sentinel put by the worker thread after the last batch
 
@@ -176,25 +174,14 @@ def _produce(source: Iterator, mover: _BatchMover, out: "queue.Queue", stop: thr
         del source  # drop the loader iterator here (shuts DataLoader workers down) instead of at thread teardown
 
 
-def _rng_states() -> tuple:
-    """The states of the generators a loading step may draw from in this process: torch's CPU generator,
-    Python's ``random`` and, if imported, NumPy's legacy global one."""
-    numpy = sys.modules.get("numpy")
-    np_state = numpy.random.get_state() if numpy is not None else None
-    return (torch.default_generator.get_state(), random.getstate(),
-            None if np_state is None else (np_state[1].tobytes(), np_state[2:]))
-
-
-def _same_states(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
-
-
-def _after_a_sampler_seed(a: tuple) -> tuple:
+def _after_a_sampler_seed(a: GlobalRng) -> GlobalRng:
     """``a`` advanced by exactly the draw ``RandomSampler.__iter__`` makes without a generator of its own."""
     g = torch.Generator()
-    g.set_state(a[0])
+    g.set_state(a.torch)
     torch.empty((), dtype=torch.int64).random_(generator=g)
-    return (g.get_state(),) + a[1:]
+    advanced = copy.copy(a)
+    advanced.torch = g.get_state()
+    return advanced
 
 
 def _draws_a_sampler_seed(loader: Any) -> bool:
@@ -236,17 +223,16 @@ class _PrefetchIterator:
             raise StopIteration
         if self._in_step is None and self._loaded == 0:
             self._loaded += 1
-            before = _rng_states()
+            before = GlobalRng()
             batch = self._load_in_step()
-            after = _rng_states()
-            if _same_states(before, after) or (self._sampler_seed
-                                               and _same_states(_after_a_sampler_seed(before), after)):
+            after = GlobalRng()
+            if before.same_as(after) or (self._sampler_seed and _after_a_sampler_seed(before).same_as(after)):
                 self._start_thread()
             return batch
         if self._in_step is None:  # batch 0 drew something besides a sampler seed: does batch 1 draw too?
-            before = _rng_states()
+            before = GlobalRng()
             batch = self._load_in_step()
-            self._in_step = not _same_states(before, _rng_states())
+            self._in_step = not before.same_as(GlobalRng())
             if self._in_step:
                 warn_once("prefetch-rng", "aiak PrefetchLoader: loading draws random numbers in the training process "
                           "(a DataLoader with num_workers=0 and random augmentation): prefetching it in a thread "
@@ -307,7 +293,7 @@ class _PrefetchIterator:
         return self._thread is None or not self._thread.is_alive()
 
     def stop_for_exit(self) -> None:
-        """At interpreter exit: the thread leaves the loader before Python finalizes (``aiak._threads_at_exit``)."""
+        """At interpreter exit: the thread leaves the loader before Python finalizes (``aiak.util.threads_at_exit``)."""
         self.close()
 
     def close(self) -> None:
@@ -390,8 +376,8 @@ class PrefetchLoader:
         # The previous epoch's thread must be out of the loader before a new iter() touches it (a DataLoader
         # with persistent_workers resets the very iterator that thread may still be reading).
         if previous is not None and not previous.wait_stopped(timeout=60.0):
-            logger.warning("aiak PrefetchLoader: the previous epoch's loading thread is still inside the loader "
-                           "after 60 s; starting the new epoch anyway")
+            warn("aiak PrefetchLoader: the previous epoch's loading thread is still inside the loader after 60 s; "
+                 "starting the new epoch anyway")
         epoch = _PrefetchIterator(iter(self.loader), _BatchMover(*self._mover_args), self.depth, self.join_timeout,
                                   sampler_seed=_draws_a_sampler_seed(self.loader))
         self._active = weakref.ref(epoch)

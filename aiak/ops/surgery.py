@@ -5,8 +5,8 @@ name and structure (never by importing its library) and names the fused forward 
 (:mod:`aiak.ops.swin_fused`). The swap changes only the module's class, to ``Fused<Name>``, a subclass
 of the original with the fused ``forward`` in front: parameters (the same ``nn.Parameter`` objects),
 buffers and ``state_dict`` keys are untouched, so an optimizer created before surgery still holds the
-right tensors. Surgery refuses models already wrapped (DDP, DataParallel, torch.compile) and warns, via
-the ``"aiak"`` logger, about variants it cannot fuse exactly (SwinV2 cosine attention) and about
+right tensors. Surgery refuses models already wrapped (DDP, DataParallel, torch.compile) and warns (rank 0, at the
+user's line: :mod:`aiak.util.warn`) about variants it cannot fuse exactly (SwinV2 cosine attention) and about
 modules whose attention dropout makes training fall back to the original forward.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterable, Optional
 from torch import nn
 
 from aiak.ops import swin_fused
+from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
            "is_window_attention"]
@@ -152,9 +153,6 @@ def is_window_attention(module: nn.Module) -> bool:
             or _is_cosine_attention(module) and "Attention" in type(module).__name__)
 
 
-_looks_like_window_attention = is_window_attention  # the name before it was public
-
-
 def _check_bare(model: nn.Module, what: str) -> None:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -207,12 +205,11 @@ def replace_window_attention(model: nn.Module) -> int:
         replaced += 1
         logger.debug("fused window attention: %s as %s", label, policy.name)
     if skipped:
-        logger.warning("window_attention: left %d module(s) unfused because they cannot be fused exactly: %s",
-                       len(skipped), "; ".join(skipped))
+        warn(f"window_attention: left {len(skipped)} module(s) unfused because they cannot be fused exactly: "
+             f"{'; '.join(skipped)}")
     if eval_only:
-        logger.warning("window_attention: %d module(s) use attention dropout, so they run fused only in eval mode "
-                       "and fall back to their original forward while training: %s",
-                       len(eval_only), ", ".join(eval_only))
+        warn(f"window_attention: {len(eval_only)} module(s) use attention dropout, so they run fused only in eval "
+             f"mode and fall back to their original forward while training: {', '.join(eval_only)}")
     return replaced
 
 
@@ -233,7 +230,7 @@ _APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_
 def apply_fused_ops(model: nn.Module, names: Iterable[str]) -> Dict[str, int]:
     """Apply the strategy's ``fused_ops`` to the bare ``model``; returns ``{name: modules replaced}``.
 
-    A name that replaced nothing logs a warning on the ``"aiak"`` logger and is skipped; an unknown
+    A name that replaced nothing warns and is skipped; an unknown
     name raises ``ValueError`` listing the valid choices; a model wrapped in DistributedDataParallel
     (or DataParallel / torch.compile) raises ``TypeError``.
     """
@@ -248,6 +245,5 @@ def apply_fused_ops(model: nn.Module, names: Iterable[str]) -> Dict[str, int]:
     for name in dict.fromkeys(names):
         counts[name] = _APPLIERS[name](model)
         if counts[name] == 0:
-            logger.warning("fused_ops: %s replaced nothing in %s (no known module to fuse); skipped",
-                           name, type(model).__name__)
+            warn(f"fused_ops: {name} replaced nothing in {type(model).__name__} (no known module to fuse); skipped")
     return counts

@@ -8,9 +8,9 @@
 from aiak.optim.factory import HYPERPARAMETERS, OPTIMIZERS, create, swap_optimizer
 from aiak.optim.lamb import Lamb, lamb
 from aiak.optim.lars import Lars, lars
+from aiak.optim.param_groups import excluded_parameters, layerwise_param_groups, split_param_groups
 from aiak.optim.scheduler import rebind_scheduler
-from aiak.optim.param_groups import excluded_parameters, is_norm_module, layerwise_param_groups, split_param_groups
 
 __all__ = ["Lamb", "Lars", "lamb", "lars", "create", "swap_optimizer", "layerwise_param_groups", "split_param_groups",
-           "excluded_parameters", "is_norm_module", "OPTIMIZERS", "HYPERPARAMETERS",
+           "excluded_parameters", "OPTIMIZERS", "HYPERPARAMETERS",
            "rebind_scheduler"]

@@ -22,7 +22,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.optim import Optimizer
 
-from aiak.amp.warn import warn
+from aiak.amp.half_compute import HALF_DTYPES
+from aiak.util.warn import warn
 
 # A bucket is a list of (tensor index, start, stop) in flat element coordinates; (i, 0, numel) is whole.
 Piece = Tuple[int, int, int]
@@ -72,9 +73,6 @@ def plan_buckets(tensors: Sequence[torch.Tensor], bucket_elems: Optional[int], *
 def take(tensors: Sequence[torch.Tensor], bucket: Sequence[Piece], cut: Sequence[bool]) -> List[torch.Tensor]:
     """The views of ``tensors`` that ``bucket`` covers (whole tensors, or flat slices of cut ones)."""
     return [tensors[i].view(-1)[start:stop] if cut[i] else tensors[i] for i, start, stop in bucket]
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:

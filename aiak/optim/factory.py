@@ -26,11 +26,11 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from aiak.amp.warn import warn
 from aiak.optim.lamb import Lamb
 from aiak.optim.lars import Lars
 from aiak.optim.param_groups import excluded_parameters, split_param_groups
-from aiak.strategy.schema import did_you_mean
+from aiak.util.text import did_you_mean
+from aiak.util.warn import warn
 
 __all__ = ["OPTIMIZERS", "HYPERPARAMETERS", "create", "swap_optimizer", "hyperparameter_problems"]
 

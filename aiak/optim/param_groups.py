@@ -4,36 +4,19 @@ Layer-wise trust ratios were designed for weight matrices and convolution kernel
 recipes that made LARS and LAMB work (Goyal et al. 2017 for decay on BN; You et al. 2019 for BERT;
 MLPerf ResNet-50 LARS) leave biases and normalization scales/shifts out of both weight decay and the
 trust ratio. Which parameters those are is decided here **by module type first** (every parameter owned
-by a normalization layer, whatever it is called), then by name (``bias``) and shape (1-D tensors such as
+by a normalization layer, :func:`aiak.util.norm_layers.is_norm_layer`), then by name (``bias``) and shape (1-D tensors such as
 layer-scale gammas), so a model with custom-named norm layers is still handled.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
 
-__all__ = ["NORM_TYPES", "is_norm_module", "excluded_parameters", "layerwise_param_groups", "split_param_groups"]
+from aiak.util.norm_layers import is_norm_layer
 
-# The normalization layers of torch.nn (BatchNorm*/InstanceNorm*/SyncBatchNorm share _NormBase).
-NORM_TYPES: Tuple[type, ...] = tuple(t for t in (
-    nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
-    getattr(nn, "RMSNorm", None),
-) if t is not None)
-
-
-def is_norm_module(module: nn.Module) -> bool:
-    """True for torch.nn normalization layers and for classes named like one (``LlamaRMSNorm``, ``LayerNorm2d``).
-
-    The name rule catches the norm layers of other libraries (transformers, timm) that do not subclass
-    the torch.nn ones; it looks at the class name, not at the attribute name the user gave the module.
-    """
-    if isinstance(module, NORM_TYPES):
-        return True
-    name = type(module).__name__
-    return name.endswith("Norm") or "Norm1d" in name or "Norm2d" in name or "Norm3d" in name
-
+__all__ = ["excluded_parameters", "layerwise_param_groups", "split_param_groups"]
 
 def excluded_parameters(model: nn.Module) -> Set[int]:
     """``id()`` of every parameter that should get neither weight decay nor a trust ratio.
@@ -43,7 +26,7 @@ def excluded_parameters(model: nn.Module) -> Set[int]:
     """
     excluded: Set[int] = set()
     for module in model.modules():
-        norm = is_norm_module(module)
+        norm = is_norm_layer(module)
         for name, p in module.named_parameters(recurse=False):
             if norm or name == "bias" or name.endswith("_bias") or p.ndim < 2:
                 excluded.add(id(p))

@@ -21,7 +21,7 @@ from typing import List
 
 import torch
 
-from aiak.amp.warn import warn_once
+from aiak.util.warn import warn_once
 
 
 def source_groups(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> List[int]:

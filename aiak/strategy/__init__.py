@@ -1,7 +1,8 @@
 """Strategies: the validated schema, the YAML profiles, the ``match:`` rules and the probes they are evaluated
 against, and the resolution used by ``optimize`` (``"auto"`` composed from the rules)."""
 from aiak.strategy.probes import MODULE_KINDS, Probes, probe
-from aiak.strategy.profiles import list_profiles, load_strategy, profiles_dir, user_profile_dirs
+from aiak.strategy.profile_files import list_profiles, profiles_dir, user_profile_dirs
+from aiak.strategy.profiles import load_strategy
 from aiak.strategy.rules import match_profile
 from aiak.strategy.schema import (CommConfig, LoaderConfig, Match, OptimizerConfig, Precision, Strategy,
                                   StrategyError, TuneConfig)

@@ -1,6 +1,6 @@
 """The ``match:`` grammar: when a profile takes part in ``strategy="auto"``.
 
-A profile's ``match:`` maps condition keys (the fields of :class:`~aiak.strategy.schema.Match`) to values, and
+A profile's ``match:`` maps condition keys (the fields of :class:`Match`) to values, and
 every condition given must hold: ``modules`` and ``cpu_features`` take a list (all present) or ``{any: [...]}``;
 ``device`` is ``cpu`` or ``cuda``; ``cuda_capability`` is a comparison such as ``">=8.0"`` (false off CUDA);
 ``world_size``, ``nodes`` and ``params`` take an integer or a comparison (``">=2"``, ``"<1e8"``); ``optimizer``
@@ -8,19 +8,20 @@ lists class names (any of them, any case); ``variable_length`` and ``loader`` ar
 null) is no condition, so ``match: {}`` matches everything. README's section "How ``auto`` chooses: the
 ``match:`` grammar" is the user's reference, with the meaning of each module kind.
 
-This module checks the values (``schema`` calls :func:`parse_condition` for each key of a ``match:`` section,
-so a bad one is reported with every other problem of the file) and evaluates them against
+This module checks the values (each field of :class:`Match` names its parser, which the schema's validation
+calls, so a bad one is reported with every other problem of the file) and evaluates them against
 :class:`~aiak.strategy.probes.Probes` (:func:`match_profile`).
 """
 from __future__ import annotations
 
 import operator
 import re
-from dataclasses import fields
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from aiak.strategy.probes import MODULE_KINDS, Probes
-from aiak.strategy.schema import did_you_mean
+from aiak.util.config import Invalid
+from aiak.util.text import did_you_mean
 
 DEVICES = ("cpu", "cuda")
 COMPARISONS: Dict[str, Callable[[Any, Any], bool]] = {
@@ -29,17 +30,11 @@ _COMPARISON = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:
 _CAPABILITY = re.compile(r"^[0-9]+(?:\.[0-9]+)?$")
 
 
-class MatchSyntaxError(ValueError):
+class MatchSyntaxError(Invalid):
     """One bad condition; its text follows the key path in the reported problem (`` must be ...``)."""
 
 
 # -- parsing: YAML value -> the value kept in ``Match`` (raises MatchSyntaxError) --------------------------
-def parse_condition(key: str, value: Any) -> Any:
-    """The checked value of the condition ``key`` (None, YAML ``null``, is no condition); raises
-    :class:`MatchSyntaxError` saying what is valid."""
-    return None if value is None else _PARSERS[key](value)
-
-
 def _strings(value: Any, what: str, choices: Optional[Tuple[str, ...]] = None, *, path: str = "",
              item: str = "entry") -> List[str]:
     """A list of strings (each one of ``choices`` when given); ``path`` is the sub-key the text starts with."""
@@ -111,23 +106,34 @@ def _boolean(value: Any) -> bool:
     return value
 
 
-_PARSERS: Dict[str, Callable[[Any], Any]] = {
-    "modules": _all_or_any("module kinds", MODULE_KINDS, item="module kind"),
-    "device": _device,
-    "cuda_capability": _capability,
-    "cpu_features": _all_or_any("CPU flags (as /proc/cpuinfo spells them)"),
-    "world_size": _count,
-    "nodes": _count,
-    "params": _count,
-    "optimizer": _optimizers,
-    "variable_length": _boolean,
-    "loader": _boolean,
-}
+def _condition(parse: Callable[[Any], Any]) -> Dict[str, Any]:
+    """Field metadata: the value is checked by ``parse`` (None, YAML ``null``, is no condition)."""
+    return {"parse": lambda value: None if value is None else parse(value)}
+
+
+@dataclass
+class Match:
+    """When the auto-selector overlays this profile (unused by ``optimize`` with a named strategy): every
+    condition given must hold. The grammar is this module's (README: "How ``auto`` chooses");
+    an empty list or None is no condition, so ``Match()`` (``match: {}``) matches everything."""
+
+    modules: Union[List[str], Dict[str, List[str]]] = field(
+        default_factory=list, metadata=_condition(_all_or_any("module kinds", MODULE_KINDS, item="module kind")))
+    device: Optional[str] = field(default=None, metadata=_condition(_device))
+    cuda_capability: Optional[str] = field(default=None, metadata=_condition(_capability))
+    cpu_features: Union[List[str], Dict[str, List[str]]] = field(
+        default_factory=list, metadata=_condition(_all_or_any("CPU flags (as /proc/cpuinfo spells them)")))
+    world_size: Union[int, str, None] = field(default=None, metadata=_condition(_count))
+    nodes: Union[int, str, None] = field(default=None, metadata=_condition(_count))
+    params: Union[int, str, None] = field(default=None, metadata=_condition(_count))
+    optimizer: List[str] = field(default_factory=list, metadata=_condition(_optimizers))
+    variable_length: Optional[bool] = field(default=None, metadata=_condition(_boolean))
+    loader: Optional[bool] = field(default=None, metadata=_condition(_boolean))
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
 def match_profile(match: Any, probes: Probes) -> Tuple[bool, str]:
-    """``(matches, explanation)`` for a validated :class:`~aiak.strategy.schema.Match` against ``probes``.
+    """``(matches, explanation)`` for a validated :class:`Match` against ``probes``.
 
     The explanation lists each condition with what the probe found (``"device: cpu (found cpu);
     cpu_features any of [avx512_bf16, amx_bf16] (found avx512_bf16)"``) or, when false, the first failing one.

@@ -27,11 +27,15 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch import nn
 
+from aiak.amp.emulation import FP16_CPU_COST
 from aiak.strategy.probes import Probes, model_device, model_features, probe
-from aiak.strategy.profiles import (Profile, _load, _merge, _replaces_parent_section, load_profile, load_strategy,
-                                    names_a_file, profile_files)
+from aiak.strategy.profile_files import merge, names_a_file, profile_files, replaces_parent_section
+from aiak.strategy.profiles import Profile, load_profile, load_strategy
 from aiak.strategy.rules import match_profile
-from aiak.strategy.schema import Strategy, StrategyError
+from aiak.strategy.schema import Strategy, StrategyError, load_with_chain
+from aiak.util import key_paths
+from aiak.util.key_paths import put_leaf
+from aiak.util.warn import warn_once
 
 __all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",
            "model_device", "leaves", "put_leaf"]
@@ -93,7 +97,7 @@ def resolve_strategy(spec: Any, model=None, optimizer=None, loader=None, *, devi
     if isinstance(spec, str) and spec == "auto":
         return select(model, optimizer, loader, device=device)
     if isinstance(spec, (str, os.PathLike)):
-        strategy, chain, _ = _load(spec)
+        strategy, chain, _ = load_with_chain(spec)
         files, extra = chain.files, b""
     else:
         strategy, files = load_strategy(spec), []
@@ -156,12 +160,12 @@ def _overlay(data: Dict[str, Any], knobs: Dict[str, Knob], profile: Profile, why
     for path, value in leaves(profile.strategy.to_dict()):
         if path in profile.sets:
             put_leaf(contribution, path, value)
-    if _replaces_parent_section("optimizer", contribution.get("optimizer"), data.get("optimizer")):
+    if replaces_parent_section("optimizer", contribution.get("optimizer"), data.get("optimizer")):
         for path in [p for p in knobs if p.startswith("optimizer.")]:
             del knobs[path]
     precision_before = dict(data["precision"])
     knobs_before = {p: k for p, k in knobs.items() if p.startswith("precision.")}
-    merged = _merge(data, contribution)
+    merged = merge(data, contribution)
     source = f"profile:{profile.name}"
     reason = f"profile {profile.name!r} matched ({why}): {profile.strategy.description}"
     for path, value in leaves(contribution):
@@ -185,14 +189,10 @@ def _fp16_refused(precision: Dict[str, Any], probes: Probes) -> Optional[str]:
         capability = probes.cuda_capability
         found = f"compute capability {capability[0]}.{capability[1]}" if capability else "no CUDA device found"
         return f"this GPU has no fp16 tensor cores ({found}, they need 7.0 or newer)"
-    from aiak.amp.emulation import FP16_CPU_COST
-
     return f"this {probes.device} has no fp16 hardware, so fp16 would be emulated: {FP16_CPU_COST}"
 
 
 def _warn_fp16_refused(profile: Profile, refused: str) -> None:
-    from aiak.amp.warn import warn_once
-
     warn_once(f"auto-fp16-refused:{profile.file.path}",
               f"aiak: strategy 'auto' ignored the fp16 precision of profile {profile.name!r} ({profile.file.path}): "
               f"{refused}")
@@ -209,22 +209,9 @@ def _validated(data: Dict[str, Any], knobs: Dict[str, Knob], matched: List[str])
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
-def leaves(data: Dict[str, Any], prefix: str = "") -> Iterator[Tuple[str, Any]]:
-    """``(dotted path, value)`` of every leaf knob (mappings are walked; lists and scalars are leaves)."""
-    for key, value in data.items():
-        if not prefix and key in NOT_KNOBS:
-            continue
-        if isinstance(value, dict):
-            yield from leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
-def put_leaf(tree: Dict[str, Any], path: str, value: Any) -> None:
-    *sections, key = path.split(".")
-    for section in sections:
-        tree = tree.setdefault(section, {})
-    tree[key] = value
+def leaves(data: Dict[str, Any]) -> Iterator[Tuple[str, Any]]:
+    """``(dotted path, value)`` of every leaf knob of a strategy dict (its name, description, ... are no knobs)."""
+    return ((path, value) for path, value in key_paths.leaves(data) if path.partition(".")[0] not in NOT_KNOBS)
 
 
 def _digest(files: Iterable[Path], extra: bytes = b"") -> str:

@@ -33,6 +33,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from aiak.strategy import knobs
 from aiak.strategy.profiles import load_strategy
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves, put_leaf
@@ -42,11 +43,10 @@ from aiak.tune.gate import is_neutral
 # torch 2.14), far beyond the default budget (5% of 200 steps); so compile is a candidate only when
 # tune.max_seconds allows at least this much.
 COMPILE_MIN_BUDGET_S = 60.0
-UNTIMED_KEYS = ("loader", "comm", "cpu_affinity", "tune")
-# What changes WHAT is trained (see the module docstring); from the schema: the effective batch and how often
-# the optimizer steps, the update rule and its hyper-parameters, which samples form a batch, input normalization.
-TRAINING_KEYS = ("grad_accumulation", "optimizer", "loader.balanced", "loader.max_tokens", "loader.mean",
-                 "loader.std")
+# What a trial step does not exercise, and what changes WHAT is trained (see the module docstring): the knob
+# table's rows (aiak.strategy.knobs).
+UNTIMED_KEYS = knobs.untimed_keys()
+TRAINING_KEYS = knobs.training_keys()
 
 
 @dataclass
@@ -60,14 +60,9 @@ class Candidate:
         return is_neutral(self.changes)
 
 
-def flatten(data: Dict[str, Any]) -> Dict[str, Any]:
-    """``{"precision": {"level": "O1"}}`` -> ``{"precision.level": "O1"}`` (knobs only: no name, match, ...)."""
-    return dict(leaves(data))
-
-
 def differences(strategy: Strategy, base: Strategy) -> Dict[str, Any]:
     """Key paths where ``strategy`` differs from ``base``, with ``strategy``'s values."""
-    a, b = flatten(strategy.to_dict()), flatten(base.to_dict())
+    a, b = dict(leaves(strategy.to_dict())), dict(leaves(base.to_dict()))
     return {k: v for k, v in a.items() if b.get(k) != v}
 
 

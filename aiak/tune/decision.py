@@ -20,7 +20,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from aiak.tune.candidates import flatten
+from aiak.strategy.select import leaves
+from aiak.tune.candidates import differences
+from aiak.util.text import yaml_text
 
 _last: Optional["Decision"] = None
 
@@ -37,6 +39,10 @@ class Decision:
     probes: Dict[str, Any] = field(default_factory=dict)
     tuning: str = ""
     effects: List[List[str]] = field(default_factory=list)   # [knob, value, what was done] from the summary
+
+    def effect(self, knob: str) -> str:
+        """What applying ``knob`` did (``""`` if the applier said nothing of it)."""
+        return next((e for k, _, e in self.effects if k == knob), "")
 
     def to_dict(self) -> Dict[str, Any]:
         return json.loads(json.dumps({
@@ -98,7 +104,7 @@ class Decision:
             trials = "trials measured nothing: every candidate failed"
         else:
             trials = ""
-        knobs = [f"{path}={_fmt(k['value'])}" for path, k in self.knobs.items()
+        knobs = [f"{path}={yaml_text(k['value'])}" for path, k in self.knobs.items()
                  if k["source"] != "default" and not path.startswith("tune.")]
         shown = ", ".join(knobs[:HEADLINE_KNOBS]) + (f", +{len(knobs) - HEADLINE_KNOBS} more"
                                                      if len(knobs) > HEADLINE_KNOBS else "")
@@ -113,7 +119,7 @@ HEADLINE_KNOBS = 8  # knobs named in the headline; the rest are counted
 
 def _knob_table(knobs: Dict[str, Dict[str, Any]]) -> List[str]:
     """One row per knob: path, value, source, whole reason."""
-    rows = [(path, _fmt(k["value"]), k["source"], k["reason"]) for path, k in knobs.items()]
+    rows = [(path, yaml_text(k["value"]), k["source"], k["reason"]) for path, k in knobs.items()]
     widths = [max(len(r[i]) for r in rows + [("knob", "value", "source", "")]) for i in range(3)]
     widths[1] = min(widths[1], 24)
     out = [f"  {'knob':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason"]
@@ -129,13 +135,13 @@ def _knob_groups(knobs: Dict[str, Dict[str, Any]]) -> List[str]:
     for path, k in knobs.items():
         groups.setdefault(k["source"], []).append(path)
     width = max((len(path) for path in knobs), default=0)
-    value_width = min(max((len(_fmt(k["value"])) for k in knobs.values()), default=0), 24)
+    value_width = min(max((len(yaml_text(k["value"])) for k in knobs.values()), default=0), 24)
     out = []
     for source, paths in groups.items():
         shared, own = _shared_reason([knobs[p]["reason"] for p in paths])
         out.append(f"  from {source}: {shared}" if shared else f"  from {source}:")
         for path, tail in zip(paths, own):
-            out.append(f"    {path:<{width}}  {_fmt(knobs[path]['value']):<{value_width}}  {tail}".rstrip())
+            out.append(f"    {path:<{width}}  {yaml_text(knobs[path]['value']):<{value_width}}  {tail}".rstrip())
     return out
 
 
@@ -152,14 +158,6 @@ def _shared_reason(reasons: List[str]) -> Tuple[str, List[str]]:
     return prefix[:cut], [r[cut:].lstrip("; ").lstrip() for r in reasons]
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    return str(value)
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value)
@@ -169,13 +167,11 @@ def _jsonable(value: Any) -> Any:
 def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None) -> Decision:
     """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied),
     ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did)."""
-    from aiak.tune.candidates import differences
-
     measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)
     knobs: Dict[str, Dict[str, Any]] = {}
-    for path, value in flatten(applied.to_dict()).items():
+    for path, value in leaves(applied.to_dict()):
         knob = selection.knobs.get(path)
         if path in measured:
             how = "cached decision of earlier trials" if tuning.cache_hit else "trials"
@@ -183,7 +179,7 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None)
                 chose = f"candidate {tuning.label!r} was the fastest accepted at {winner['step_ms']:.2f} ms/step"
             else:  # a cache entry without its measurements: say what was chosen, claim no timing
                 chose = f"candidate {tuning.label!r} was chosen"
-            reason = f"{how}: {chose}; the rules' pick had {_fmt(knob.value) if knob else '?'}"
+            reason = f"{how}: {chose}; the rules' pick had {yaml_text(knob.value) if knob else '?'}"
             knobs[path] = {"value": value, "source": "measured", "reason": reason}
         elif knob is not None:
             knobs[path] = {"value": value, "source": knob.source, "reason": knob.reason}

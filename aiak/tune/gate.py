@@ -35,16 +35,15 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from aiak.strategy import knobs
+
 MAX_ERROR_TO_NOISE = 1.0
 MAX_SCALE_ERROR = 0.3
 
-# Strategy keys that cannot change what is computed beyond float rounding of a different kernel or layout:
-# which memory layout convolutions use, how batches reach the device, cuDNN's algorithm choice, process
-# affinity, DDP's bucket sizes. Everything else (precision, tf32, compile, fused ops, optimizer,
-# accumulation, compression, balanced batches) changes numerics and goes through the gate.
-NEUTRAL_KEYS = ("channels_last", "cudnn_benchmark", "cpu_affinity", "loader.prefetch", "loader.pin_memory",
-                "comm.bucket_mb", "comm.hierarchical", "comm.autotune", "comm.perf_mode", "comm.tune_steps",
-                "comm.tune_cache", "comm.deadlock_guard", "comm.timeout_s", "comm.pipeline_mb", "tune")
+# Strategy keys that cannot change what is computed beyond float rounding of a different kernel or layout
+# (which memory layout convolutions use, how batches reach the device, cuDNN's algorithm choice, DDP's bucket
+# sizes): the knob table's numerics-neutral rows. Everything else goes through the gate.
+NEUTRAL_KEYS = knobs.neutral_keys()
 
 
 @dataclass

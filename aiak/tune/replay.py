@@ -25,11 +25,11 @@ A loader that cannot be opened twice (a one-shot iterator) is always replayed: i
 """
 from __future__ import annotations
 
-import random
-import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
+
+from aiak.util.rng import GlobalRng
 
 
 def _generators(loader: Any) -> List[torch.Generator]:
@@ -57,11 +57,7 @@ class RandomStreams:
 
     def __init__(self, loader: Any, cuda: bool = False):
         self.cuda = cuda
-        self.torch = torch.get_rng_state()
-        self.cuda_states = torch.cuda.get_rng_state_all() if cuda else None
-        self.python = random.getstate()
-        np = sys.modules.get("numpy")
-        self.numpy = np.random.get_state() if np is not None else None
+        self.globals = GlobalRng(cuda)
         self.generators = _generators(loader)
         self.generator_states = [g.get_state() for g in self.generators]
         self.epochs = _epochs(loader)
@@ -69,35 +65,18 @@ class RandomStreams:
 
     def restore(self) -> None:
         """Set every random stream back to this state (the epoch is the script's: left as it is)."""
-        torch.set_rng_state(self.torch)
-        if self.cuda_states is not None:
-            torch.cuda.set_rng_state_all(self.cuda_states)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
+        self.globals.restore()
         for g, state in zip(self.generators, self.generator_states):
             g.set_state(state)
 
     def same_streams(self, other: "RandomStreams") -> bool:
         """Whether every random stream is in the same state in both (the epochs are not compared)."""
-        return (torch.equal(self.torch, other.torch) and self.python == other.python
-                and _same_numpy(self.numpy, other.numpy)
-                and (self.cuda_states is None or other.cuda_states is None
-                     or all(torch.equal(a, b) for a, b in zip(self.cuda_states, other.cuda_states)))
-                and len(self.generator_states) == len(other.generator_states)
+        return (self.globals.same_as(other.globals) and len(self.generator_states) == len(other.generator_states)
                 and all(torch.equal(a, b) for a, b in zip(self.generator_states, other.generator_states)))
 
     def now(self) -> "RandomStreams":
         """The same streams as they are now."""
         return RandomStreams(self.loader, self.cuda)
-
-
-def _same_numpy(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    np = sys.modules["numpy"]
-    return len(a) == len(b) and all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
-                                    for x, y in zip(a, b))
 
 
 class ReplayLoader:

@@ -2,7 +2,7 @@
 
 How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 
-1. The cache (:mod:`aiak.tune.cache`) is asked first, under :func:`decision_key`; a hit runs no trial.
+1. The cache (:mod:`aiak.util.cache`) is asked first, under :func:`decision_key`; a hit runs no trial.
 2. ``tune.steps`` batches are borrowed from the loader (:mod:`aiak.tune.replay`; given back untouched).
 3. Each candidate (:mod:`aiak.tune.candidates`) is applied to its own deep copy of the model and optimizer,
    through the same :func:`aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
@@ -64,16 +64,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiak._nested import iter_tensors, map_tensors
-from aiak.amp import warn as amp_warn
 from aiak.apply import apply_strategy
-from aiak.rollback import read_switches, write_switches
+from aiak.loaders.prefetch import PrefetchLoader
+from aiak.measure.clock import StepClock
+from aiak.runtime.rollback import Snapshot
+from aiak.runtime.switches import read_switches, write_switches
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
-from aiak.tune.cache import TuneCache
 from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_knobs
 from aiak.tune.replay import RandomStreams, borrow
-from aiak.versions import installed_version
+from aiak.util import warn as amp_warn
+from aiak.util.cache import TuneCache
+from aiak.util.dist import is_distributed, max_across_ranks, rank0_index, rank0_object
+from aiak.util.nested import iter_tensors, map_tensors
+from aiak.util.nested import logits_of
+from aiak.util.versions import installed_version
 
 BUDGET_FRACTION = 0.05     # the trials' budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
@@ -171,9 +176,7 @@ def decision_key(model: nn.Module, optimizer: Any, loader: Any, probes: Any, pro
 # -- one trial step -------------------------------------------------------------------------------
 def trial_loss(output: Any, batch: Any) -> torch.Tensor:
     """The loss the trial step backpropagates (see the module docstring); class scores are read by
-    :func:`aiak.model_spec.logits_of`, the one reading of a model's output."""
-    from aiak.model_spec import logits_of
-
+    :func:`aiak.util.nested.logits_of`, the one reading of a model's output."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss.float()
@@ -217,7 +220,7 @@ def _call(model: nn.Module, batch: Any) -> Any:
     raise TypeError(f"trial step: cannot feed a batch of type {type(batch).__name__} to the model")
 
 
-class _Contender:
+class _TrialRun:
     """A candidate applied to its own copy of the model and optimizer, with the process switches it sets."""
 
     def __init__(self, candidate: Candidate, device: torch.device):
@@ -226,7 +229,7 @@ class _Contender:
         self.device = device
         self.channels_last = candidate.strategy.channels_last and candidate.strategy.loader.prefetch > 0
         self.failed = ""
-        self.process_switches: Dict[str, Any] = {}  # aiak.rollback's switches as applying this candidate left them
+        self.process_switches: Dict[str, Any] = {}  # aiak.runtime.rollback's switches as applying this candidate left them
         self.warmup_s: List[float] = []             # steps' seconds before timing began (slowest rank), the gate's first
 
     def build(self, model: nn.Module, optimizer: Any) -> None:
@@ -319,10 +322,9 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         return Tuning(pick, pick.name, [], 0.0, False, loader,
                       skipped="loader.balanced rebuilds the loader's sampling, so its first batches cannot be "
                               "borrowed and replayed; the rules' pick is used as is")
-    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
     cache = cache if cache is not None else TuneCache()
     key = decision_key(model, optimizer, loader, selection.probes, selection.profiles_digest, cfg)
-    hit = _shared_lookup(cache, key, group)
+    hit = rank0_object(lambda: cache.get_entry(key) if key is not None else None)
     if hit is not None:
         try:
             # what the trials may not change is the pick's, also in an entry written before that rule held
@@ -331,9 +333,6 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
             return Tuning(strategy, hit.get("label", strategy.name), trials, time.perf_counter() - start, True, loader)
         except Exception:  # a stale or malformed entry: tune again and overwrite it
             pass
-
-    from aiak.loaders.prefetch import PrefetchLoader
-    from aiak.rollback import Snapshot
 
     source = loader.loader if isinstance(loader, PrefetchLoader) else loader
     cuda = device.type == "cuda"
@@ -348,10 +347,10 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     switches = Snapshot()
     try:
         candidates = candidate_strategies(pick, selection.probes, limit=cfg.candidates, max_seconds=cfg.max_seconds)
-        contenders = _build(candidates, model, optimizer, device, group)
-        _warm_up(contenders, batches, after, device, group)
-        _timed_rounds(contenders, batches, cfg, start, group)
-        winner = _decide(contenders, group)
+        contenders = _build(candidates, model, optimizer, device)
+        _warm_up(contenders, batches, after, device)
+        _timed_rounds(contenders, batches, cfg, start)
+        winner = _decide(contenders)
     except Exception as e:  # noqa: BLE001 - a bug in tuning must not cost the user's run: use the rules' pick
         return Tuning(pick, pick.name, [], time.perf_counter() - start, False, replay,
                       skipped=f"trials failed ({_describe(e)}); the rules' pick is used as is",
@@ -366,7 +365,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         return Tuning(pick, pick.name, trials, seconds, False, replay, restore_rng=before.restore,
                       skipped=f"every candidate failed in the trials, so nothing was measured (plain PyTorch: "
                               f"{reference.record.why}); the rules' pick is used as is")
-    if key is not None and (group is None or dist.get_rank(group) == 0):
+    if key is not None and _on_rank0():
         cache.put_entry(key, {"kind": "strategy", "label": winner.candidate.label,
                               "strategy": winner.candidate.strategy.to_dict(),
                               "trials": [t.to_dict() for t in trials], "tuning_seconds": seconds})
@@ -374,43 +373,24 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
                   restore_rng=before.restore)
 
 
-def _shared_lookup(cache: TuneCache, key: Optional[str], group) -> Optional[dict]:
-    """Rank 0 reads the cache and broadcasts the entry (every rank calls this, with or without a key)."""
-    if group is None:
-        return cache.get_entry(key) if key is not None else None
-    from aiak.comm.autotune import group_device
-
-    box = [cache.get_entry(key) if dist.get_rank(group) == 0 and key is not None else None]
-    dist.broadcast_object_list(box, src=0, group=group, device=group_device(group))
-    return box[0]
+def _on_rank0() -> bool:
+    return not is_distributed() or dist.get_rank() == 0
 
 
-def _reduce_max(values: List[float], group) -> List[float]:
-    if group is None:
-        return values
-    from aiak.comm.autotune import group_device
-
-    t = torch.tensor(values, dtype=torch.float64, device=group_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def _build(candidates: List[Candidate], model, optimizer, device, group) -> List[_Contender]:
-    built = [_Contender(c, device) for c in candidates]
+def _build(candidates: List[Candidate], model, optimizer, device) -> List[_TrialRun]:
+    built = [_TrialRun(c, device) for c in candidates]
     for b in built:
         b.build(model, optimizer)
-    flags = _reduce_max([1.0 if b.failed else 0.0 for b in built], group)
+    flags = max_across_ranks([1.0 if b.failed else 0.0 for b in built])
     for b, flag in zip(built, flags):
         if flag:
             b.fail("could not be applied on another rank")
     return built
 
 
-def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) -> None:
+def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device) -> None:
     """One timed step each on batch 0 from the same RNG state; gradients gated against plain fp32's, their error
     judged against its sampling noise (estimated by plain first, only when a candidate needs the gate)."""
-    from aiak.comm.autotune import StepClock
-
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
     gated = any(not c.failed and not c.candidate.neutral and c is not plain for c in contenders)
     grads: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -448,7 +428,7 @@ def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) ->
         result = results.get(id(c), gate.GateResult(True, "", None, 1.0, 1.0, 0.0))  # failed, or no reference
         packed += [1.0 if c.failed else 0.0, seconds.get(id(c), 0.0)] + result.numbers()
     width = len(packed) // max(len(contenders), 1)
-    reduced = _reduce_max(packed, group)
+    reduced = max_across_ranks(packed)
     rows = [reduced[width * i:width * (i + 1)] for i in range(len(contenders))]
     for c, (failed, *_) in zip(contenders, rows):
         if failed:
@@ -474,7 +454,7 @@ def _warm_up(contenders: List[_Contender], batches, rng: _Rng, device, group) ->
             c.record.why = result.why()
 
 
-def _noise_samples(plain: _Contender, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
+def _noise_samples(plain: _TrialRun, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
     """Plain fp32's gradients of samples other than batch 0's, with their counts, for :func:`_sampling_noise`:
     batch 1's, or else the two halves of batch 0 (none for a batch of one sample). Another batch is better:
     under BatchNorm a half batch is normalized over fewer samples, which adds noise of its own (MobileNetV3
@@ -507,7 +487,7 @@ def _batch_size(batch: Any) -> Optional[int]:
     return next((t.shape[0] for t in iter_tensors(batch) if t.dim()), None)
 
 
-def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, group) -> None:
+def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float) -> None:
     """Rounds of one step per candidate (order rotating) after the gate's. Each candidate's steps form one
     series (``warmup_s``, the gate's step first). Timing starts at the round where every series has settled
     (:func:`_settled`: its last :data:`MIN_TIMED_ROUNDS` steps were no faster than the best before them), or
@@ -521,7 +501,7 @@ def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, grou
     while active:
         r += 1
         shift = r % len(active)
-        seconds, elapsed = _round(active[shift:] + active[:shift], batches[r % len(batches)], start, group)
+        seconds, elapsed = _round(active[shift:] + active[:shift], batches[r % len(batches)], start)
         for c in active:
             if not c.failed:
                 c.warmup_s.append(seconds[id(c)])
@@ -553,7 +533,7 @@ def _timed_rounds(contenders: List[_Contender], batches, cfg, start: float, grou
                 c.record.speedup_spread = [min(ratios), max(ratios)]
 
 
-def _ranking_is_clear(active: List[_Contender], timed_from: int) -> bool:
+def _ranking_is_clear(active: List[_TrialRun], timed_from: int) -> bool:
     """More rounds would not change the decision, so the budget left is not spent: every candidate is faster
     than plain PyTorch in every timed round or slower in every one, by more than :data:`NOISE_FLOOR`, and the
     fastest is faster than each other one in every round."""
@@ -578,7 +558,7 @@ def _settled(seconds: List[float]) -> bool:
     return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
 
 
-def _budget(cfg, contenders: List[_Contender]) -> Optional[float]:
+def _budget(cfg, contenders: List[_TrialRun]) -> Optional[float]:
     """``tune.max_seconds``, or by default 5% of a 200-step run at plain PyTorch's speed (its fastest step so
     far); None before plain has taken a step."""
     if cfg.max_seconds is not None:
@@ -588,12 +568,10 @@ def _budget(cfg, contenders: List[_Contender]) -> Optional[float]:
     return BUDGET_FRACTION * BUDGET_RUN_STEPS * min(steps) if steps else None
 
 
-def _round(order: List[_Contender], batch: Any, start: float, group) -> Tuple[Dict[int, float], float]:
+def _round(order: List[_TrialRun], batch: Any, start: float) -> Tuple[Dict[int, float], float]:
     """One step of each contender in ``order`` on ``batch``, timed under its own switches: the slowest rank's
     seconds by contender (inf where one failed, here or on another rank: it is marked failed) and since
     ``start``."""
-    from aiak.comm.autotune import StepClock
-
     seconds = []
     for c in order:
         clock = StepClock(c.device)
@@ -606,14 +584,14 @@ def _round(order: List[_Contender], batch: Any, start: float, group) -> Tuple[Di
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
             c.fail(_describe(e))
             seconds.append(float("inf"))
-    reduced = _reduce_max(seconds + [time.perf_counter() - start], group)
+    reduced = max_across_ranks(seconds + [time.perf_counter() - start])
     for c, t in zip(order, reduced):
         if t == float("inf"):
             c.fail("failed on another rank")
     return {id(c): t for c, t in zip(order, reduced)}, reduced[-1]
 
 
-def _simplicity(c: _Contender) -> int:
+def _simplicity(c: _TrialRun) -> int:
     return 0 if c.candidate.label == "plain" else 1 if c.candidate.neutral else 2
 
 
@@ -623,7 +601,7 @@ def _noise(record: TrialRecord) -> float:
     return max((high - low) / (2 * record.speedup), NOISE_FLOOR) if record.speedup else float("inf")
 
 
-def _decide(contenders: List[_Contender], group) -> _Contender:
+def _decide(contenders: List[_TrialRun]) -> _TrialRun:
     """The fastest accepted candidate, by the median of its per-round speedups over plain PyTorch (each round
     runs every candidate back to back, so a ratio within a round cancels the machine's slow drifts); a
     simpler candidate (plain, then numerics-neutral) whose speedup is within noise of the best is preferred.
@@ -632,7 +610,7 @@ def _decide(contenders: List[_Contender], group) -> _Contender:
     for c in accepted:
         c.record.accepted = True
     index = next(i for i, c in enumerate(contenders) if c.candidate.label == "plain")
-    if accepted and (group is None or dist.get_rank(group) == 0):
+    if accepted and _on_rank0():
         best = max(accepted, key=lambda c: c.record.speedup)
         winner = best
         for c in sorted(accepted, key=_simplicity):
@@ -643,13 +621,7 @@ def _decide(contenders: List[_Contender], group) -> _Contender:
                 winner = c
                 break
         index = contenders.index(winner)
-    if group is not None:
-        from aiak.comm.autotune import group_device
-
-        t = torch.tensor([index], dtype=torch.int64, device=group_device(group))
-        dist.broadcast(t, src=0, group=group)
-        index = int(t)
-    winner = contenders[index]
+    winner = contenders[rank0_index(index)]
     for c in accepted:
         tail = f"{c.record.speedup:.2f}x plain (rounds {c.record.speedup_spread[0]:.2f}-{c.record.speedup_spread[1]:.2f})"
         c.record.why = f"{c.record.why}; {tail}" + ("; chosen" if c is winner else "")

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import aiak
-from aiak.amp import emulation, warn
-from aiak.demo import DemoNet
+from aiak.amp import emulation
+from aiak.util import warn
+from aiak.cli.demo import DemoNet
 from aiak.strategy import probes
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import aiak
-from aiak.demo import DemoNet, synthetic_dataset
+from aiak.cli.demo import DemoNet, synthetic_dataset
 
 STEPS = 40
 

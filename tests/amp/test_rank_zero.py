@@ -4,7 +4,7 @@ the real 2-rank case."""
 import logging
 import warnings
 
-from aiak.amp import warn
+from aiak.util import warn
 
 
 def test_other_ranks_neither_warn_nor_log(monkeypatch, caplog):

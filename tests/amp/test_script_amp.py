@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import aiak
-from aiak.amp import warn
+from aiak.util import warn
 
 STEPS = 30
 CLIP = 1.0

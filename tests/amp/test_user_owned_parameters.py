@@ -24,7 +24,7 @@ from torch.nn.utils import prune
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import aiak
-from aiak.demo import DemoNet, synthetic_dataset
+from aiak.cli.demo import DemoNet, synthetic_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
 

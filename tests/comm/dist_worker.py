@@ -256,7 +256,7 @@ def scenario_optimize(rank):
                 "comm": {"hierarchical": True, "compression": "fp16", "bucket_mb": 0.001}}
     ddp, opt, _ = aiak.optimize(model, opt, strategy=strategy)
     out = {"start": {k: v.clone() for k, v in ddp.state_dict().items()}, "rank0_start": rank0_weights,
-           "describe": aiak.api.last_summary().effect("comm"), "type": type(ddp).__name__}
+           "describe": aiak.last_decision().effect("comm"), "type": type(ddp).__name__}
     for step in range(6):
         x, y = rank_data(rank, step=step)
         nn.functional.mse_loss(ddp(x), y).backward()

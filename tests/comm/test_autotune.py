@@ -5,16 +5,17 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aiak.comm.autotune import CommChoice, TuneCache, cache_key, gradient_bucket_sizes
-from aiak.tune.cache import default_cache_path
+from aiak.comm.autotune import CommChoice, cache_key, gradient_bucket_sizes, read_choice
+from aiak.util.cache import TuneCache
+from aiak.util.cache import default_cache_path
 
 
 def test_cache_roundtrip_and_atomic_merge(tmp_path):
     cache = TuneCache(tmp_path / "sub" / "tune.json")
-    assert cache.get("k") is None
-    cache.put("k", CommChoice(True, "fp16", 25.0), perf_mode="comm")
-    cache.put("other", CommChoice(False, "none", 5.0))
-    assert cache.get("k") == CommChoice(True, "fp16", 25.0)
+    assert read_choice(cache, "k") is None
+    cache.put_entry("k", CommChoice(True, "fp16", 25.0).entry(perf_mode="comm"))
+    cache.put_entry("other", CommChoice(False, "none", 5.0).entry())
+    assert read_choice(cache, "k") == CommChoice(True, "fp16", 25.0)
     assert set(json.loads(cache.path.read_text())) == {"k", "other"}
     assert [p.name for p in cache.path.parent.iterdir()] == ["tune.json"]  # no temp files left behind
 
@@ -28,11 +29,11 @@ def test_a_corrupt_cache_is_said_by_rank_0_only(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # torchrun's rank, before a process group exists
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        assert TuneCache(path).get("k") is None
+        assert read_choice(TuneCache(path), "k") is None
     assert [str(w.message) for w in said if "tuning cache" in str(w.message)] == []
     monkeypatch.setenv("RANK", "0")
     with pytest.warns(UserWarning, match="ignoring unreadable tuning cache"):
-        TuneCache(path).get("k")
+        read_choice(TuneCache(path), "k")
 
 
 def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
@@ -40,13 +41,13 @@ def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
     path.write_text("{not json")
     cache = TuneCache(path)
     with pytest.warns(UserWarning, match="ignoring unreadable tuning cache"):
-        assert cache.get("k") is None
+        assert read_choice(cache, "k") is None
     with pytest.warns(UserWarning):
-        cache.put("k", CommChoice(False, "bf16", 25.0))
-    assert cache.get("k") == CommChoice(False, "bf16", 25.0)
+        cache.put_entry("k", CommChoice(False, "bf16", 25.0).entry())
+    assert read_choice(cache, "k") == CommChoice(False, "bf16", 25.0)
     path.write_text(json.dumps({"k": {"hierarchical": True}}))
     with pytest.warns(UserWarning, match="malformed"):
-        assert cache.get("k") is None
+        assert read_choice(cache, "k") is None
 
 
 def test_cache_location_from_env(monkeypatch, tmp_path):
@@ -98,7 +99,7 @@ def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
                                                  ("cuda:nccl", "cuda"), ("mpi", "cpu")])
 def test_tuner_tensors_go_where_the_backend_can_take_them(backend, device_type):
     """NCCL has no CPU path: decide(), the cache broadcast and the timing buffers must use CUDA tensors there."""
-    from aiak.comm.autotune import device_type_for_backend
+    from aiak.util.dist import device_type_for_backend
 
     assert device_type_for_backend(backend) == device_type
 
@@ -106,14 +107,16 @@ def test_tuner_tensors_go_where_the_backend_can_take_them(backend, device_type):
 def test_decide_and_cache_lookup_on_a_gloo_group_use_cpu(tmp_path):
     import torch.distributed as dist
 
-    from aiak.comm.autotune import decide, group_device, shared_cache_lookup
+    from aiak.comm.autotune import decide, read_choice
+    from aiak.util.dist import rank0_object
+    from aiak.util.dist import group_device
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         assert group_device() == torch.device("cpu")
         assert decide([3.0, 1.0, 2.0]) == 1
         cache = TuneCache(tmp_path / "tune.json")
-        cache.put("k", CommChoice(False, "fp16", 5.0))
-        assert shared_cache_lookup(cache, "k") == CommChoice(False, "fp16", 5.0)
+        cache.put_entry("k", CommChoice(False, "fp16", 5.0).entry())
+        assert rank0_object(lambda: read_choice(cache, "k")) == CommChoice(False, "fp16", 5.0)
     finally:
         dist.destroy_process_group()

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiak.comm.autotune import CommChoice, TuneCache, TuneInputs, cached_choice
+from aiak.comm.autotune import CommChoice, TuneInputs, cached_choice, read_choice
+from aiak.util.cache import TuneCache
 from aiak.strategy.schema import CommConfig
 from tests.comm.test_int8_bucket_layout import spawn_ranks
 
@@ -79,7 +80,7 @@ def test_cached_choice_refuses_an_entry_under_the_right_key(tmp_path, caplog):
     try:
         cache = TuneCache(tmp_path / "tune.json")
         key = BASE.key(_model())
-        cache.put(key, CommChoice(False, "int8", 25.0), perf_mode="comm")
+        cache.put_entry(key, CommChoice(False, "int8", 25.0).entry(perf_mode="comm"))
         with caplog.at_level(logging.INFO, logger="aiak"):
             assert cached_choice(cache, key, BASE) is None
         assert "cannot apply: int8 is not allowed (comm.tune_int8 is false); tuning again" in caplog.text
@@ -103,8 +104,8 @@ def _every_entry_says_int8(path):
     if dist.get_rank() == 0:
         cache = TuneCache(path)
         for key in json.loads(Path(path).read_text()):
-            choice = cache.get(key)
-            cache.put(key, dataclasses.replace(choice, compression="int8"), perf_mode=key.rsplit("|", 1)[1])
+            choice = read_choice(cache, key)
+            cache.put_entry(key, dataclasses.replace(choice, compression="int8").entry(perf_mode=key.rsplit("|", 1)[1]))
     dist.barrier()
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from aiak.amp import warn
+from aiak.util import warn
 
 
 @pytest.fixture(autouse=True)

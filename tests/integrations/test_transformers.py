@@ -118,7 +118,7 @@ def test_resuming_from_a_checkpoint_with_the_callback_continues_bit_for_bit(tmp_
     scheduler counted) once went missing and the resumed run restarted at the initial scale. Now the resumed
     run's weights and loss scaler equal the uninterrupted run's exactly."""
     from aiak.integrations.transformers import AiakTrainerCallback
-    from aiak.optim.accumulation import controller_of
+    from aiak.step.controller import controller_of
 
     strategy = {"precision": {"level": "O2", "dtype": "fp16"}, "grad_accumulation": 2}
 

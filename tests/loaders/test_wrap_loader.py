@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import socket
 import types
@@ -55,11 +54,11 @@ def test_prefetch_wraps_and_yields_the_same_batches():
     assert isinstance(again, PrefetchLoader) and again.loader is loader  # never stacked
 
 
-def test_pin_memory_without_cuda_warns_and_is_skipped(caplog):
+def test_pin_memory_without_cuda_warns_and_is_skipped(said):
     loader = DataLoader(torch.arange(4.0), batch_size=2)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         wrapped = wrap_loader(loader, LoaderConfig(prefetch=1, pin_memory=True), torch.device("cpu"))
-    assert "pin_memory: skipped" in caplog.text
+    assert "pin_memory: skipped" in said.text
     assert [b.tolist() for b in wrapped] == [[0.0, 1.0], [2.0, 3.0]]
 
 
@@ -132,11 +131,11 @@ class EveryOther(torch.utils.data.Sampler):
     (lambda: DataLoader(Sentences(), batch_sampler=[[0, 1], [2]]), "custom batch_sampler"),
     (lambda: DataLoader([object()] * 4, batch_size=2), "sample lengths are unknown"),
 ])
-def test_balanced_that_cannot_apply_warns_and_keeps_the_loader(make, reason, caplog):
+def test_balanced_that_cannot_apply_warns_and_keeps_the_loader(make, reason, said):
     loader = make()
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert wrap_loader(loader, LoaderConfig(balanced=True), torch.device("cpu")) is loader
-    assert "loader.balanced: skipped" in caplog.text and reason in caplog.text
+    assert "loader.balanced: skipped" in said.text and reason in said.text
 
 
 def test_keys_a_later_schema_may_add_token_budget_and_normalize():

@@ -10,7 +10,6 @@ to ~1e-12): outputs, every parameter gradient, unchanged state_dict keys and par
 """
 import copy
 import importlib.util
-import logging
 import os
 import subprocess
 import sys
@@ -125,13 +124,13 @@ def test_hugging_face_swin_training_step_with_optimizer_built_before_surgery():
         torch.testing.assert_close(p, q, atol=1e-10, rtol=0, msg=name)
 
 
-def test_hugging_face_swinv2_is_left_alone_with_a_warning(caplog):
+def test_hugging_face_swinv2_is_left_alone_with_a_warning(said):
     config = transformers.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[2], num_heads=[2],
                                        window_size=4, num_labels=3)
     model = transformers.Swinv2ForImageClassification(config)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(model) == 0
-    assert "Swinv2SelfAttention" in caplog.text and "cosine attention" in caplog.text
+    assert "Swinv2SelfAttention" in said.text and "cosine attention" in said.text
     assert not _fused_names(model)
 
 
@@ -180,21 +179,21 @@ def test_original_swin_code_output_and_grads_match():
     _assert_equivalent(model, fused, lambda: x)
 
 
-def test_attention_dropout_runs_fused_in_eval_and_original_in_training(caplog):
+def test_attention_dropout_runs_fused_in_eval_and_original_in_training(said):
     model = _original_model(attn_drop=0.5)
     fused = copy.deepcopy(model)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(fused) == 2
-    assert "fused only in eval mode" in caplog.text and "0.attn" in caplog.text
+    assert "fused only in eval mode" in said.text and "0.attn" in said.text
     x = torch.randn(2, 14 * 14, 32, dtype=torch.float64)
     _assert_fused_in_eval_original_in_training(model, fused, x)
 
 
-def test_original_repo_swinv2_cosine_attention_is_left_alone_with_a_warning(caplog):
+def test_original_repo_swinv2_cosine_attention_is_left_alone_with_a_warning(said):
     model = nn.Sequential(ref.CosineWindowAttention(16, (4, 4), 2), ref.OriginalWindowAttention(16, (4, 4), 2))
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(model) == 1
-    assert "0 (CosineWindowAttention): SwinV2 cosine attention" in caplog.text
+    assert "0 (CosineWindowAttention): SwinV2 cosine attention" in said.text
     assert _fused_names(model) == ["1"]
 
 
@@ -250,34 +249,34 @@ def test_timm_swin_output_and_grads_match(fused_attn):
     _assert_equivalent(model.train(), fused.train(), lambda: x)
 
 
-def test_timm_attention_dropout_runs_fused_in_eval_and_original_in_training(caplog):
+def test_timm_attention_dropout_runs_fused_in_eval_and_original_in_training(said):
     model = _timm_swin(attn_drop_rate=0.5)
     fused = copy.deepcopy(model)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(fused) == 4
-    assert "fused only in eval mode" in caplog.text and "layers.0.blocks.1.attn (WindowAttention) p=0.5" in caplog.text
+    assert "fused only in eval mode" in said.text and "layers.0.blocks.1.attn (WindowAttention) p=0.5" in said.text
     x = torch.randn(2, 3, 56, 56, dtype=torch.float64)
     _assert_fused_in_eval_original_in_training(model, fused, x)
 
 
-def test_timm_swinv2_is_left_alone_with_a_warning(caplog):
+def test_timm_swinv2_is_left_alone_with_a_warning(said):
     model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, img_size=32, embed_dim=16, depths=(2,),
                               num_heads=(2,), window_size=4, num_classes=3)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(model) == 0
-    assert "layers.0.blocks.0.attn (WindowAttention): SwinV2 cosine attention" in caplog.text
+    assert "layers.0.blocks.0.attn (WindowAttention): SwinV2 cosine attention" in said.text
     assert not _fused_names(model)
 
 
-def test_timm_beit_attention_is_a_look_alike_and_not_fused(caplog):
+def test_timm_beit_attention_is_a_look_alike_and_not_fused(said):
     # BEiT's relative-position table has 3 class-token rows and q/v get their own biases: it has Swin's
     # attribute names but is global attention, not window attention.
     torch.manual_seed(0)
     model = nn.Sequential(timm_beit.Attention(16, num_heads=2, qkv_bias=True, window_size=(4, 4)),
                           timm_swin.WindowAttention(16, num_heads=2, window_size=4))
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(model) == 1
-    assert "0 (Attention): unrecognised window-attention structure" in caplog.text
+    assert "0 (Attention): unrecognised window-attention structure" in said.text
     assert _fused_names(model) == ["1"]
 
 
@@ -295,11 +294,11 @@ def test_torchvision_shifted_window_attention_matches(height, width, shift):
     _assert_equivalent(module, fused, lambda: x)
 
 
-def test_torchvision_dropout_is_left_alone(caplog):
+def test_torchvision_dropout_is_left_alone(said):
     module = tv_swin.ShiftedWindowAttention(32, [7, 7], [3, 3], num_heads=4, dropout=0.1)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(module) == 0
-    assert "<root> (ShiftedWindowAttention): dropout p=0.1" in caplog.text
+    assert "<root> (ShiftedWindowAttention): dropout p=0.1" in said.text
 
 
 def test_torchvision_swin_output_and_grads_match():
@@ -315,23 +314,23 @@ def test_torchvision_swin_output_and_grads_match():
     _assert_equivalent(model.train(), fused.train(), lambda: x)
 
 
-def test_torchvision_swinv2_is_left_alone_with_a_warning(caplog):
+def test_torchvision_swinv2_is_left_alone_with_a_warning(said):
     model = tv_swin.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2], num_heads=[2], window_size=[4, 4],
                                     num_classes=3, block=tv_swin.SwinTransformerBlockV2,
                                     downsample_layer=tv_swin.PatchMergingV2)
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.replace_window_attention(model) == 0
-    assert "features.1.0.attn (ShiftedWindowAttentionV2): SwinV2 cosine attention" in caplog.text
+    assert "features.1.0.attn (ShiftedWindowAttentionV2): SwinV2 cosine attention" in said.text
     assert not _fused_names(model)
 
 
 # -------------------------------------------------------------------------------- apply_fused_ops
 
-def test_apply_fused_ops_counts_and_warns_when_nothing_matches(caplog):
+def test_apply_fused_ops_counts_and_warns_when_nothing_matches(said):
     assert ops.apply_fused_ops(_original_model(), ["window_attention"]) == {"window_attention": 2}
-    with caplog.at_level(logging.WARNING, logger="aiak"):
+    with said:
         assert ops.apply_fused_ops(nn.Linear(4, 4), ["window_attention"]) == {"window_attention": 0}
-    assert "window_attention replaced nothing in Linear" in caplog.text
+    assert "window_attention replaced nothing in Linear" in said.text
 
 
 def test_apply_fused_ops_rejects_unknown_names():

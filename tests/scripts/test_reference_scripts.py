@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiak.amp import warn
+from aiak.util import warn
 from tests.scripts import timm_style, torchvision_style
 from tests.scripts.synthetic_data import write_image_folder
 

@@ -11,9 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from aiak.strategy import MODULE_KINDS, Probes, probe
-from aiak.strategy import probes as probes_module
-from aiak.strategy.probes import LENGTH_PROBE_SAMPLES, cpu_features, model_features, module_counts
-from aiak.strategy.select import model_device
+from aiak.strategy.probes import LENGTH_PROBE_SAMPLES, model_features, module_counts
+from aiak.util import cpu, devices
+from aiak.util.cpu import cpu_features
+from aiak.util.devices import model_device
 from aiak.strategy.select import model_features as model_features_from_select
 
 _spec = importlib.util.spec_from_file_location("real_models", Path(__file__).with_name("real_models.py"))
@@ -95,16 +96,16 @@ def test_cpu_model_is_the_model_name_line(tmp_path, monkeypatch):
     fake = tmp_path / "cpuinfo"
     fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\n"
                     "flags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\nmodel name\t: other\n")
-    monkeypatch.setattr(probes_module, "CPUINFO", str(fake))
-    probes_module.cpu_model.cache_clear()
-    probes_module.cpu_features.cache_clear()
+    monkeypatch.setattr(cpu, "CPUINFO", str(fake))
+    cpu.cpu_model.cache_clear()
+    cpu.cpu_features.cache_clear()
     try:
-        assert probes_module.cpu_model() == "AMD EPYC 9654 96-Core Processor"
-        assert probes_module.cpu_features() == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+        assert cpu.cpu_model() == "AMD EPYC 9654 96-Core Processor"
+        assert cpu.cpu_features() == {"fpu", "avx2", "avx512f", "avx512_bf16"}
         assert probe().bf16_native and not probe().fp16_native
     finally:
-        probes_module.cpu_model.cache_clear()
-        probes_module.cpu_features.cache_clear()
+        cpu.cpu_model.cache_clear()
+        cpu.cpu_features.cache_clear()
 
 
 def test_a_cpu_probe_never_touches_cuda(monkeypatch):
@@ -138,11 +139,11 @@ def test_a_cuda_probe_reads_the_models_device(monkeypatch, capability, bf16, fp1
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability_of)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or Properties())
-    probes_module._capability_of.cache_clear()
+    devices._capability_of.cache_clear()
     try:
         found = probe(nn.Linear(2, 2), device="cuda:1")
     finally:
-        probes_module._capability_of.cache_clear()
+        devices._capability_of.cache_clear()
     assert set(asked) == {1}
     assert found.device == "cuda" and found.cuda == {"name": "NVIDIA RTX A6000",
                                                      "capability": f"{capability[0]}.{capability[1]}",

@@ -4,8 +4,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak
-from aiak.tune import explain
-from aiak.tune.decision import _fmt
+from aiak.api import explain
+from aiak.util.text import yaml_text
 from tests.tune.test_trial_loss import NeedsAMask
 from tests.tune.test_trials import TUNED, setup
 
@@ -41,7 +41,7 @@ def test_knobs_set_by_one_profile_share_one_heading_with_its_reason():
         assert reason in heading
         assert sorted(row.split()[0] for row in groups[heading]) == sorted(paths)   # ... its knobs under it
         for row in groups[heading]:
-            assert row.split()[1] == _fmt(shown[row.split()[0]]["value"]).split()[0]
+            assert row.split()[1] == yaml_text(shown[row.split()[0]]["value"]).split()[0]
 
 
 def test_knobs_with_their_own_reason_keep_it_after_the_shared_words():
@@ -59,7 +59,7 @@ def test_full_render_lists_every_knob_with_value_source_and_reason():
     lines = decision.render(full=True).splitlines()
     for path, knob in decision.knobs.items():
         row = next(line for line in lines if line.split() and line.split()[0] == path)
-        assert _fmt(knob["value"]) in row and knob["source"] in row and row.endswith(knob["reason"]), row
+        assert yaml_text(knob["value"]) in row and knob["source"] in row and row.endswith(knob["reason"]), row
 
 
 def test_headline_says_what_was_applied_and_where_to_read_why():
@@ -73,7 +73,7 @@ def test_headline_says_what_was_applied_and_where_to_read_why():
     chosen = next(t["label"] for t in d["trials"] if "chosen" in t["why"])
     assert f"{chosen!r}" in headline and f"{len(d['trials'])} measured" in headline
     for path, knob in d["knobs"].items():
-        compact = f"{path}={_fmt(knob['value'])}"
+        compact = f"{path}={yaml_text(knob['value'])}"
         if knob["source"] != "default" and not path.startswith("tune."):
             assert compact in headline, compact
         elif knob["source"] == "default":

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak
-from aiak.amp import warn as amp_warn
+from aiak.util import warn as amp_warn
 from aiak.strategy.select import resolve_strategy
 from aiak.tune import gate
 from aiak.tune.candidates import candidate_strategies
@@ -177,8 +177,8 @@ def test_plain_takes_the_noise_passes_only_when_a_candidate_needs_the_gate(strat
     strategy = {"extends": "default", "tune": {"candidates": 3, "steps": n_batches}, **strategy}
     selection = resolve_strategy(strategy, model, optimizer, data)
     candidates = candidate_strategies(selection.strategy, selection.probes, limit=3, max_seconds=None)
-    contenders = _build(candidates, model, optimizer, torch.device("cpu"), None)
-    _warm_up(contenders, data, _Rng(data, cuda=False), torch.device("cpu"), None)
+    contenders = _build(candidates, model, optimizer, torch.device("cpu"))
+    _warm_up(contenders, data, _Rng(data, cuda=False), torch.device("cpu"))
     calls = {c.candidate.label: c.bare.calls for c in contenders}
     others = [n for label, n in calls.items() if label != "plain"]
     assert others and all(n == 1 for n in others), calls          # the gate step
@@ -192,7 +192,7 @@ def test_the_noise_passes_leave_plain_as_it_was():
     """Plain's step controller (the pick's 2-step accumulation) sees one backward before its first step, not
     three (several would read as the script accumulating itself, and it would give way), and its BatchNorm
     counted one batch."""
-    from aiak.demo import DemoNet
+    from aiak.cli.demo import DemoNet
 
     torch.manual_seed(0)
     model = DemoNet(width=8)
@@ -202,8 +202,8 @@ def test_the_noise_passes_leave_plain_as_it_was():
                 "tune": {"candidates": 2, "steps": 1}}
     selection = resolve_strategy(strategy, model, optimizer, data)
     candidates = candidate_strategies(selection.strategy, selection.probes, limit=2, max_seconds=None)
-    contenders = _build(candidates, model, optimizer, torch.device("cpu"), None)
-    _warm_up(contenders, data, _Rng(data, cuda=False), torch.device("cpu"), None)
+    contenders = _build(candidates, model, optimizer, torch.device("cpu"))
+    _warm_up(contenders, data, _Rng(data, cuda=False), torch.device("cpu"))
     plain = next(c for c in contenders if c.candidate.label == "plain")
     assert not any(c.failed for c in contenders), [c.record.why for c in contenders]
     assert plain.controller is not None and plain.controller.accumulation == 2

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak
-from aiak.demo import DemoNet
+from aiak.cli.demo import DemoNet
 from aiak.tune.trials import trial_loss
 from tests.tune.test_trials import TUNED
 

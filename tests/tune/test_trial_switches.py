@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from aiak.strategy import probes
-from aiak.rollback import Snapshot
+from aiak.util import devices
+from aiak.runtime.rollback import Snapshot
 from aiak.strategy.select import resolve_strategy
 from aiak.tune.candidates import candidate_strategies
 from aiak.tune.trials import MIN_TIMED_ROUNDS, _build, _Rng, _timed_rounds, _warm_up
@@ -54,13 +54,13 @@ def test_each_candidate_steps_under_its_own_switches(switches_off, monkeypatch):
     strategy = {"extends": "default", "tf32": True, "cudnn_benchmark": True, "tune": {"candidates": 3, "steps": 3}}
     selection = resolve_strategy(strategy, model, optimizer, batches)
     candidates = candidate_strategies(selection.strategy, selection.probes, limit=3, max_seconds=None)
-    monkeypatch.setattr(probes, "cuda_capability", lambda device: (8, 0))  # "this device has TF32 tensor cores"
-    contenders = _build(candidates, model, optimizer, CPU, None)
+    monkeypatch.setattr(devices, "cuda_capability", lambda device: (8, 0))  # "this device has TF32 tensor cores"
+    contenders = _build(candidates, model, optimizer, CPU)
     assert process_switches() == (False, False, False)        # building a candidate leaves the process as it was
 
-    _warm_up(contenders, batches, _Rng(batches, cuda=False), CPU, None)
+    _warm_up(contenders, batches, _Rng(batches, cuda=False), CPU)
     cfg = selection.strategy.tune
-    _timed_rounds(contenders, batches, cfg, time.perf_counter(), None)
+    _timed_rounds(contenders, batches, cfg, time.perf_counter())
 
     seen = {c.candidate.label: c.bare.seen for c in contenders}
     expected = {"plain": (False, False, False),                 # the fp32 reference: no TF32, no autotuning

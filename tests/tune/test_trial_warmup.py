@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import aiak
-from aiak.demo import DemoNet, synthetic_dataset
+from aiak.cli.demo import DemoNet, synthetic_dataset
 from aiak.strategy.select import resolve_strategy
 from aiak.tune.candidates import candidate_strategies
 from aiak.tune.trials import MIN_TIMED_ROUNDS, _build, _Rng, _timed_rounds, _warm_up

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak
-from aiak.demo import DemoNet, synthetic_dataset
+from aiak.cli.demo import DemoNet, synthetic_dataset
 from aiak.strategy.select import resolve_strategy
 from aiak.tune.replay import ReplayLoader
 from aiak.tune.trials import run_trials

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import aiak
-from aiak.demo import synthetic_dataset
+from aiak.cli.demo import synthetic_dataset
 from tests.tune.test_trials import DropoutNet, state
 
 TUNED = {"extends": "default", "channels_last": True, "precision": {"level": "O1", "dtype": "bf16"},

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import aiak
-from aiak.demo import DemoNet
+from aiak.cli.demo import DemoNet
 from aiak.optim import Lars
 from aiak.strategy.select import resolve_strategy
-from aiak.tune.cache import TuneCache
-from aiak.tune.candidates import candidate_strategies, flatten
+from aiak.util.cache import TuneCache
+from aiak.strategy.select import leaves
+from aiak.tune.candidates import candidate_strategies
 from tests.tune.test_trials import setup, state
 
 ACCUMULATED_LARS = {"grad_accumulation": 4, "optimizer": {"name": "lars", "lr": 0.1, "momentum": 0.9}}
@@ -36,7 +37,7 @@ TRAINING_PATHS = ("grad_accumulation", "optimizer", "loader.balanced", "loader.m
 
 
 def _training_knobs(strategy):
-    return {k: v for k, v in flatten(strategy.to_dict()).items()
+    return {k: v for k, v in leaves(strategy.to_dict())
             if any(k == key or k.startswith(key + ".") for key in TRAINING_PATHS)}
 
 

@@ -1,0 +1,39 @@
+"""The ``precision:`` section of a strategy: what :func:`aiak.amp.apply_precision` reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Union
+
+from aiak.util.config import Where, choices
+
+PRECISION_LEVELS = ("O0", "O1", "O2")
+PRECISION_DTYPES = ("fp16", "bf16")
+
+
+@dataclass
+class Precision:
+    """Mixed precision: O0 fp32, O1 autocast, O2 half-precision compute copies of the fp32 parameters (apex O2's
+    numerics; the parameters stay the user's fp32 tensors).
+
+    ``loss_scale`` is ``dynamic``, a positive number (static scale) or ``none`` (no scaling; refused for
+    fp16 at O1/O2, where small gradients underflow).
+    """
+
+    level: str = field(default="O0", metadata=choices(*PRECISION_LEVELS))
+    dtype: str = field(default="bf16", metadata=choices(*PRECISION_DTYPES))
+    loss_scale: Union[str, float] = field(default="dynamic", metadata=choices("dynamic", "none", also="<positive number>"))
+
+    def _problems(self, where: Where, path: str) -> List[str]:
+        problems = []
+        if not isinstance(self.loss_scale, str) and not self.loss_scale > 0:
+            problems.append(f"{where(path + 'loss_scale')} must be one of ['dynamic', 'none', '<positive number>'], "
+                            f"got {self.loss_scale!r}")
+        return problems
+
+    def _combinations(self, where: Where, path: str) -> List[str]:
+        """Keys that only work together (judged on the whole strategy, after ``extends`` is merged)."""
+        problems = []
+        if self.level in ("O1", "O2") and self.dtype == "fp16" and self.loss_scale == "none":
+            problems.append(f"{where(path + 'loss_scale')}: fp16 at {self.level} needs loss scaling (small gradients "
+                            f"underflow in fp16); set loss_scale to 'dynamic' or a positive number, or use dtype: bf16")
+        return problems

@@ -1,0 +1,5 @@
+import sys
+
+from aiak.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""The built-in demo: a small CNN with BatchNorm trained on synthetic images, baseline vs optimized.
+
+Used by ``aiak demo`` (train both, alternating them in rounds, and compare), and as the ``demo`` model SPEC
+of ``aiak bench`` and ``aiak explain``. CPU-sized by default: the whole demo runs in about a minute.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Tuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from aiak.cli.progress import Board
+from aiak.measure.rounds import Contender, Speedup, alternate, plan_rounds, speedup
+from aiak.runtime.switches import read_switches
+
+
+class DemoNet(nn.Module):
+    """Conv-BN-ReLU x3 with stride, global pooling and a linear head (ResNet-like stem, tiny)."""
+
+    def __init__(self, num_classes: int = 10, width: int = 32):
+        super().__init__()
+
+        def block(cin, cout, stride):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+                                 nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+        self.features = nn.Sequential(block(3, width, 1), block(width, 2 * width, 2), block(2 * width, 4 * width, 2))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def synthetic_dataset(n: int = 2048, image_size: int = 32, num_classes: int = 10, seed: int = 0) -> TensorDataset:
+    """Learnable synthetic images: each class is a fixed random pattern plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(num_classes, 3, image_size, image_size, generator=g)
+    labels = torch.randint(0, num_classes, (n,), generator=g)
+    images = patterns[labels] + 0.8 * torch.randn(n, 3, image_size, image_size, generator=g)
+    return TensorDataset(images, labels)
+
+
+def make_setup(seed: int = 0, n: int = 2048, batch_size: int = 64, lr: float = 0.05, width: int = 32):
+    torch.manual_seed(seed)
+    model = DemoNet(width=width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
+    loader = DataLoader(synthetic_dataset(n, seed=seed), batch_size=batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(seed), drop_last=True)
+    return model, optimizer, loader
+
+
+def training_steps(model, optimizer, loader, epochs: int, device: Any = "cpu") -> Iterator[torch.Tensor]:
+    """A plain training loop, exactly what a user writes (aiak never asks for a different one), one step
+    per ``next()``: each yields that step's loss."""
+    criterion = nn.CrossEntropyLoss()
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            yield loss
+
+
+class DemoError(ValueError):
+    """Demo arguments that leave no room for an honest measurement; the message names them."""
+
+
+@dataclass
+class DemoResult:
+    """Both runs of :func:`run_demo`: the same steps, the same data, alternated in rounds."""
+
+    baseline: Contender
+    optimized: Contender
+    speedup: Speedup            # of the training steps, per round
+    setup_seconds: float        # aiak.optimize() (the trials of "auto" included), paid once before the steps
+    batch_size: int
+    warmup: int                 # steps per side before the timing (they train too)
+
+    @property
+    def end_to_end(self) -> float:
+        """Baseline seconds / aiak's seconds over every step, aiak's optimize() included: what a run of this
+        length gains once the tuning is paid for (one sum per side, so no interval of its own)."""
+        base = sum(self.baseline.warmup_seconds) + sum(self.baseline.step_seconds)
+        mine = sum(self.optimized.warmup_seconds) + sum(self.optimized.step_seconds) + self.setup_seconds
+        return base / mine
+
+
+def plan(epochs: int, n: int, batch_size: int, rounds: int, warmup: int) -> Tuple[int, int, int]:
+    """``(steps per side, steps per round, warm-up steps)`` of a demo (:func:`aiak.measure.rounds.plan_rounds`);
+    :class:`DemoError` naming the flags when the steps do not fill ``warmup`` steps and ``rounds`` rounds."""
+    steps = epochs * (n // batch_size)
+    try:
+        warmup, per_round = plan_rounds(steps, rounds, warmup)
+    except ValueError:
+        raise DemoError(f"--epochs {epochs} x (--samples {n} // --batch-size {batch_size}) = {steps} steps, fewer "
+                        f"than --warmup {warmup} + --rounds {rounds}: give more samples or epochs, or fewer "
+                        "rounds") from None
+    return steps, per_round, warmup
+
+
+def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size: int = 64, *, rounds: int = 20,
+             warmup: int = 5, show_progress: bool = True, seed: int = 0) -> DemoResult:
+    """Train the demo model twice from the same weights on the same batches, plain PyTorch and
+    ``aiak.optimize(strategy=...)``, alternating the two in ``rounds`` rounds after ``warmup`` steps each
+    (:func:`aiak.measure.rounds.alternate`). Steps that do not fill a round are added to the warm-up, so both
+    sides train every step of ``epochs`` epochs."""
+    import aiak
+
+    steps, per_round, warmup = plan(epochs, n, batch_size, rounds, warmup)
+
+    model, optimizer, loader = make_setup(seed, n, batch_size)
+    init = copy.deepcopy(model.state_dict())
+    baseline = Contender("baseline", training_steps(model, optimizer, loader, epochs).__next__,
+                         switches=read_switches())
+
+    model, optimizer, loader = make_setup(seed, n, batch_size)
+    model.load_state_dict(init)
+    start = time.perf_counter()
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
+    setup = time.perf_counter() - start
+    optimized = Contender("aiak", training_steps(model, optimizer, loader, epochs).__next__, switches=read_switches())
+
+    with Board({"baseline": steps, "aiak": steps}, enabled=show_progress) as board:
+        alternate([baseline, optimized], warmup=warmup, rounds=rounds, steps_per_round=per_round,
+                  progress=lambda c, done, total: board.update(c.name, done, c.loss if c.loss == c.loss else None))
+    return DemoResult(baseline, optimized, speedup(baseline.round_seconds, optimized.round_seconds), setup,
+                      batch_size, warmup)

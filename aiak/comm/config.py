@@ -1,0 +1,52 @@
+"""The ``comm:`` section of a strategy: how gradients travel under DDP (:func:`aiak.comm.wrap_distributed`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+from aiak.comm.compression import COMPRESSIONS
+from aiak.util.config import StrategyError, Where, choices, section_problems
+
+
+@dataclass
+class CommConfig:
+    """Communication under DDP (only used when a process group with world size > 1 exists).
+
+    ``autotune`` times candidate algorithms (and, in ``comm`` perf mode, bucket sizes) during warm-up; rank 0
+    decides, every rank follows, and the result is cached per model, cluster and torch version. int8 changes
+    the numerics, so the tuner only considers it when ``tune_int8`` is true. ``deadlock_guard`` is a debug
+    mode: ranks compare fingerprints of their collectives and raise instead of hanging (``timeout_s``).
+    ``pipeline_mb`` cuts hierarchical buckets into chunks that overlap the intra- and inter-node steps (MB of
+    fp32 values; int8 chunks hold twice as many values; 0 = whole buckets); ``compress_intra`` also compresses
+    the intra-node steps (fp16/bf16); ``int8_block`` is the number of values sharing one min/scale.
+    """
+
+    hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
+    compression: str = field(default="none", metadata=choices(*COMPRESSIONS))
+    bucket_mb: float = 25.0
+    autotune: bool = False
+    perf_mode: str = field(default="comm", metadata=choices("comm", "step"))
+    tune_steps: int = 3
+    tune_cache: Optional[str] = None
+    tune_int8: bool = False
+    deadlock_guard: bool = False
+    timeout_s: float = 300.0
+    compress_intra: bool = False
+    int8_block: int = 2048
+    pipeline_mb: float = 2.0
+
+    def _problems(self, where: Where, path: str) -> List[str]:
+        problems = []
+        for key, low, strict in (("bucket_mb", 0, True), ("timeout_s", 0, True), ("tune_steps", 1, False),
+                                 ("int8_block", 1, False), ("pipeline_mb", 0, False)):
+            value = getattr(self, key)
+            if value < low or (strict and value == low):
+                problems.append(f"{where(path + key)} must be {'>' if strict else '>='} {low}, got {value}")
+        return problems
+
+
+def check_comm(comm: CommConfig, source: str) -> None:
+    """Types, choices and ranges of a ``CommConfig``, also one built in code rather than from YAML."""
+    problems = section_problems(comm, Where(source, {}), "comm.")
+    if problems:
+        raise StrategyError(problems)

@@ -1,0 +1,243 @@
+"""Figures a user can trust: contenders alternate in rounds, both warm up, and a ratio comes with its spread.
+
+On a shared machine the same training step has measured 63 ms and 488 ms minutes apart. Running the baseline
+once and then the candidate once measures the machine's drift as much as the candidate: ``aiak demo
+--strategy default`` (plain PyTorch by another name) read 1.10x and 1.74x that way. So, as in the trials of
+the auto-selector (:mod:`aiak.tune.trials`):
+
+- every contender warms up first (allocator, caches, lazy inits, compilation), in alternation;
+- the timed steps are cut into rounds; in each round every contender runs its share back to back, the order
+  rotating from round to round, so a slow minute costs every contender alike;
+- the speedup is taken **per round** (baseline time / candidate time in the same round, which cancels the
+  drift between rounds), and reported as the median of the rounds with its distribution-free 99%
+  confidence interval (order statistics; no assumption on the shape of the machine's noise);
+- it is called a speedup (or a slowdown) only when that whole interval is on one side of 1.00x; otherwise
+  the figure is "within noise". Plain PyTorch against itself then reads "within noise" in 99 runs of 100.
+  With fewer than :data:`MIN_ROUNDS_FOR_VERDICT` rounds the interval is too loose to judge by, and the
+  verdict says so.
+
+:func:`alternate` is the one round runner of ``aiak demo`` and ``aiak bench``.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from aiak.measure.clock import StepClock
+from aiak.runtime.switches import write_switches
+from aiak.util.dist import max_across_ranks
+
+__all__ = ["Spread", "Speedup", "Contender", "alternate", "percentile", "median_interval", "speedup", "plan_rounds", "MIN_ROUNDS_FOR_VERDICT",
+           "SLOW_FACTOR"]
+
+MIN_ROUNDS_FOR_VERDICT = 6      # below, even the min-max of the rounds covers their median less than 95%
+SLOW_FACTOR = 10.0              # a contender this many times slower than the baseline on its first step stops
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between the closest ranks."""
+    s = sorted(values)
+    if not s:
+        raise ValueError("percentile of no values")
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of some samples with their p10 and p90."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread":
+        return cls(statistics.median(values), percentile(values, 10), percentile(values, 90), len(values))
+
+    def scaled(self, factor: float) -> "Spread":
+        return Spread(self.median * factor, self.p10 * factor, self.p90 * factor, self.n)
+
+
+def median_interval(values: Sequence[float], level: float = 0.99) -> Tuple[float, float, float]:
+    """The distribution-free confidence interval of the median from order statistics: ``(low, high,
+    coverage)`` = ``(s[k], s[n-1-k], 1 - 2 P(Binomial(n, 1/2) <= k))`` for the largest ``k`` whose coverage
+    is at least ``level`` (k = 0, the min-max, when even that covers less; the coverage says how much)."""
+    s = sorted(values)
+    n = len(s)
+    if n == 0:
+        raise ValueError("interval of no values")
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+
+    k = 0
+    while k + 1 < n - 1 - (k + 1) and coverage(k + 1) >= level:
+        k += 1
+    return s[k], s[n - 1 - k], max(coverage(k), 0.0)
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """Baseline time / candidate time, one ratio per round: the median, its confidence interval, and what they
+    allow (:attr:`verdict`)."""
+
+    median: float
+    low: float
+    high: float
+    coverage: float     # of [low, high]: 0.99 from 8 rounds on, 0.97-0.98 with 6-7 (min-max)
+    rounds: int
+
+    @property
+    def verdict(self) -> str:
+        """"faster" or "slower" when the whole interval is on one side of 1.0, else "within noise" (or "too
+        few rounds" below :data:`MIN_ROUNDS_FOR_VERDICT`, whose min-max covers the median less than 95%)."""
+        if self.rounds < MIN_ROUNDS_FOR_VERDICT:
+            return "too few rounds"
+        if self.low > 1.0:
+            return "faster"
+        if self.high < 1.0:
+            return "slower"
+        return "within noise"
+
+    def describe(self) -> str:
+        """E.g. ``1.52x faster (99% CI 1.41-1.60x, 10 rounds)`` or ``1.01x, within noise (...)``."""
+        spread = f"{self.coverage * 100:.1f}% CI {self.low:.2f}-{self.high:.2f}x, {self.rounds} rounds"
+        if self.verdict == "too few rounds":
+            return (f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f}x over {self.rounds} rounds: too few to "
+                    f"tell a speedup from noise, use {MIN_ROUNDS_FOR_VERDICT} or more)")
+        if self.verdict == "within noise":
+            return f"{self.median:.2f}x, within noise ({spread})"
+        return f"{self.median:.2f}x {self.verdict} ({spread})"
+
+    def to_dict(self) -> dict:
+        return {"median": self.median, "low": self.low, "high": self.high, "coverage": self.coverage,
+                "rounds": self.rounds, "verdict": self.verdict}
+
+
+def speedup(baseline_rounds: Sequence[float], candidate_rounds: Sequence[float]) -> Speedup:
+    """Per-round ratios ``baseline / candidate`` over the rounds both completed."""
+    ratios = [b / c for b, c in zip(baseline_rounds, candidate_rounds) if c > 0]
+    if not ratios:
+        raise ValueError("no completed round to compare")
+    low, high, coverage = median_interval(ratios)
+    return Speedup(statistics.median(ratios), low, high, coverage, len(ratios))
+
+
+@dataclass
+class Contender:
+    """One side of a comparison: ``step()`` runs one training step on ``device`` and returns its loss.
+
+    ``switches`` (:func:`aiak.runtime.switches.read_switches`, taken right after the contender was set up) are put in
+    place before each of its runs of steps: ``aiak.optimize`` sets process-wide settings (TF32, cuDNN
+    autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too.
+
+    :func:`alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
+    steps in each round), ``steps`` (all steps run, warm-up included) and ``loss`` (the last loss, a float); a
+    contender stopped early has ``stopped`` set to the reason.
+    """
+
+    name: str
+    step: Callable[[], object]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    switches: Optional[dict] = None
+    step_seconds: List[float] = field(default_factory=list)
+    round_seconds: List[float] = field(default_factory=list)
+    warmup_seconds: List[float] = field(default_factory=list)
+    steps: int = 0
+    loss: float = float("nan")
+    stopped: Optional[str] = None
+
+    def timing(self) -> Spread:
+        return Spread.of(self.step_seconds)
+
+
+Progress = Callable[[Contender, int, int], None]   # (contender, its steps so far, its steps in all)
+
+
+def _run(c: Contender, n: int, total: int, progress: Optional[Progress]) -> List[float]:
+    """``n`` steps of ``c``, each timed on its device's clock (CUDA events, read once at the end)."""
+    if c.switches is not None:
+        write_switches(c.switches)
+    clock = StepClock(c.device)
+    marks = [clock.mark()]
+    loss = None
+    for _ in range(n):
+        loss = c.step()
+        marks.append(clock.mark())
+        c.steps += 1
+        if progress is not None:
+            progress(c, c.steps, total)
+    if loss is not None:
+        c.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+    return [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+
+
+def plan_rounds(total_steps: int, rounds: int, warmup: int, multiple_of: int = 1) -> Tuple[int, int]:
+    """``(warmup, steps_per_round)`` that use every one of ``total_steps``: ``rounds`` rounds of a multiple of
+    ``multiple_of`` steps (a whole accumulation window, so every round holds the same number of optimizer
+    steps), the steps left over added to the warm-up. ``ValueError`` when fewer than ``warmup + rounds *
+    multiple_of`` steps leave no round of one window."""
+    per_round = (total_steps - warmup) // rounds // multiple_of * multiple_of
+    if per_round < 1:
+        raise ValueError(f"{total_steps} steps are fewer than {warmup} warm-up + {rounds} rounds x {multiple_of}")
+    return total_steps - rounds * per_round, per_round
+
+
+def _least_recent(c: Contender, first_timed: List[float]) -> float:
+    """The faster of a contender's last warm-up step and its first timed step: one step of a loaded machine
+    can take 40x its usual time (58 ms and 2557 ms, one after the other, on this project's 2-core machine), so
+    the 10x rule judges two steps per side; a compiling strategy's warm-up step loses to its timed one."""
+    return min(c.warmup_seconds[-1:] + first_timed)
+
+
+def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, steps_per_round: int,
+              progress: Optional[Progress] = None, slow_factor: float = SLOW_FACTOR,
+              across_ranks: bool = True, group=None) -> None:
+    """Warm every contender up, then time ``rounds`` rounds of ``steps_per_round`` steps each.
+
+    The first contender is the baseline. Warm-up alternates one step at a time. In round ``r`` the order is
+    rotated by ``r``, so nobody always runs first. A contender whose first timed step (or its last warm-up
+    step, whichever is faster) takes more than ``slow_factor`` times the baseline's stops there (``stopped``
+    says why; its warm-up did not make it faster, so more steps would only cost the user minutes): ``aiak
+    bench --strategy cnn`` once ran ten minutes at 0.03x before printing anything.
+
+    Under ``torch.distributed`` every rank must call this with the same contenders (the stop is decided on the
+    slowest rank's figures, a collective on ``group``, torch's default group when None); ``across_ranks=False``
+    keeps the decision local, for a run on one rank alone (``aiak bench``'s single-worker measurement while the
+    other ranks wait).
+    """
+    if not contenders:
+        raise ValueError("alternate() needs at least one contender")
+    if warmup < 0 or rounds < 1 or steps_per_round < 1:
+        raise ValueError(f"need warmup >= 0, rounds >= 1, steps_per_round >= 1; got {warmup}, {rounds}, "
+                         f"{steps_per_round}")
+    total = warmup + rounds * steps_per_round
+    for _ in range(warmup):
+        for c in contenders:
+            c.warmup_seconds += _run(c, 1, total, progress)
+    active = list(contenders)
+    for r in range(rounds):
+        shift = r % len(active)
+        for c in active[shift:] + active[:shift]:
+            if r == 0 and c is not contenders[0]:   # round 0 runs the baseline first: judge c on one step
+                first = _run(c, 1, total, progress)
+                judged = [_least_recent(contenders[0], contenders[0].step_seconds[:1]), _least_recent(c, first)]
+                theirs, mine = max_across_ranks(judged, group) if across_ranks else judged
+                if mine > slow_factor * theirs:
+                    c.step_seconds += first
+                    c.stopped = (f"stopped after its first timed step: {mine * 1e3:.1f} ms, more than "
+                                 f"{slow_factor:g}x the baseline's {theirs * 1e3:.1f} ms")
+                    continue
+                seconds = first + (_run(c, steps_per_round - 1, total, progress) if steps_per_round > 1 else [])
+            else:
+                seconds = _run(c, steps_per_round, total, progress)
+            c.step_seconds += seconds
+            c.round_seconds.append(sum(seconds))
+        active = [c for c in active if c.stopped is None]

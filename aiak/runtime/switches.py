@@ -1,0 +1,92 @@
+"""Global switches: TF32 matmuls/convolutions and cuDNN autotuning (CUDA only), and the channels_last layout.
+
+TF32 runs fp32 matmuls and convolutions on Ampere+ tensor cores with a 10-bit mantissa (NVIDIA,
+"Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020): several times faster, slightly different
+numerics, so it is off in the ``default`` profile. Without CUDA these knobs cannot apply: they warn and
+are skipped (:func:`aiak.util.devices.cuda_capability` says which device they act on).
+
+A knob that is off writes nothing: the process keeps its own setting (the script's, or PyTorch's default).
+:func:`process_switches` is the one list of the process-wide settings a strategy may change:
+:mod:`aiak.runtime.rollback` puts them back when ``optimize()`` fails, and the trials and the timing engine
+write each contender's before its steps, so that every candidate is timed under its own switches.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+from aiak.util import devices
+from aiak.util.nested import map_tensors
+from aiak.util.warn import warn
+
+
+def apply_tf32(enabled: bool, device: torch.device) -> str:
+    """Set matmul and cuDNN TF32; returns what was done, for the summary."""
+    if not enabled:
+        return "off"
+    capability = devices.cuda_capability(device)
+    if capability is None:
+        warn(f"aiak: tf32 requested but the model runs on {device.type}, not CUDA: skipped")
+        return f"skipped (no CUDA: model on {device.type})"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    major, _ = capability
+    if major < 8:
+        return f"on (no effect: compute capability {major}.x has no TF32 tensor cores)"
+    return "on (matmul + cuDNN)"
+
+
+def apply_channels_last(model: torch.nn.Module) -> str:
+    """NHWC weights and 4-D inputs: cuDNN's fastest layout for convolutions with tensor cores."""
+    model.to(memory_format=torch.channels_last)
+
+    def to_nhwc(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+    model.register_forward_pre_hook(lambda mod, args, kwargs: (map_tensors(args, to_nhwc), map_tensors(kwargs, to_nhwc)),
+                                    with_kwargs=True)
+    n_conv = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    return f"on (model and 4-D inputs NHWC; {n_conv} Conv2d layers)"
+
+
+def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
+    if not enabled:
+        return "off"
+    if devices.cuda_capability(device) is None:
+        warn("aiak: cudnn_benchmark requested without CUDA: skipped")
+        return "skipped (no CUDA)"
+    torch.backends.cudnn.benchmark = True
+    return "on"
+
+
+# -- the one list of process switches ---------------------------------------------------------------
+def read_switches() -> Dict[str, Any]:
+    """The process-wide settings a strategy may change (TF32, cuDNN autotuning, threads, CPU affinity), by name."""
+    return {name: read() for name, (read, _) in process_switches().items()}
+
+
+def write_switches(values: Dict[str, Any]) -> None:
+    """Put back settings read by :func:`read_switches` (only those that differ are written)."""
+    switches = process_switches()
+    for name, value in values.items():
+        read, write = switches[name]
+        if read() != value:
+            write(value)
+
+
+def process_switches() -> Dict[str, Tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """Process-wide settings ``optimize()`` may change: name -> (read, write)."""
+    switches = {
+        "matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
+                              lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+        "cudnn.allow_tf32": (lambda: torch.backends.cudnn.allow_tf32,
+                             lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+        "cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark,
+                            lambda v: setattr(torch.backends.cudnn, "benchmark", v)),
+        "num_threads": (torch.get_num_threads, torch.set_num_threads),
+    }
+    if hasattr(os, "sched_getaffinity"):
+        switches["cpu_affinity"] = (lambda: os.sched_getaffinity(0), lambda v: os.sched_setaffinity(0, v))
+    return switches

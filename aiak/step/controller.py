@@ -1,0 +1,514 @@
+"""The step controller: gradient accumulation and mixed-precision stepping behind a plain ``optimizer.step()``.
+
+``aiak.optimize`` patches the user's optimizer *in place* (the same object comes back, so ``isinstance``
+checks and schedulers built earlier keep working). Its ``step()`` then:
+
+1. counts micro-steps and really steps only on every ``accumulation``-th call; under DDP, gradients are
+   synchronised only on the last micro-step (``no_sync`` semantics);
+2. on the real step, divides the summed gradients by ``accumulation`` (they are the model's fp32 parameters'
+   own gradients under every precision, summed in fp32) and, under fp16 loss scaling, checks them for inf/NaN
+   in the same fused pass (:mod:`aiak.amp.half_compute` has already unscaled them inside the graph); an
+   overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
+3. runs the real optimizer step and clears the gradients.
+
+``step(closure)`` (how Lightning always steps) runs the closure with grad enabled (it does the forward and
+backward), then the controlled step, and returns the closure's loss, on micro-steps too.
+
+``zero_grad()`` is a no-op inside an accumulation window, and the partial sum survives a framework that
+clears gradients itself: Hugging Face's ``Trainer`` calls ``model.zero_grad()`` after each of its steps, which
+sets every ``.grad`` to None. Each micro-step keeps a reference to the gradients it leaves (no copy); a hook on
+each parameter, run by autograd right after the next backward accumulated into ``.grad`` (and before DDP's
+reducer reads it), adds the kept sum back when the gradient was started anew, and refuses to go on when it was
+zeroed in place. A framework that accumulates gradients itself (Lightning's ``accumulate_grad_batches``,
+Accelerate's and the Trainer's ``gradient_accumulation_steps``) wins over ``grad_accumulation``, with one
+warning (:mod:`aiak.step.stacking`), so the two never multiply. Gradient clipping is implemented here
+once (:meth:`StepController.clip_grad_norm_`, :meth:`StepController.clip_grad_value_`): it clips the true
+gradient of the real step and nothing on micro-steps. The user's unchanged
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` / ``clip_grad_value_`` reach it through
+:mod:`aiak.step.clip`; :func:`clip_grad_norm_` / :func:`clip_grad_value_` here take the optimizer.
+``state_dict()`` carries the loss-scaler state and the micro-step counter, so a resumed run continues
+bit-identically.
+"""
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from aiak.amp import script_scaler
+from aiak.amp.loss_scaler import LossScaler
+from aiak.step import clip as grad_clip
+from aiak.step import scheduler_steps
+from aiak.step.stacking import framework_accumulation
+from aiak.util.warn import warn, warn_once
+
+logger = logging.getLogger("aiak")
+
+
+def _patched_zero_grad(optimizer, set_to_none: bool = True):
+    return optimizer._aiak_steps.zero_grad(set_to_none)
+
+
+def _make_patched_step(inner):
+    """A plain function bound to the optimizer, as torch's LR schedulers expect ``optimizer.step`` to be."""
+
+    def step(optimizer, closure=None):
+        return optimizer._aiak_steps.step(closure)
+
+    if getattr(inner, "_wrapped_by_lr_sched", False):
+        step._wrapped_by_lr_sched = True  # a scheduler built earlier wrapped it; we call that wrapper on real steps
+    return step
+
+
+class _AfterAccumulation:
+    """The hook autograd runs on a parameter right after a backward accumulated into its ``.grad``: hands the
+    parameter to its step controller (copies of the model never carry it). The controller is held weakly: the
+    parameter keeps its hooks on the C++ side, where the garbage collector cannot see a cycle (parameter ->
+    hook -> controller -> DDP -> parameter); a strong reference left DDP's reducer to interpreter shutdown, where
+    gloo ranks can abort ("terminate called without an active exception")."""
+
+    __slots__ = ("controller",)
+
+    def __init__(self, controller: "StepController"):
+        self.controller = weakref.ref(controller)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        controller = self.controller()
+        if controller is not None and controller.active():
+            controller.after_accumulation(param)
+
+
+class StepController:
+    """Owns ``step``/``zero_grad`` of one optimizer. Attached as ``optimizer._aiak_steps``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, accumulation: int = 1,
+                 scaler: Optional[LossScaler] = None, model: Optional[torch.nn.Module] = None):
+        if accumulation < 1:
+            raise ValueError(f"grad_accumulation must be >= 1, got {accumulation}")
+        if getattr(optimizer, "_aiak_steps", None) is not None:
+            raise RuntimeError("this optimizer was already passed through aiak.optimize(); pass the original one")
+        self.optimizer = optimizer
+        self.accumulation = accumulation
+        self.requested_accumulation = accumulation  # before a framework's own accumulation took over
+        self._framework_checked = accumulation == 1
+        self._model = model
+        self._partial: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(param) -> (param, its grad, version)
+        self._after_backward: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (its grad, version) after backward
+        self._backward_passes = 0    # the most backward passes any parameter got since the last step() call
+        self._hooked: set = set()    # ids of the parameters carrying an _AfterAccumulation hook
+        self._hook = _AfterAccumulation(self)
+        self._params: List[torch.Tensor] = []
+        self._params_for: Optional[tuple] = None
+        self.scaler = scaler
+        self.micro_step = 0          # micro-steps taken since the last real step
+        self.stepped = False         # the last step() call updated the weights (see :func:`stepped`)
+        self._unsaved_windows = 0    # state_dict() calls taken inside a window (their warning is rate-limited)
+        self.step_calls = 0          # step() calls: micro, real and skipped steps
+        self.step_events = 0         # real or skipped steps (what a scheduler counts)
+        self.ddp = None
+        self._inner_step = optimizer.step
+        self._inner_zero_grad = optimizer.zero_grad
+        optimizer._aiak_steps = self
+        optimizer.step = types.MethodType(_make_patched_step(self._inner_step), optimizer)
+        optimizer.zero_grad = types.MethodType(_patched_zero_grad, optimizer)
+        optimizer.register_state_dict_post_hook(self._save_extra)
+        optimizer.register_load_state_dict_pre_hook(self._take_extra)
+        optimizer.register_load_state_dict_post_hook(self._restore_extra)
+        self._pending_extra: Optional[Dict[str, Any]] = None
+        self._prepared: Optional[bool] = None  # gradients already averaged/checked for the coming step (inf found?)
+        grad_clip.route_to(self)  # torch.nn.utils.clip_grad_norm_ & co. on these parameters come here
+        script_scaler.watch()     # a script's own GradScaler under accumulation is refused with the reason
+        if accumulation > 1:
+            scheduler_steps.gate_scheduler_classes()  # schedulers advance once per real step
+        self._params_of_groups()
+
+    # -- the parameters, and the hooks that keep a window's partial sum -------------------------------
+    def _params_of_groups(self) -> List[torch.Tensor]:
+        """The optimizer's parameters, rebuilt when its groups change (a group added later gets the hooks too)."""
+        groups = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
+        if self._params_for != groups:
+            self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            self._params_for = groups
+            if self.accumulation > 1 or not self._framework_checked:
+                for p in self._params:
+                    if id(p) not in self._hooked and p.requires_grad:
+                        p.register_post_accumulate_grad_hook(self._hook)
+                        self._hooked.add(id(p))
+        return self._params
+
+    def after_accumulation(self, param: torch.Tensor) -> None:
+        """A backward just accumulated into ``param.grad``: the first of the window asks whether a framework
+        accumulates too; a gradient started anew (a framework's ``model.zero_grad()``) gets the kept sum back."""
+        self._check_framework_accumulation()
+        kept = self._partial.pop(id(param), None)
+        if kept is not None:
+            _, grad, version = kept
+            if param.grad is grad:
+                if grad._version > version + 1 and not grad.is_sparse:  # zeroed in place, then accumulated into
+                    raise RuntimeError(
+                        f"aiak: a gradient was modified in place inside a {self.accumulation}-step accumulation "
+                        "window (zero_grad(set_to_none=False) on the model?): the micro-batches summed so far are "
+                        "lost. Clear gradients with optimizer.zero_grad() (aiak keeps the sum) or set_to_none=True, "
+                        "or let the framework accumulate and set grad_accumulation: 1")
+            elif param.grad is not None and param.grad.grad_fn is None:  # cleared to None, then started anew
+                with torch.no_grad():
+                    param.grad.add_(grad)
+        seen = self._after_backward.get(id(param))
+        passes = seen[2] + 1 if seen is not None else 1
+        grad = param.grad
+        self._after_backward[id(param)] = (grad, grad._version if grad is not None else 0, passes)
+        self._backward_passes = max(self._backward_passes, passes)
+
+    def _check_the_scripts_loop(self) -> None:
+        """At each ``step()``, before aiak touches a gradient: several backward passes since the last ``step()``
+        (the script accumulates too), or a gradient changed in place since its backward on a micro-step (a clip
+        function aiak does not route saw a partial sum). Each is said once."""
+        self._check_the_scripts_accumulation()
+        if self.accumulation > 1 and self._backward_passes > 1:  # seen after the first step: too late to give way
+            passes = self._backward_passes
+            warn_once("script-accumulation",
+                      f"aiak: {passes} backward passes between optimizer.step() calls. If the script accumulates "
+                      "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` "
+                      f"loop), aiak's grad_accumulation: {self.accumulation} multiplies with it: a real step every "
+                      f"{passes * self.accumulation} batches. Set only one of them (grad_accumulation: 1 in the "
+                      "strategy, or 1 in the script)")
+        if self.accumulation > 1 and self.micro_step + 1 < self.accumulation:
+            for p in self._params_of_groups():
+                seen = self._after_backward.get(id(p))
+                if seen is not None and p.grad is seen[0] and p.grad is not None and p.grad._version != seen[1]:
+                    warn_once("grad-edited-in-window",
+                              f"aiak: a gradient was changed in place between backward() and step() inside a "
+                              f"{self.accumulation}-step accumulation window: a clipping function aiak does not "
+                              "route (bound by name before aiak.optimize(), or of a library aiak does not know) saw "
+                              "a partial sum. Clip with torch.nn.utils.clip_grad_norm_ / clip_grad_value_ or "
+                              "aiak.clip_grad_norm_(optimizer, max_norm), which clip the real step's gradient; or "
+                              "import the function after aiak.optimize()")
+                    break
+        self._after_backward = {}
+        self._backward_passes = 0
+
+    def _keep_partial_sum(self) -> None:
+        self._partial = {id(p): (p, p.grad, p.grad._version) for p in self._params_of_groups() if p.grad is not None}
+
+    def _restore_partial_sum(self) -> None:
+        """Give back kept sums of parameters no backward reached since (their hook did not run)."""
+        partial, self._partial = self._partial, {}
+        for p, grad, _ in partial.values():
+            if p.grad is None:
+                p.grad = grad
+            elif p.grad is not grad:
+                with torch.no_grad():
+                    p.grad.add_(grad)
+
+    def _check_framework_accumulation(self) -> None:
+        """Once, at the first backward: if a framework accumulates gradients itself, it wins."""
+        if self._framework_checked:
+            return
+        self._framework_checked = True
+        found = framework_accumulation(self._model)
+        if found is None or self.micro_step != 0:
+            return
+        where, steps = found
+        self.accumulation = 1
+        self._set_sync()
+        product = f"{steps * self.requested_accumulation} micro-batches" if steps else "their product"
+        warn_once("stacked-accumulation",
+                  f"aiak: {where}{f' = {steps}' if steps else ''} already accumulates gradients, so aiak's "
+                  f"grad_accumulation: {self.requested_accumulation} is off (the two would multiply to {product} per "
+                  "step). The framework's accumulation wins; set only one of them.")
+
+    def _check_the_scripts_accumulation(self) -> None:
+        """Before the first step reads a gradient (``step()``, or a clip routed here just before it): several
+        backward passes so far mean the script accumulates itself, and nothing of aiak's window is lost yet."""
+        if self.step_calls == 0 and self.accumulation > 1 and self._backward_passes > 1:
+            self._give_way_to_the_scripts_accumulation(self._backward_passes)
+
+    def _give_way_to_the_scripts_accumulation(self, passes: int) -> None:
+        """Several backward passes before the first ``step()``: the script accumulates gradients itself, so aiak's
+        accumulation is turned off (as for a framework's). Under DDP those passes ran inside aiak's window, without
+        the allreduce the script's last one would have had: the gradients are averaged over the ranks now, once."""
+        requested, self.accumulation = self.accumulation, 1
+        self._set_sync()
+        if self.ddp is not None:
+            import torch.distributed as dist
+
+            group = self.ddp.process_group
+            grads = [p.grad for p in self._params_of_groups() if p.grad is not None and not p.grad.is_sparse]
+            if grads:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=group)
+                flat.div_(dist.get_world_size(group))
+                for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(synced)
+        warn_once("script-accumulation",
+                  f"aiak: {passes} backward passes before the first optimizer.step(): the script accumulates "
+                  "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` loop), so "
+                  f"aiak's grad_accumulation: {requested} is off (the two would multiply to a real step every "
+                  f"{passes * requested} batches). The script's accumulation wins; set only one of them (to keep "
+                  "aiak's with several losses per batch, add them and call backward() once)")
+
+    # -- DDP no_sync ------------------------------------------------------------------------
+    def attach_ddp(self, ddp_model) -> None:
+        """Gradients of ``ddp_model`` are allreduced only on the last micro-step of each window."""
+        self.ddp = ddp_model
+        self._set_sync()
+
+    def _set_sync(self) -> None:
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = (self.micro_step == self.accumulation - 1)
+
+    # -- the patched methods ------------------------------------------------------------------
+    def step(self, closure=None):
+        """One micro-step; a real step on the last of a window. ``closure`` (forward and backward, as Lightning
+        passes it) runs first, with grad enabled; its loss is returned, on micro-steps too."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_framework_accumulation()
+        self._check_the_scripts_loop()
+        self._restore_partial_sum()
+        self.step_calls += 1
+        self.micro_step += 1
+        self.stepped = False
+        if self.micro_step < self.accumulation:
+            self._set_sync()
+            self._keep_partial_sum()
+            return loss
+        self.micro_step = 0
+        self._set_sync()
+        self.step_events += 1
+
+        found_inf = self._prepare_grads()
+        self._prepared = None
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+            if found_inf:
+                logger.info("aiak: inf/NaN gradients, step skipped; loss scale now %g", self.scaler.scale)
+                self._clear_grads()
+                return loss
+        inner_loss = self._inner_step()
+        loss = inner_loss if closure is None else loss
+        self.stepped = True
+        self._clear_grads()
+        return loss
+
+    def _prepare_grads(self) -> bool:
+        """The window's summed gradients divided by ``accumulation`` and, under loss scaling, checked for inf/NaN
+        in the same fused pass; True if any is inf/NaN. Once per real step."""
+        if self._prepared is None:
+            self._restore_partial_sum()
+            grads = [p.grad for p in self._params_of_groups() if p.grad is not None]
+            if self.scaler is not None:
+                self._prepared = LossScaler.check_and_multiply_(grads, 1.0 / self.accumulation)
+            else:  # no loss scaler, nothing to check: average without reading a flag back (no host sync)
+                if self.accumulation > 1:
+                    dense = [g for g in grads if not g.is_sparse]
+                    if dense:
+                        torch._foreach_mul_(dense, 1.0 / self.accumulation)
+                    for g in grads:
+                        if g.is_sparse:
+                            g.mul_(1.0 / self.accumulation)
+                self._prepared = False
+        return self._prepared
+
+    # -- gradient clipping: the one implementation (aiak.step.clip routes torch's functions here) --------
+    def active(self) -> bool:
+        """Still the controller of its optimizer (``optimize()`` rolled back would have removed it)."""
+        return getattr(self.optimizer, "_aiak_steps", None) is self
+
+    def clip_targets(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(tensor a user may pass, tensor the real step uses)`` for every parameter: each parameter the
+        optimizer steps, paired with itself (the model's parameters are the optimizer's under every precision)."""
+        return [(p, p) for p in self._params_of_groups()]
+
+    def _in_window(self) -> bool:
+        """The coming ``step()`` is an accumulation micro-step (the gradients are still a partial sum)."""
+        self._check_the_scripts_accumulation()
+        return self.micro_step + 1 < self.accumulation
+
+    def _step_side(self, tensors) -> List[torch.Tensor]:
+        """``tensors`` (tensors the real step uses, as :meth:`clip_targets` pairs them), or all the optimizer's."""
+        return list(tensors) if tensors is not None else list(self._params_of_groups())
+
+    def real_step_grads(self, tensors=None) -> List[torch.Tensor]:
+        """The true gradients the real step will use for ``tensors`` (default: all the optimizer's), averaged
+        over the window first; empty on a micro-step, or when they overflowed (the step will be skipped)."""
+        if self._in_window() or self._prepare_grads():
+            return []
+        return [t.grad for t in self._step_side(tensors) if t.grad is not None]
+
+    def grad_norm(self, tensors=None, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                  foreach: Optional[bool] = None) -> torch.Tensor:
+        """The norm of the true gradient of ``tensors`` (the real step's side; default: all the optimizer's).
+
+        Before a real step: the norm of what the step will use (the window's average, unscaled), computed by
+        torch's ``get_total_norm``; ``inf`` if the gradients overflowed under loss scaling (the step will then
+        be skipped, so ``error_if_nonfinite`` does not raise for that). On a micro-step: the norm of the
+        gradient accumulated so far in the window, in the real step's units (so a user logging ``norm.item()``
+        every iteration sees it grow to the real step's norm); nothing is clipped then.
+        """
+        tensors = self._step_side(tensors)
+        if self._in_window():
+            return self._partial_norm(tensors, norm_type)
+        found_inf = self._prepare_grads()
+        grads = [t.grad for t in tensors if t.grad is not None]
+        if found_inf:
+            return torch.tensor(float("inf"), device=grads[0].device if grads else None)
+        return grad_clip.call_original("get_total_norm", grads, norm_type, error_if_nonfinite, foreach)
+
+    @torch.no_grad()
+    def _partial_norm(self, tensors: List[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """Norm of the gradients summed so far in the window, divided by ``accumulation``."""
+        self._restore_partial_sum()
+        self._keep_partial_sum()
+        grads = [t.grad for t in tensors if t.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        total = grad_clip.call_original("get_total_norm", grads, norm_type, False, None)
+        return total / self.accumulation
+
+    def clip_grads_with_norm_(self, tensors, max_norm: float, total_norm: torch.Tensor,
+                              foreach: Optional[bool] = None) -> None:
+        """Scale the real step's gradients of ``tensors`` by ``min(1, max_norm / total_norm)`` (torch's
+        ``clip_grads_with_norm_``); nothing on a micro-step or when they overflowed."""
+        if self._in_window() or self._prepare_grads():
+            return
+        grad_clip.call_original("clip_grads_with_norm_", self._step_side(tensors), max_norm, total_norm, foreach)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, tensors=None,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clip the gradients the coming real step will use (unscaled, averaged over the whole window).
+
+        Call it where plain PyTorch clips, between ``backward()`` and ``step()``, as often as plain PyTorch
+        would (every ``step()`` call): on accumulation micro-steps it clips nothing and returns the partial
+        norm (see :meth:`grad_norm`); before a real step it returns the true norm and clips to it. An
+        overflow (inf/NaN under loss scaling) returns ``inf`` and is left to ``step()``, which skips.
+        """
+        tensors = self._step_side(tensors)
+        total = self.grad_norm(tensors, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+        self.clip_grads_with_norm_(tensors, max_norm, total, foreach)
+        return total
+
+    def clip_grad_value_(self, clip_value: float, *, tensors=None, foreach: Optional[bool] = None) -> None:
+        """Clamp the real step's true gradients to ``[-clip_value, clip_value]``; nothing on micro-steps."""
+        if self._in_window() or self._prepare_grads():
+            return  # a micro-step, or an overflow (the step will be skipped)
+        with_grads = [t for t in self._step_side(tensors) if t.grad is not None]
+        if with_grads:
+            grad_clip.call_original("clip_grad_value_", with_grads, clip_value, foreach)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.micro_step != 0:
+            return  # inside an accumulation window: the gradients are being summed
+        self._clear_grads(set_to_none)
+
+    def _clear_grads(self, set_to_none: bool = True) -> None:
+        self._prepared = None
+        self._partial = {}
+        self._after_backward = {}
+        self._inner_zero_grad(set_to_none=set_to_none)
+
+    # -- scheduler: advance once per real step -------------------------------------------------
+    def attach_scheduler(self, scheduler) -> None:
+        """``scheduler.step()`` does nothing on a micro-step (:mod:`aiak.step.scheduler_steps`)."""
+        scheduler_steps.follow(scheduler, self)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _save_extra(self, optimizer, state_dict):
+        if self.micro_step != 0:
+            self._unsaved_windows += 1
+            if self._unsaved_windows & (self._unsaved_windows - 1) == 0:  # the 1st, 2nd, 4th, 8th... time
+                again = f" (the {_ordinal(self._unsaved_windows)} time; said again at the " \
+                        f"{_ordinal(2 * self._unsaved_windows)})" if self._unsaved_windows > 1 else ""
+                warn(f"aiak: optimizer.state_dict() taken {self.micro_step} micro-step(s) into a "
+                     f"{self.accumulation}-step accumulation window: the gradients of those micro-batches are not "
+                     "saved, so a run resumed from this checkpoint leaves them out. Save when "
+                     "aiak.stepped(optimizer) is True (right after a real step), or make the batches per epoch a "
+                     f"multiple of grad_accumulation ({self.accumulation}) when saving at the end of each "
+                     f"epoch{again}")
+        state_dict["aiak"] = self.checkpoint_extras()
+        return state_dict
+
+    def checkpoint_extras(self) -> Dict[str, Any]:
+        """What a checkpoint holds besides the optimizer's own state (plain JSON values): the position in the
+        accumulation window, the real steps a scheduler has counted, the loss scaler's state."""
+        extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
+        if self.scaler is not None:
+            extra["loss_scaler"] = self.scaler.state_dict()
+        return extra
+
+    def _take_extra(self, optimizer, state_dict):
+        state_dict = dict(state_dict)
+        self._pending_extra = state_dict.pop("aiak", None)
+        return state_dict
+
+    def _restore_extra(self, optimizer) -> None:
+        extra, self._pending_extra = self._pending_extra, None
+        if extra is not None:
+            self.restore_checkpoint_extras(extra)
+
+    def restore_checkpoint_extras(self, extra: Dict[str, Any]) -> None:
+        """Take back what :meth:`checkpoint_extras` returned, after the optimizer's own state was loaded."""
+        self.micro_step = int(extra.get("micro_step", 0))
+        self.step_events = int(extra.get("step_events", 0))
+        scheduler_steps.rebase(self)
+        if self.scaler is not None and "loss_scaler" in extra:
+            self.scaler.load_state_dict(extra["loss_scaler"])
+        self._set_sync()
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def controller_of(optimizer) -> Optional[StepController]:
+    """The step controller aiak attached to ``optimizer`` or to the optimizer a framework's wrapper holds
+    (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``); None if
+    aiak did not patch it."""
+    inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
+    return getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
+
+
+def stepped(optimizer) -> bool:
+    """Whether the last ``optimizer.step()`` updated the weights: False after an accumulation micro-step and after
+    a step skipped for inf/NaN gradients. A script that counts its own loop's iterations (an EMA updated every N
+    iterations, a log every N steps) counts real steps with it::
+
+        optimizer.step()
+        if aiak.stepped(optimizer):
+            ema.update_parameters(model)
+
+    An optimizer aiak did not patch steps on every call: always True.
+    """
+    controller = controller_of(optimizer)
+    return controller.stepped if controller is not None and controller.active() else True
+
+
+def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters that is right under aiak.
+
+    With accumulation the gradients are partial sums until the last micro-step: this clips what the real step
+    will use (the window's average)
+    and returns its norm (on a micro-step: clips nothing, returns the norm accumulated so far, see
+    :meth:`StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
+    """
+    controller = getattr(optimizer, "_aiak_steps", None)
+    if controller is not None:
+        return controller.clip_grad_norm_(max_norm, norm_type)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return grad_clip.call_original("clip_grad_norm_", params, max_norm, norm_type)
+
+
+def clip_grad_value_(optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over ``optimizer``'s parameters that is right under aiak (see
+    :func:`clip_grad_norm_`)."""
+    controller = getattr(optimizer, "_aiak_steps", None)
+    if controller is not None:
+        return controller.clip_grad_value_(clip_value)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if params:
+        grad_clip.call_original("clip_grad_value_", params, clip_value)

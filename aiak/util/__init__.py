@@ -1,0 +1,2 @@
+"""What every layer of aiak may use and nothing of aiak's: warnings, nested outputs, text, hardware facts,
+versions, thread shutdown. Modules here import no other part of aiak."""

@@ -1,0 +1,144 @@
+"""aiak.measure.rounds: the round runner of demo and bench, and the statistics every printed figure comes from."""
+import math
+import statistics
+import time
+
+import pytest
+import torch
+
+from aiak.measure.rounds import (MIN_ROUNDS_FOR_VERDICT, Contender, Spread, alternate, median_interval, percentile,
+                          speedup)
+
+
+def binomial_coverage(n, k):
+    """P(s[k] <= median <= s[n-1-k]) for n samples of a continuous distribution, computed from the binomial."""
+    below = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return 1 - 2 * below
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile([0, 10], 10) == pytest.approx(1.0)
+    assert percentile([5], 90) == 5
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    s = Spread.of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert (s.median, s.n) == (5.5, 10) and s.p10 == pytest.approx(1.9) and s.p90 == pytest.approx(9.1)
+
+
+@pytest.mark.parametrize("n", [3, 6, 8, 10, 12, 20, 40])
+def test_median_interval_is_the_widest_order_statistic_pair_reaching_99_percent(n):
+    values = [float(v) for v in range(n)]
+    low, high, coverage = median_interval(values)
+    k = int(low)
+    assert high == n - 1 - k and coverage == pytest.approx(binomial_coverage(n, k))
+    # the next narrower pair would cover less than 99% (or there is none); this one covers >= 99% when n allows
+    if k + 1 < n - 2 - k:
+        assert binomial_coverage(n, k + 1) < 0.99
+    assert coverage >= 0.99 or k == 0
+
+
+@pytest.mark.parametrize("ratios, verdict", [
+    ([1.5, 1.6, 1.55, 1.45, 1.52, 1.58, 1.49, 1.61, 1.5, 1.53], "faster"),
+    ([0.5, 0.6, 0.55, 0.45, 0.52, 0.58, 0.49, 0.61, 0.5, 0.53], "slower"),
+    ([0.95, 1.05, 1.0, 0.97, 1.08, 1.01, 0.99, 1.02, 1.0, 0.98], "within noise"),
+    # every round but one faster: the min-max of 10 rounds (the 99.8% interval) still touches 1.0
+    ([1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 1.3, 0.9], "within noise"),
+    ([1.5, 1.6, 1.55, 1.45, 1.52], "too few rounds"),
+], ids=["faster", "slower", "noise", "one-slow-round", "few"])
+def test_a_ratio_is_a_speedup_only_when_its_interval_is_on_one_side_of_one(ratios, verdict):
+    s = speedup([1.0] * len(ratios), [1.0 / r for r in ratios])
+    assert s.verdict == verdict
+    assert s.median == pytest.approx(statistics.median(ratios))
+    text = s.describe()
+    assert text.startswith(f"{s.median:.2f}x")
+    assert ("within noise" in text) == (verdict == "within noise")
+    assert (f"{s.low:.2f}-{s.high:.2f}x" in text)
+    assert s.to_dict()["verdict"] == verdict and s.to_dict()["rounds"] == len(ratios)
+    assert len(ratios) >= MIN_ROUNDS_FOR_VERDICT or verdict == "too few rounds"
+
+
+def _sleeper(name, seconds, log):
+    def step():
+        log.append(name)
+        time.sleep(seconds)
+        return torch.tensor(float(len(log)), requires_grad=True) * 1.0  # a loss that requires grad, as in training
+    return Contender(name, step)
+
+
+def test_alternate_warms_up_in_turn_and_rotates_the_order_of_the_rounds():
+    log = []
+    a, b, c = (_sleeper(n, 0.001, log) for n in "abc")
+    alternate([a, b, c], warmup=2, rounds=3, steps_per_round=2)
+    assert log[:6] == list("abcabc")  # warm-up: one step each, in turn
+    timed = log[6:]
+    chunks = [timed[i] for i in range(0, len(timed), 2)]
+    assert chunks == list("abc" "bca" "cab")  # each round starts one later
+    for x in (a, b, c):
+        assert x.steps == 2 + 3 * 2 and len(x.warmup_seconds) == 2 and len(x.step_seconds) == 6
+        assert len(x.round_seconds) == 3 and sum(x.round_seconds) == pytest.approx(sum(x.step_seconds))
+        assert all(t >= 0.001 for t in x.step_seconds) and x.stopped is None
+        assert not math.isnan(x.loss) and isinstance(x.loss, float)
+
+
+def test_a_contender_ten_times_slower_on_its_first_step_is_stopped_there():
+    log = []
+    base, ok, slow = _sleeper("base", 0.002, log), _sleeper("ok", 0.003, log), _sleeper("slow", 0.05, log)
+    alternate([base, ok, slow], warmup=1, rounds=4, steps_per_round=3)
+    assert slow.stopped is not None and "more than 10x the baseline" in slow.stopped
+    assert slow.steps == 1 + 1 and slow.round_seconds == [] and len(slow.step_seconds) == 1
+    assert ok.stopped is None and ok.steps == base.steps == 1 + 4 * 3
+    assert log.count("slow") == 2  # its warm-up step and its first timed step; it never ran again
+
+
+def test_alternate_rejects_empty_or_impossible_plans():
+    with pytest.raises(ValueError, match="at least one contender"):
+        alternate([], warmup=1, rounds=1, steps_per_round=1)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        alternate([Contender("a", lambda: 0.0)], warmup=0, rounds=0, steps_per_round=1)
+
+
+def test_each_contender_runs_under_its_own_process_switches():
+    """``aiak.optimize`` sets process-wide switches (TF32, cuDNN autotuning): the plain side must not run under
+    the strategy's. Each contender's steps see the switches taken when it was set up, whatever ran before."""
+    from aiak.runtime.switches import read_switches, write_switches
+
+    before = read_switches()
+    seen = {"plain": set(), "tuned": set()}
+    try:
+        torch.backends.cudnn.benchmark = False
+        plain_switches = read_switches()
+        torch.backends.cudnn.benchmark = True          # what a strategy with cudnn_benchmark: true leaves behind
+        tuned_switches = read_switches()
+
+        def stepper(name):
+            def step():
+                seen[name].add(torch.backends.cudnn.benchmark)
+                return 0.0
+            return step
+
+        alternate([Contender("plain", stepper("plain"), switches=plain_switches),
+                   Contender("tuned", stepper("tuned"), switches=tuned_switches)],
+                  warmup=2, rounds=3, steps_per_round=2)
+    finally:
+        write_switches(before)
+    assert seen == {"plain": {False}, "tuned": {True}}
+
+
+@pytest.mark.parametrize("total, rounds, warmup, window, plan", [
+    (200, 20, 5, 1, (20, 9)),     # aiak demo's default: 180 timed steps, the 20 left over warm up
+    (32, 8, 2, 2, (16, 2)),       # an example with accumulation 2: every round holds whole windows
+    (25, 20, 5, 1, (5, 1)),
+])
+def test_plan_rounds_uses_every_step_in_whole_windows(total, rounds, warmup, window, plan):
+    from aiak.measure.rounds import plan_rounds
+
+    got = plan_rounds(total, rounds, warmup, window)
+    assert got == plan and got[0] + rounds * got[1] == total and got[1] % window == 0 and got[0] >= warmup
+
+
+def test_plan_rounds_refuses_too_few_steps():
+    from aiak.measure.rounds import plan_rounds
+
+    with pytest.raises(ValueError, match="24 steps are fewer than 5 warm-up \\+ 20 rounds x 1"):
+        plan_rounds(24, 20, 5)
