@@ -71,9 +71,9 @@ def test_warm_up_stops_when_the_budget_is_spent():
                                                                       "max_seconds": 1e-3}}
     selection = resolve_strategy(strategy, model, optimizer, loader)
     candidates = candidate_strategies(selection.strategy, selection.probes, limit=2, max_seconds=1e-3)
-    contenders = _build(candidates, model, optimizer, torch.device("cpu"), None)
-    _warm_up(contenders, batches, _Rng(loader), torch.device("cpu"), None)
-    _timed_rounds(contenders, batches, selection.strategy.tune, time.perf_counter(), None)
+    contenders = _build(candidates, model, optimizer, torch.device("cpu"))
+    _warm_up(contenders, batches, _Rng(loader), torch.device("cpu"))
+    _timed_rounds(contenders, batches, selection.strategy.tune, time.perf_counter())
     for c in contenders:   # the gate step, then the fewest timed rounds: the budget is long spent
         assert len(c.warmup_s) == 1 and len(c.record.samples_ms) == MIN_TIMED_ROUNDS, c.candidate.label
 
@@ -109,9 +109,9 @@ def build_candidates(step_s, layout_s, steps):
                 "tune": {"candidates": 2, "steps": steps, "max_seconds": 60}}
     selection = resolve_strategy(strategy, model, optimizer, loader)
     candidates = candidate_strategies(selection.strategy, selection.probes, limit=2, max_seconds=60)
-    contenders = _build(candidates, model, optimizer, torch.device("cpu"), None)
-    _warm_up(contenders, batches, _Rng(loader), torch.device("cpu"), None)
-    _timed_rounds(contenders, batches, selection.strategy.tune, time.perf_counter(), None)
+    contenders = _build(candidates, model, optimizer, torch.device("cpu"))
+    _warm_up(contenders, batches, _Rng(loader), torch.device("cpu"))
+    _timed_rounds(contenders, batches, selection.strategy.tune, time.perf_counter())
     return contenders
 
 
