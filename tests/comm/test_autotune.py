@@ -120,3 +120,68 @@ def test_decide_and_cache_lookup_on_a_gloo_group_use_cpu(tmp_path):
         assert rank0_object(lambda: read_choice(cache, "k")) == CommChoice(False, "fp16", 5.0)
     finally:
         dist.destroy_process_group()
+
+
+def _record_algorithms(monkeypatch, state):
+    """The real ``set_algorithm``, with each call's algorithm written down in order."""
+    seen = []
+    real = type(state).set_algorithm
+
+    def recording(self, hierarchical, compression):
+        seen.append((hierarchical, compression))
+        return real(self, hierarchical, compression)
+
+    monkeypatch.setattr(type(state), "set_algorithm", recording)
+    return seen
+
+
+def test_comm_mode_times_the_candidates_in_alternating_rounds(tmp_path, monkeypatch):
+    """Each candidate is warmed up once, then every round runs every candidate, the order rotating: no candidate
+    takes all its samples in one stretch of the machine's (or the link's) time, as back-to-back timing did."""
+    import torch.distributed as dist
+
+    from aiak.comm import CommState
+    from aiak.comm.autotune import algorithm_candidates, tune_comm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        state = CommState()
+        seen = _record_algorithms(monkeypatch, state)
+        tune_comm(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), state, [1.0], allow_int8=False, repeats=3)
+    finally:
+        dist.destroy_process_group()
+    algos = algorithm_candidates(False, False)
+    n = len(algos)
+    timed = seen[n:n + 3 * n]                          # after one warm-up step each, 3 rounds of n steps
+    assert seen[:n] == algos
+    assert [sorted(timed[r * n:(r + 1) * n]) for r in range(3)] == [sorted(algos)] * 3   # every round runs all
+    assert len({tuple(timed[r * n:(r + 1) * n]) for r in range(3)}) == 3                # in a rotated order
+    assert seen[-1] in algos and len(seen) == 4 * n + 1  # and the winner is set at the end
+
+
+def test_step_mode_rotates_the_candidates_from_step_to_step(tmp_path, monkeypatch):
+    """The step tuner runs one warm-up step per candidate, then rounds of one step each in a rotating order
+    (not ``tune_steps`` steps of one candidate, then the next), through a real DDP and aiak's hook."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from aiak.comm import CommState, StepTuner, comm_hook
+    from aiak.comm.autotune import algorithm_candidates
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        state = CommState()
+        candidates = algorithm_candidates(False, False)
+        state.tuner = StepTuner(candidates, steps=2, bucket_mb=25.0)
+        seen = _record_algorithms(monkeypatch, state)
+        model = DDP(nn.Linear(8, 2))
+        model.register_comm_hook(state, comm_hook)
+        for _ in range(3 * len(candidates) + 2):
+            model(torch.randn(4, 8)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    n = len(candidates)
+    assert seen[:n] == candidates                                 # one warm-up step each
+    rounds = [seen[n + r * n:n + (r + 1) * n] for r in range(2)]
+    assert all(sorted(r) == sorted(candidates) for r in rounds) and rounds[0] != rounds[1]
+    assert state.tuner is None and len(seen) == 3 * n + 1       # decided at the next step, the winner set
