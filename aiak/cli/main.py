@@ -166,7 +166,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("aiak: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,6 +26,7 @@ from aiak.comm.hooks import CommState, comm_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.topology import build_groups, detect_topology
 from aiak.util.cache import TuneCache
+from aiak.util.dist import on_rank0
 from aiak.util.warn import warn
 
 logger = logging.getLogger("aiak")
@@ -207,7 +208,7 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
         return cached.bucket_mb, None
 
     def remember(choice, times=None):
-        if dist.get_rank(process_group) == 0:
+        if on_rank0(process_group):
             cache.put_entry(key, choice.entry(perf_mode=opts.perf_mode))
 
     if opts.perf_mode == "comm":

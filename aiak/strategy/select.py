@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from torch import nn
 
 from aiak.amp.emulation import FP16_CPU_COST
-from aiak.strategy.probes import Probes, model_device, model_features, probe
+from aiak.strategy.probes import Probes, model_features, probe
 from aiak.strategy.profile_files import merge, names_a_file, profile_files, replaces_parent_section
 from aiak.strategy.profiles import Profile, load_profile, load_strategy
 from aiak.strategy.rules import match_profile
@@ -38,7 +38,7 @@ from aiak.util.key_paths import put_leaf
 from aiak.util.warn import warn_once
 
 __all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",
-           "model_device", "leaves", "put_leaf"]
+           "leaves"]
 
 Reasons = Dict[str, str]
 NOT_KNOBS = ("name", "extends", "description", "match")

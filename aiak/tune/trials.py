@@ -61,7 +61,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from aiak.apply import apply_strategy
@@ -75,7 +74,7 @@ from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_kno
 from aiak.tune.replay import RandomStreams, borrow
 from aiak.util import warn as amp_warn
 from aiak.util.cache import TuneCache
-from aiak.util.dist import is_distributed, max_across_ranks, rank0_index, rank0_object
+from aiak.util.dist import max_across_ranks, on_rank0, rank0_index, rank0_object
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.nested import logits_of
 from aiak.util.versions import installed_version
@@ -365,16 +364,12 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         return Tuning(pick, pick.name, trials, seconds, False, replay, restore_rng=before.restore,
                       skipped=f"every candidate failed in the trials, so nothing was measured (plain PyTorch: "
                               f"{reference.record.why}); the rules' pick is used as is")
-    if key is not None and _on_rank0():
+    if key is not None and on_rank0():
         cache.put_entry(key, {"kind": "strategy", "label": winner.candidate.label,
                               "strategy": winner.candidate.strategy.to_dict(),
                               "trials": [t.to_dict() for t in trials], "tuning_seconds": seconds})
     return Tuning(winner.candidate.strategy, winner.candidate.label, trials, seconds, False, replay,
                   restore_rng=before.restore)
-
-
-def _on_rank0() -> bool:
-    return not is_distributed() or dist.get_rank() == 0
 
 
 def _build(candidates: List[Candidate], model, optimizer, device) -> List[_TrialRun]:
@@ -610,7 +605,7 @@ def _decide(contenders: List[_TrialRun]) -> _TrialRun:
     for c in accepted:
         c.record.accepted = True
     index = next(i for i, c in enumerate(contenders) if c.candidate.label == "plain")
-    if accepted and _on_rank0():
+    if accepted and on_rank0():
         best = max(accepted, key=lambda c: c.record.speedup)
         winner = best
         for c in sorted(accepted, key=_simplicity):

@@ -186,18 +186,7 @@ def build(cls: type, data: Any, where: Where, path: str, problems: List[str]) ->
 
 
 def section_problems(section: Any, where: Where, path: str) -> List[str]:
-    """Every problem of a section built in code (not from YAML): the types of its fields, then its own checks."""
-    problems = []
-    hints = field_types(type(section))
-    for f in dataclasses.fields(section):
-        if is_section(hints[f.name]):
-            problems.extend(section_problems(getattr(section, f.name), where, f"{path}{f.name}."))
-            continue
-        try:
-            check_value(getattr(section, f.name), hints[f.name], f.metadata)
-        except Invalid as e:
-            problems.append(f"{where(path + f.name)}{e}")
-    check_section = getattr(section, "_problems", None)
-    if not problems and check_section is not None:
-        problems.extend(check_section(where, path))
+    """Every problem of a section built in code (not from YAML), found as :func:`build` finds those of a file."""
+    problems: List[str] = []
+    build(type(section), dataclasses.asdict(section), where, path, problems)
     return problems

@@ -32,6 +32,11 @@ def is_distributed(group=None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def on_rank0(group=None) -> bool:
+    """This process is rank 0 of ``group``, or no process group of more than one rank exists."""
+    return not is_distributed(group) or dist.get_rank(group) == 0
+
+
 def max_across_ranks(values: Sequence[float], group=None) -> List[float]:
     """Each value's largest across the ranks, on every rank: the ranks act on the slowest rank's timings and on
     any rank's failure, so that they all take the same branch (a rank that went alone would leave the others
