@@ -94,7 +94,7 @@ class SleepyNet(DemoNet):
 def test_steady_candidates_take_the_gate_step_and_the_timed_ones_only():
     """Steps that are steady from the start: the two after the gate's are settled, and they are the first
     timed samples (a separate warm-up made it five steps per candidate for two samples)."""
-    candidates = build_candidates(step_s=0.03, layout_s=0.0, steps=2)
+    candidates = build_candidates(step_s=0.15, layout_s=0.0, steps=2)
     for c in candidates:
         assert len(c.warmup_s) == 1 and len(c.record.samples_ms) == 2, (c.candidate.label, c.warmup_s)
 
@@ -116,9 +116,9 @@ def build_candidates(step_s, layout_s, steps):
 
 
 def test_a_clear_ranking_ends_the_rounds_and_a_close_one_uses_them_all():
-    """A candidate slower than plain in every round by far more than noise (0.1 s more sleep on a 0.03 s step)
+    """A candidate slower than plain in every round by far more than noise (0.3 s more sleep on a 0.1 s step)
     ends the rounds at the fewest samples; two equal candidates take all ``tune.steps`` rounds."""
-    clear = build_candidates(step_s=0.03, layout_s=0.1, steps=6)
+    clear = build_candidates(step_s=0.1, layout_s=0.3, steps=6)
     assert all(len(c.record.samples_ms) == MIN_TIMED_ROUNDS for c in clear), [c.record.samples_ms for c in clear]
-    close = build_candidates(step_s=0.1, layout_s=0.0, steps=6)  # the sleep drowns any difference in compute
+    close = build_candidates(step_s=0.4, layout_s=0.0, steps=6)  # the sleep drowns any difference in compute
     assert all(len(c.record.samples_ms) == 6 for c in close), [c.record.samples_ms for c in close]
