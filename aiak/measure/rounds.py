@@ -2,8 +2,7 @@
 
 On a shared machine the same training step has measured 63 ms and 488 ms minutes apart. Running the baseline
 once and then the candidate once measures the machine's drift as much as the candidate: ``aiak demo
---strategy default`` (plain PyTorch by another name) read 1.10x and 1.74x that way. So, as in the trials of
-the auto-selector (:mod:`aiak.tune.trials`):
+--strategy default`` (plain PyTorch by another name) read 1.10x and 1.74x that way. So:
 
 - every contender warms up first (allocator, caches, lazy inits, compilation), in alternation;
 - the timed steps are cut into rounds; in each round every contender runs its share back to back, the order
@@ -16,20 +15,24 @@ the auto-selector (:mod:`aiak.tune.trials`):
   With fewer than :data:`MIN_ROUNDS_FOR_VERDICT` rounds the interval is too loose to judge by, and the
   verdict says so.
 
-:func:`alternate` is the one round runner of ``aiak demo`` and ``aiak bench``.
+:func:`alternate` is the one round runner: ``aiak demo``, ``aiak bench``, the comm autotuner
+(:mod:`aiak.comm.autotune`) and the auto-selector's trials (:mod:`aiak.tune.trials`, which bring their own
+stop rules through ``until``).
 """
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from aiak.measure.clock import StepClock
 from aiak.runtime.switches import write_switches
 from aiak.util.dist import max_across_ranks
+from aiak.util.text import describe_error
 
 __all__ = ["Spread", "Speedup", "Contender", "alternate", "percentile", "median_interval", "speedup", "plan_rounds", "MIN_ROUNDS_FOR_VERDICT",
            "SLOW_FACTOR"]
@@ -159,24 +162,34 @@ class Contender:
 
 
 Progress = Callable[[Contender, int, int], None]   # (contender, its steps so far, its steps in all)
+Until = Callable[[int, float], bool]                 # (rounds done, seconds since ``started``) -> stop now
 
 
-def _run(c: Contender, n: int, total: int, progress: Optional[Progress]) -> List[float]:
-    """``n`` steps of ``c``, each timed on its device's clock (CUDA events, read once at the end)."""
+def _run(c: Contender, n: int, total: int, progress: Optional[Progress], catch: bool) -> List[float]:
+    """``n`` steps of ``c``, each timed on its device's clock (CUDA events, read once at the end). With ``catch``
+    a step that raises stops ``c`` (``stopped`` says why, :func:`aiak.util.text.describe_error`) and ends the
+    run, whose last entry is then ``inf``."""
     if c.switches is not None:
         write_switches(c.switches)
     clock = StepClock(c.device)
     marks = [clock.mark()]
     loss = None
     for _ in range(n):
-        loss = c.step()
+        try:
+            loss = c.step()
+        except Exception as e:  # noqa: BLE001 - error or OOM: the contender stops, on every rank (see _agree)
+            if not catch:
+                raise
+            c.stopped = describe_error(e)
+            break
         marks.append(clock.mark())
         c.steps += 1
         if progress is not None:
             progress(c, c.steps, total)
     if loss is not None:
         c.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-    return [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+    seconds = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+    return seconds + [math.inf] if c.stopped is not None and len(seconds) < n else seconds
 
 
 def plan_rounds(total_steps: int, rounds: int, warmup: int, multiple_of: int = 1) -> Tuple[int, int]:
@@ -197,10 +210,31 @@ def _least_recent(c: Contender, first_timed: List[float]) -> float:
     return min(c.warmup_seconds[-1:] + first_timed)
 
 
+def _agree(ran: Dict[int, List[float]], order: Sequence[Contender], width: int, elapsed: float,
+           across_ranks: bool, group) -> Tuple[Dict[int, List[float]], float]:
+    """The slowest rank's seconds of every step each contender of ``order`` ran (``width`` slots each, one
+    collective for all, with the seconds since ``started``): a synchronous step is as slow as its slowest rank,
+    and a step that failed anywhere (``inf``) stops its contender on every rank."""
+    packed = []
+    for c in order:
+        seconds = ran.get(id(c), [])
+        packed += seconds + [0.0] * (width - len(seconds))
+    reduced = max_across_ranks(packed + [elapsed], group) if across_ranks else packed + [elapsed]
+    agreed = {}
+    for i, c in enumerate(order):
+        seconds = reduced[i * width:i * width + len(ran.get(id(c), []))]
+        if any(math.isinf(t) for t in reduced[i * width:(i + 1) * width]):
+            c.stopped = c.stopped or "failed on another rank"
+            continue
+        agreed[id(c)] = seconds
+    return agreed, reduced[-1]
+
+
 def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, steps_per_round: int,
               progress: Optional[Progress] = None, slow_factor: float = SLOW_FACTOR,
-              across_ranks: bool = True, group=None) -> None:
-    """Warm every contender up, then time ``rounds`` rounds of ``steps_per_round`` steps each.
+              across_ranks: bool = True, group=None, catch: bool = False, until: Optional[Until] = None,
+              started: Optional[float] = None) -> None:
+    """Warm every contender up, then time up to ``rounds`` rounds of ``steps_per_round`` steps each.
 
     The first contender is the baseline. Warm-up alternates one step at a time. In round ``r`` the order is
     rotated by ``r``, so nobody always runs first. A contender whose first timed step (or its last warm-up
@@ -208,36 +242,63 @@ def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, step
     says why; its warm-up did not make it faster, so more steps would only cost the user minutes): ``aiak
     bench --strategy cnn`` once ran ten minutes at 0.03x before printing anything.
 
-    Under ``torch.distributed`` every rank must call this with the same contenders (the stop is decided on the
-    slowest rank's figures, a collective on ``group``, torch's default group when None); ``across_ranks=False``
-    keeps the decision local, for a run on one rank alone (``aiak bench``'s single-worker measurement while the
-    other ranks wait).
+    ``catch``: a step that raises stops its contender (``stopped``: the error) instead of propagating; the
+    others go on. ``until(rounds_done, elapsed)``, called after every round with every contender's figures of
+    that round in place and the seconds since ``started`` (a ``time.perf_counter()`` reading, by default this
+    call's start), ends the rounds early when it returns True: the auto-selector's trials stop when their
+    warm-up has settled and the ranking is clear, or their budget is spent (:mod:`aiak.tune.trials`).
+
+    Under ``torch.distributed`` every rank must call this with the same contenders: every step's seconds
+    (warm-up and rounds) are the slowest rank's, a failure on any rank stops the contender on all, and the
+    slow stop is decided on those figures (collectives on ``group``, torch's default group when None), so
+    ``until`` sees the same figures on every rank. ``across_ranks=False`` keeps everything local, for a run on
+    one rank alone (``aiak bench``'s single-worker measurement while the other ranks wait).
     """
     if not contenders:
         raise ValueError("alternate() needs at least one contender")
     if warmup < 0 or rounds < 1 or steps_per_round < 1:
         raise ValueError(f"need warmup >= 0, rounds >= 1, steps_per_round >= 1; got {warmup}, {rounds}, "
                          f"{steps_per_round}")
+    started = time.perf_counter() if started is None else started
     total = warmup + rounds * steps_per_round
+    baseline = contenders[0]
     for _ in range(warmup):
-        for c in contenders:
-            c.warmup_seconds += _run(c, 1, total, progress)
-    active = list(contenders)
+        running = [c for c in contenders if c.stopped is None]
+        ran = {id(c): _run(c, 1, total, progress, catch) for c in running}
+        agreed, _ = _agree(ran, running, 1, time.perf_counter() - started, across_ranks, group)
+        for c in running:
+            c.warmup_seconds += agreed.get(id(c), [])
+    active = [c for c in contenders if c.stopped is None]
     for r in range(rounds):
         shift = r % len(active)
-        for c in active[shift:] + active[:shift]:
-            if r == 0 and c is not contenders[0]:   # round 0 runs the baseline first: judge c on one step
-                first = _run(c, 1, total, progress)
-                judged = [_least_recent(contenders[0], contenders[0].step_seconds[:1]), _least_recent(c, first)]
-                theirs, mine = max_across_ranks(judged, group) if across_ranks else judged
-                if mine > slow_factor * theirs:
-                    c.step_seconds += first
-                    c.stopped = (f"stopped after its first timed step: {mine * 1e3:.1f} ms, more than "
-                                 f"{slow_factor:g}x the baseline's {theirs * 1e3:.1f} ms")
-                    continue
-                seconds = first + (_run(c, steps_per_round - 1, total, progress) if steps_per_round > 1 else [])
-            else:
-                seconds = _run(c, steps_per_round, total, progress)
-            c.step_seconds += seconds
-            c.round_seconds.append(sum(seconds))
+        order = active[shift:] + active[:shift]
+        ran: Dict[int, List[float]] = {}
+        for c in order:
+            seconds: List[float] = []
+            if r == 0 and c is not baseline and id(baseline) in ran and not math.isinf(slow_factor):
+                seconds = _run(c, 1, total, progress, catch)    # round 0 ran the baseline first: judge c on a step
+                _stop_if_too_slow(c, ran[id(baseline)][:1], seconds, slow_factor, across_ranks, group, baseline)
+            if c.stopped is None:
+                seconds += _run(c, steps_per_round - len(seconds), total, progress, catch)
+            ran[id(c)] = seconds
+        agreed, elapsed = _agree(ran, order, steps_per_round, time.perf_counter() - started, across_ranks, group)
+        for c in order:
+            if id(c) in agreed:
+                c.step_seconds += agreed[id(c)]
+                if c.stopped is None:
+                    c.round_seconds.append(sum(agreed[id(c)]))
         active = [c for c in active if c.stopped is None]
+        if not active or (until is not None and until(r + 1, elapsed)):
+            break
+
+
+def _stop_if_too_slow(c: Contender, theirs_first: List[float], mine_first: List[float], slow_factor: float,
+                      across_ranks: bool, group, baseline: Contender) -> None:
+    """Stop ``c`` (``stopped`` says why) when its first timed step (or last warm-up step, whichever is faster)
+    took more than ``slow_factor`` times the baseline's, by the slowest rank's figures. Every rank judges, also
+    one where ``c`` or the baseline failed (its ``inf`` judges nothing), so the collective is the same on all."""
+    judged = [_least_recent(baseline, theirs_first), _least_recent(c, mine_first)]
+    theirs, mine = max_across_ranks(judged, group) if across_ranks else judged
+    if c.stopped is None and not math.isinf(mine) and mine > slow_factor * theirs:   # inf: a failure, see _agree
+        c.stopped = (f"stopped after its first timed step: {mine * 1e3:.1f} ms, more than {slow_factor:g}x the "
+                     f"baseline's {theirs * 1e3:.1f} ms")

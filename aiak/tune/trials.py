@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -66,6 +68,7 @@ from torch import nn
 from aiak.apply import apply_strategy
 from aiak.loaders.prefetch import PrefetchLoader
 from aiak.measure.clock import StepClock
+from aiak.measure.rounds import Contender, alternate
 from aiak.runtime.rollback import Snapshot
 from aiak.runtime.switches import read_switches, write_switches
 from aiak.strategy.schema import Strategy
@@ -77,6 +80,7 @@ from aiak.util.cache import TuneCache
 from aiak.util.dist import max_across_ranks, on_rank0, rank0_index, rank0_object
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.nested import logits_of
+from aiak.util.text import describe_error
 from aiak.util.versions import installed_version
 
 BUDGET_FRACTION = 0.05     # the trials' budget: 5% ...
@@ -230,6 +234,7 @@ class _TrialRun:
         self.failed = ""
         self.process_switches: Dict[str, Any] = {}  # aiak.runtime.rollback's switches as applying this candidate left them
         self.warmup_s: List[float] = []             # steps' seconds before timing began (slowest rank), the gate's first
+        self.timer: Optional[Contender] = None      # its side in the timed rounds (aiak.measure.rounds)
 
     def build(self, model: nn.Module, optimizer: Any) -> None:
         """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded).
@@ -244,7 +249,7 @@ class _TrialRun:
                                          distributed=False)
             self.model, self.optimizer, self.controller = applied.model, applied.optimizer, applied.controller
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be applied is dropped, not fatal
-            self.fail(f"could not be applied: {_describe(e)}")
+            self.fail(f"could not be applied: {describe_error(e)}")
         finally:
             self.process_switches = read_switches()
             write_switches(process)
@@ -279,6 +284,12 @@ class _TrialRun:
             self.optimizer.zero_grad()
         return grads
 
+    def timed_step(self, batches: List[Any]) -> Callable[[], None]:
+        """The step the rounds time: one step on the next batch, batch 1 first (batch 0 was the gate's), round
+        and round; every candidate takes its k-th timed step on the same batch."""
+        order = itertools.cycle(batches[1:] + batches[:1])
+        return lambda: self.step(next(order), want_grads=False)
+
     def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
         """The gradients of one forward and backward on ``batch`` from the current weights, as
         :func:`aiak.tune.gate.gradients` gives them, the copy left as it was: taken by ``autograd.grad``, so no
@@ -300,11 +311,6 @@ class _TrialRun:
 
 def _plain(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str, type(None))) else json.loads(json.dumps(value, default=str))
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 # -- the trials -----------------------------------------------------------------------------------
@@ -352,7 +358,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         winner = _decide(contenders)
     except Exception as e:  # noqa: BLE001 - a bug in tuning must not cost the user's run: use the rules' pick
         return Tuning(pick, pick.name, [], time.perf_counter() - start, False, replay,
-                      skipped=f"trials failed ({_describe(e)}); the rules' pick is used as is",
+                      skipped=f"trials failed ({describe_error(e)}); the rules' pick is used as is",
                       restore_rng=before.restore)
     finally:  # the streams as the trials found them: the replay loader moves them on as the loop draws
         switches.restore()
@@ -410,7 +416,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device) -> None:
                 if device.type == "cuda":
                     c.record.peak_mem_mb = torch.cuda.max_memory_allocated(device) / 2**20
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
-            c.fail(_describe(e))
+            c.fail(describe_error(e))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     reference = grads.get(id(plain)) if plain is not None else None
@@ -483,34 +489,38 @@ def _batch_size(batch: Any) -> Optional[int]:
 
 
 def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float) -> None:
-    """Rounds of one step per candidate (order rotating) after the gate's. Each candidate's steps form one
-    series (``warmup_s``, the gate's step first). Timing starts at the round where every series has settled
-    (:func:`_settled`: its last :data:`MIN_TIMED_ROUNDS` steps were no faster than the best before them), or
-    :data:`WARMUP_MAX_STEPS` steps were taken, or the budget ran out; those last steps are the first timed
-    samples, so a candidate that needs no warm-up costs the gate's step and two more. Rounds go on until
-    ``cfg.steps`` samples, the budget is spent, or the ranking is clear (:func:`_ranking_is_clear`)."""
-    active = [c for c in contenders if not c.failed]
-    timed_from: Optional[int] = None  # index, in every series, of the first timed step
-    previous = None
-    r = 0
-    while active:
-        r += 1
-        shift = r % len(active)
-        seconds, elapsed = _round(active[shift:] + active[:shift], batches[r % len(batches)], start)
+    """Rounds of one step per candidate after the gate's, on the one timing engine
+    (:func:`aiak.measure.rounds.alternate`: the order rotating every round, each step under the candidate's own
+    switches, the slowest rank's seconds, a failure on any rank dropping the candidate on all). Each
+    candidate's steps form one series (``warmup_s``, the gate's step first). Timing starts at the round where
+    every series has settled (:func:`_settled`: its last :data:`MIN_TIMED_ROUNDS` steps were no faster than the
+    best before them), or :data:`WARMUP_MAX_STEPS` steps were taken, or the budget ran out; those last steps
+    are the first timed samples, so a candidate that needs no warm-up costs the gate's step and two more.
+    Rounds go on until ``cfg.steps`` samples, the budget is spent, or the ranking is clear
+    (:func:`_ranking_is_clear`)."""
+    runs = [c for c in contenders if not c.failed]
+    if not runs:
+        return
+    for c in runs:
+        c.timer = Contender(c.candidate.label, c.timed_step(batches), c.device, c.process_switches)
+    rules = _Stopping(cfg.steps, cfg.max_seconds)
+
+    def until(rounds_done: int, elapsed: float) -> bool:
+        for c in runs:
+            if c.timer.stopped is not None:
+                c.fail(c.timer.stopped)
+        active = [c for c in runs if not c.failed]
         for c in active:
-            if not c.failed:
-                c.warmup_s.append(seconds[id(c)])
-        active = [c for c in active if not c.failed]
-        round_seconds, previous = elapsed - (previous if previous is not None else elapsed), elapsed
-        budget = _budget(cfg, active)
-        out_of_budget = budget is not None and elapsed + round_seconds > budget
-        steps = 1 + r  # the gate's step and one per round, the same in every series
-        if timed_from is None and steps > MIN_TIMED_ROUNDS and (
-                out_of_budget or steps >= WARMUP_MAX_STEPS or all(_settled(c.warmup_s) for c in active)):
-            timed_from = steps - MIN_TIMED_ROUNDS
-        if timed_from is not None and (steps - timed_from >= cfg.steps or out_of_budget
-                                       or _ranking_is_clear(active, timed_from)):
-            break
+            c.warmup_s = c.warmup_s[:1] + c.timer.step_seconds
+        return not active or rules.done({c.candidate.label: c.warmup_s for c in active}, elapsed)
+
+    with amp_warn.quiet():
+        alternate([c.timer for c in runs], warmup=0, rounds=WARMUP_MAX_STEPS + max(cfg.steps, 1), steps_per_round=1,
+                  slow_factor=math.inf, catch=True, until=until, started=start)
+    for c in runs:   # a failure in the last round ends the rounds before ``until`` sees it
+        if c.timer.stopped is not None:
+            c.fail(c.timer.stopped)
+    timed_from = rules.timed_from
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
     for c in contenders:
         if c.failed or timed_from is None:
@@ -528,15 +538,46 @@ def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float) -> No
                 c.record.speedup_spread = [min(ratios), max(ratios)]
 
 
-def _ranking_is_clear(active: List[_TrialRun], timed_from: int) -> bool:
+class _Stopping:
+    """When the trials' timing starts and when their rounds end (steps 5 and 6 of the module docstring), read
+    from each candidate's series of step seconds by label (the gate's step first, then one per round: the
+    slowest rank's, so every rank decides alike) and the seconds since the trials began."""
+
+    def __init__(self, steps: int, max_seconds: Optional[float]):
+        self.steps, self.max_seconds = steps, max_seconds
+        self.timed_from: Optional[int] = None   # index, in every series, of the first timed step
+        self._elapsed: Optional[float] = None   # at the end of the round before
+
+    def done(self, series: Dict[str, List[float]], elapsed: float) -> bool:
+        """Called after every round: whether to stop now (and, the first time timing may start, where)."""
+        round_seconds = elapsed - (self._elapsed if self._elapsed is not None else elapsed)
+        self._elapsed = elapsed
+        budget = self.budget(series)
+        out_of_budget = budget is not None and elapsed + round_seconds > budget
+        steps = len(next(iter(series.values())))  # the same in every series
+        if self.timed_from is None and steps > MIN_TIMED_ROUNDS and (
+                out_of_budget or steps >= WARMUP_MAX_STEPS or all(_settled(s) for s in series.values())):
+            self.timed_from = steps - MIN_TIMED_ROUNDS
+        return self.timed_from is not None and (steps - self.timed_from >= self.steps or out_of_budget
+                                                or _ranking_is_clear(series, self.timed_from))
+
+    def budget(self, series: Dict[str, List[float]]) -> Optional[float]:
+        """``tune.max_seconds``, or by default :data:`BUDGET_FRACTION` of a :data:`BUDGET_RUN_STEPS`-step run at
+        plain PyTorch's speed (its fastest step so far); None without plain."""
+        if self.max_seconds is not None:
+            return self.max_seconds
+        plain = series.get("plain")
+        return BUDGET_FRACTION * BUDGET_RUN_STEPS * min(plain) if plain else None
+
+
+def _ranking_is_clear(series: Dict[str, List[float]], timed_from: int) -> bool:
     """More rounds would not change the decision, so the budget left is not spent: every candidate is faster
     than plain PyTorch in every timed round or slower in every one, by more than :data:`NOISE_FLOOR`, and the
     fastest is faster than each other one in every round."""
-    plain = next((c for c in active if c.candidate.label == "plain"), None)
-    if plain is None:
+    if "plain" not in series:
         return False
-    base = plain.warmup_s[timed_from:]
-    ratios = [[p / t for p, t in zip(base, c.warmup_s[timed_from:])] for c in active if c is not plain]
+    base = series["plain"][timed_from:]
+    ratios = [[p / t for p, t in zip(base, s[timed_from:])] for label, s in series.items() if label != "plain"]
     if any(min(q) <= 1 + NOISE_FLOOR and max(q) >= 1 / (1 + NOISE_FLOOR) for q in ratios):
         return False  # within noise of plain in some round
     faster = [q for q in ratios if min(q) > 1]
@@ -548,42 +589,9 @@ def _ranking_is_clear(active: List[_TrialRun], timed_from: int) -> bool:
 
 def _settled(seconds: List[float]) -> bool:
     """Neither of the last :data:`MIN_TIMED_ROUNDS` steps beat the best step before them by more than
-    :data:`SETTLE_TOLERANCE`: the one-time costs are spent. (A machine's timing noise only ever adds time, so two slow steps that agree with
-    each other do not count.)"""
+    :data:`SETTLE_TOLERANCE`: the one-time costs are spent. (A machine's timing noise only ever adds time, so
+    two slow steps that agree with each other do not count.)"""
     return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
-
-
-def _budget(cfg, contenders: List[_TrialRun]) -> Optional[float]:
-    """``tune.max_seconds``, or by default 5% of a 200-step run at plain PyTorch's speed (its fastest step so
-    far); None before plain has taken a step."""
-    if cfg.max_seconds is not None:
-        return cfg.max_seconds
-    plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
-    steps = (plain.warmup_s + [ms / 1e3 for ms in plain.record.samples_ms]) if plain is not None else []
-    return BUDGET_FRACTION * BUDGET_RUN_STEPS * min(steps) if steps else None
-
-
-def _round(order: List[_TrialRun], batch: Any, start: float) -> Tuple[Dict[int, float], float]:
-    """One step of each contender in ``order`` on ``batch``, timed under its own switches: the slowest rank's
-    seconds by contender (inf where one failed, here or on another rank: it is marked failed) and since
-    ``start``."""
-    seconds = []
-    for c in order:
-        clock = StepClock(c.device)
-        try:
-            with amp_warn.quiet():
-                c.switches()
-                t0 = clock.mark()
-                c.step(batch, want_grads=False)
-                seconds.append(clock.seconds(t0, clock.mark()))
-        except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
-            c.fail(_describe(e))
-            seconds.append(float("inf"))
-    reduced = max_across_ranks(seconds + [time.perf_counter() - start])
-    for c, t in zip(order, reduced):
-        if t == float("inf"):
-            c.fail("failed on another rank")
-    return {id(c): t for c, t in zip(order, reduced)}, reduced[-1]
 
 
 def _simplicity(c: _TrialRun) -> int:

@@ -26,3 +26,10 @@ def yaml_text(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {yaml_text(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def describe_error(e: BaseException) -> str:
+    """``Type: first line of the message`` (200 characters at most): why a trial or a contender stopped, in
+    one line of a table."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"

@@ -17,7 +17,7 @@ from torch import nn
 from aiak.comm.autotune import CommChoice, TuneInputs, cached_choice, read_choice
 from aiak.util.cache import TuneCache
 from aiak.strategy.schema import CommConfig
-from tests.comm.test_int8_bucket_layout import spawn_ranks
+from tests.ranks import spawn_ranks
 
 BASE = TuneInputs(world_size=4, local_size=2, device_type="cpu", perf_mode="comm", int8=False, hierarchical="auto",
                   groups=True, bucket_mbs=(25.0, 5.0, 50.0), tune_steps=3, int8_block=2048, compress_intra=False,

@@ -4,19 +4,14 @@ DDP rebuilds its buckets after the first iteration, in the order gradients becam
 layers in another order than it registers them gets a bucket of the same size holding the same parameters at
 other offsets: a residual kept by shape alone was added to other parameters' gradients.
 """
-import datetime
-import io
-import os
-import queue
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from aiak.comm.compression import ErrorFeedback, FiniteFlag
+from tests.ranks import spawn_ranks
 
 BLOCK = 32  # one int8 block per weight row and per bias: a block never mixes two parameters' ranges
 STEPS = 3
@@ -39,48 +34,6 @@ class UsedOutOfOrder(nn.Module):
 
     def forward(self, x):
         return self.a(torch.tanh(self.b(x)))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(worker, rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    result = worker(rank, world)
-    buffer = io.BytesIO()  # bytes, not tensors: a tensor sent through a queue dies with its sender process
-    torch.save(result, buffer)
-    out.put((rank, buffer.getvalue()))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def spawn_ranks(worker, world=2, timeout=120):
-    """``worker(rank, world)`` on ``world`` spawned gloo ranks; returns each rank's result, by rank. A rank that
-    fails or hangs fails the test within ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(worker, rank, world, port, out)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, blob = out.get(timeout=timeout)
-            results[rank] = torch.load(io.BytesIO(blob), weights_only=False)
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(world)) - set(results))} produced no result within {timeout} s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [results[rank] for rank in range(world)]
 
 
 def _three_steps_after_a_rebuild(rank, world):

@@ -91,6 +91,69 @@ def test_a_contender_ten_times_slower_on_its_first_step_is_stopped_there():
     assert log.count("slow") == 2  # its warm-up step and its first timed step; it never ran again
 
 
+def _failing_at(name, step_number, log):
+    def step():
+        log.append(name)
+        if log.count(name) == step_number:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return 0.0
+    return Contender(name, step)
+
+
+def test_with_catch_a_failing_contender_stops_with_its_error_and_the_others_go_on():
+    log = []
+    base, broken = _sleeper("base", 0.0, log), _failing_at("broken", 3, log)
+    alternate([base, broken], warmup=1, rounds=4, steps_per_round=2, catch=True)
+    assert broken.stopped == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert log.count("broken") == 3 and broken.steps == 2      # warm-up, round 0's first step, then the failure
+    assert broken.step_seconds == [] and broken.round_seconds == []  # the round it failed in counts nothing
+    assert base.stopped is None and base.steps == 1 + 4 * 2 and len(base.round_seconds) == 4
+    with pytest.raises(RuntimeError, match="out of memory"):   # without catch the error is the caller's
+        alternate([_sleeper("base", 0.0, []), _failing_at("broken", 1, [])], warmup=1, rounds=1, steps_per_round=1)
+
+
+def test_until_ends_the_rounds_after_the_round_it_says_so_and_sees_that_rounds_figures():
+    log, seen = [], []
+    a, b = _sleeper("a", 0.001, log), _sleeper("b", 0.001, log)
+    started = time.perf_counter() - 5.0   # the caller's clock started earlier: elapsed counts from there
+
+    def until(rounds_done, elapsed):
+        seen.append((rounds_done, len(a.step_seconds), len(b.round_seconds), elapsed))
+        return rounds_done == 3
+
+    alternate([a, b], warmup=0, rounds=10, steps_per_round=1, until=until, started=started)
+    assert [s[:3] for s in seen] == [(1, 1, 1), (2, 2, 2), (3, 3, 3)]
+    assert all(e >= 5.0 for *_, e in seen) and [e for *_, e in seen] == sorted(e for *_, e in seen)
+    assert log == list("ab" "ba" "ab")
+
+
+def _two_ranks_disagree(rank, world):
+    """On rank 1 only: ``steady`` takes 20 ms a step, ``slow`` 300 ms (over 10x the baseline's 10 ms) and
+    ``broken`` fails on its second step; on rank 0 all three take no time and never fail."""
+    def sleeping(name, on_rank1):
+        return Contender(name, lambda: time.sleep(on_rank1 if rank == 1 else 0.0))
+    base = Contender("base", lambda: time.sleep(0.01))
+    steady, slow = sleeping("steady", 0.02), sleeping("slow", 0.3)
+    broken = _failing_at("broken", 2, []) if rank == 1 else Contender("broken", lambda: 0.0)
+    alternate([base, steady, slow, broken], warmup=1, rounds=3, steps_per_round=1, catch=True)
+    return {c.name: (c.stopped, c.steps, c.step_seconds) for c in (base, steady, slow, broken)}
+
+
+def test_across_ranks_every_rank_has_the_slowest_ranks_seconds_and_a_failure_anywhere_stops_everywhere():
+    from tests.ranks import spawn_ranks
+
+    r0, r1 = spawn_ranks(_two_ranks_disagree, world=2)
+    for name in ("base", "steady", "slow"):
+        assert r0[name] == r1[name], name                    # the same figures on every rank: rank 1's
+    stopped, steps, seconds = r0["steady"]
+    assert stopped is None and steps == 1 + 3 and len(seconds) == 3 and min(seconds) >= 0.02
+    stopped, steps, seconds = r0["slow"]                       # stopped on rank 0, where it took no time
+    assert "more than 10x the baseline" in stopped and steps == 2 and len(seconds) == 1 and seconds[0] >= 0.3
+    assert r1["broken"][:2] == ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", 1)
+    assert r0["broken"][:2] == ("failed on another rank", 2)  # rank 0 ran it too, then dropped it with rank 1
+    assert r0["base"][0] is None and len(r0["base"][2]) == 3
+
+
 def test_alternate_rejects_empty_or_impossible_plans():
     with pytest.raises(ValueError, match="at least one contender"):
         alternate([], warmup=1, rounds=1, steps_per_round=1)
