@@ -74,11 +74,12 @@ def model_signature(model: torch.nn.Module) -> str:
 
 def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_type: str, perf_mode: str,
               **settings: Any) -> str:
-    """``model|world|local|device|torch|<settings, by name>|perf_mode``; :meth:`TuneInputs.key` passes every
-    decision input as ``settings``."""
-    named = "".join(f"|{name}={settings[name]!r}" for name in sorted(settings))
-    return (f"{model_signature(model)}|world={world_size}|local={local_size}|{device_type}"
-            f"|torch={torch.__version__}{named}|{perf_mode}")
+    """``comm|model|world=|local=|device=|torch=|<settings, by name>|mode=`` (:meth:`TuneCache.key`);
+    :meth:`TuneInputs.key` passes every decision input as ``settings``."""
+    fields = {"world": world_size, "local": local_size, "device": device_type, "torch": torch.__version__}
+    fields.update((name, settings[name]) for name in sorted(settings))
+    fields["mode"] = perf_mode
+    return TuneCache.key("comm", model_signature(model), fields)
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,7 @@ def decision_key(model: nn.Module, optimizer: Any, loader: Any, probes: Any, pro
              "optimizer": type(optimizer).__name__, "torch": torch.__version__, "triton": installed_version("triton") or "none",
              "aiak": installed_version("aiak") or "none", "profiles": profiles_digest,
              "tune": [tune_cfg.candidates, tune_cfg.steps, tune_cfg.max_seconds]}
-    digest = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-    return f"strategy|{type(model).__name__}|{digest[:24]}"
+    return TuneCache.key("strategy", type(model).__name__, digest_of=parts)
 
 
 # -- one trial step -------------------------------------------------------------------------------

@@ -3,18 +3,19 @@
 ``{key: entry}`` where an entry is a JSON object; the strategy trials (:mod:`aiak.tune.trials`) store the
 winning strategy under a key of model structure, batch shape, hardware, topology, library versions and
 profiles (:func:`aiak.tune.trials.decision_key`), the comm autotuner its algorithm and bucket size
-(:mod:`aiak.comm.autotune`). Writes are atomic (temp file + ``os.replace``), so concurrent writers never
+(:mod:`aiak.comm.autotune`); both keys are made by :meth:`TuneCache.key`. Writes are atomic (temp file + ``os.replace``), so concurrent writers never
 leave a torn file; an unreadable file is ignored with a warning and rewritten.
 
 Location: ``$AIAK_TUNE_CACHE``, else ``$XDG_CACHE_HOME/aiak/tune.json`` (``~/.cache/aiak/tune.json``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from aiak.util.warn import warn
 
@@ -33,6 +34,17 @@ class TuneCache:
 
     def __init__(self, path: Optional[os.PathLike] = None):
         self.path = Path(path) if path is not None else default_cache_path()
+
+    @staticmethod
+    def key(kind: str, subject: str, fields: Optional[Mapping[str, Any]] = None, digest_of: Any = None) -> str:
+        """The one way a key of the cache is made: ``kind|subject|name=value|...``, then, when ``digest_of`` is
+        given, ``|`` and the first 24 hex digits of the sha1 of its JSON (keys sorted). ``fields`` are what a
+        reader looks for in the file (world size, torch version, comm mode), in their order; ``digest_of`` holds
+        what is too long to read there (a model's whole structure, the profiles)."""
+        parts = [kind, subject] + [f"{name}={value}" for name, value in (fields or {}).items()]
+        if digest_of is not None:
+            parts.append(hashlib.sha1(json.dumps(digest_of, sort_keys=True, default=str).encode()).hexdigest()[:24])
+        return "|".join(parts)
 
     def _read(self) -> Dict[str, Any]:
         try:

@@ -84,7 +84,7 @@ def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
         assert sum("autotune (comm mode) chose" in m for m in r["logs"]) == (rank == 0)
         assert sum("autotune (step mode) chose" in m for m in r["logs"]) == (rank == 0)
     cached = json.loads(first[0]["cache"])
-    assert {k.rsplit("|", 1)[1] for k in cached} == {"comm", "step"}
+    assert {k.rsplit("|", 1)[1] for k in cached} == {"mode=comm", "mode=step"}
 
     second = launch_ranks("autotune", env=env, timeout=150)
     for rank, r in enumerate(second):
