@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from aiak.cli.progress import Board
 from aiak.measure.rounds import Contender, Speedup, alternate, plan_rounds, speedup
 from aiak.runtime.switches import read_switches
+from aiak.step.training_step import training_step
 
 
 class DemoNet(nn.Module):
@@ -61,12 +62,8 @@ def training_steps(model, optimizer, loader, epochs: int, device: Any = "cpu") -
     model.train()
     for _ in range(epochs):
         for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = criterion(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            yield loss
+            batch = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            yield training_step(model, optimizer, batch, lambda m, b: criterion(m(b[0]), b[1]))
 
 
 class DemoError(ValueError):

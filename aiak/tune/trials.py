@@ -71,6 +71,7 @@ from aiak.measure.clock import StepClock
 from aiak.measure.rounds import Contender, alternate
 from aiak.runtime.rollback import Snapshot
 from aiak.runtime.switches import read_switches, write_switches
+from aiak.step.training_step import training_step
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_knobs
@@ -212,6 +213,10 @@ def _class_indices(target: Any, logits: torch.Tensor) -> bool:
     return bool(valid.all())
 
 
+def _trial_loss_of(model: nn.Module, batch: Any) -> torch.Tensor:
+    return trial_loss(_call(model, batch), batch)
+
+
 def _call(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return model(batch)
@@ -272,16 +277,18 @@ class _TrialRun:
         return map_tensors(batch, move)
 
     def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
-        batch = self.prepare(batch)
-        loss = trial_loss(_call(self.model, batch), batch)
-        loss.backward()
-        grads = None
-        if want_grads:  # one micro-step's true gradient: the fp32 parameters' own, unscaled inside the graph
-            grads = gate.gradients(self.bare)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-        return grads
+        """The user's step (:func:`aiak.step.training_step.training_step`) on ``batch``; with ``want_grads``,
+        the gradients it computed (one micro-step's true gradient: the fp32 parameters' own, unscaled inside
+        the graph), read between the backward and the optimizer step."""
+        grads: Dict[str, Dict[str, torch.Tensor]] = {}
+
+        def after_backward(phase: str) -> None:
+            if phase == "backward":
+                grads["read"] = gate.gradients(self.bare)
+
+        training_step(self.model, self.optimizer, self.prepare(batch), _trial_loss_of,
+                      after_backward if want_grads else None)
+        return grads.get("read")
 
     def timed_step(self, batches: List[Any]) -> Callable[[], None]:
         """The step the rounds time: one step on the next batch, batch 1 first (batch 0 was the gate's), round
@@ -297,9 +304,8 @@ class _TrialRun:
         named = [(n, p) for n, p in self.bare.named_parameters() if p.requires_grad]
         buffers = [b.detach().clone() for b in self.bare.buffers()]
         try:
-            batch = self.prepare(batch)
-            loss = trial_loss(_call(self.model, batch), batch)
-            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            grads = torch.autograd.grad(_trial_loss_of(self.model, self.prepare(batch)), [p for _, p in named],
+                                        allow_unused=True)
         finally:
             with torch.no_grad():
                 for b, saved in zip(self.bare.buffers(), buffers):

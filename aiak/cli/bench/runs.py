@@ -177,22 +177,14 @@ class Loop:
 
     def _step(self):
         from aiak.cli.model_spec import compute_loss
+        from aiak.step.training_step import training_step
 
         memory = self.memory
         if memory is not None:
             memory.enter(self.name)
         batch = self._map_tensors(self._next_batch(), lambda t: t.to(self.device, non_blocking=True))
-        loss = compute_loss(self.model, batch)
-        if memory is not None:
-            memory.sample(self.name)
-        loss.backward()
-        if memory is not None:
-            memory.sample(self.name)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        if memory is not None:
-            memory.sample(self.name)
-        return loss
+        return training_step(self.model, self.optimizer, batch, compute_loss,
+                             None if memory is None else lambda _phase: memory.sample(self.name))
 
     def step(self):
         if self.failure is not None:
