@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 from aiak.comm.compression import COMPRESSIONS
+from aiak.comm.stall import STALL_WARN_S
 from aiak.util.config import StrategyError, Where, choices, section_problems
 
 
@@ -19,6 +20,9 @@ class CommConfig:
     ``pipeline_mb`` cuts hierarchical buckets into chunks that overlap the intra- and inter-node steps (MB of
     fp32 values; int8 chunks hold twice as many values; 0 = whole buckets); ``compress_intra`` also compresses
     the intra-node steps (fp16/bf16); ``int8_block`` is the number of values sharing one min/scale.
+    ``stall_warn_s``: a collective of aiak's communication hook that has waited this long warns which ranks
+    have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.stall`; 0 = off). DDP's
+    own allreduce (flat fp32 with nothing else set) runs without aiak's hook, so it is not watched.
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
@@ -34,11 +38,13 @@ class CommConfig:
     compress_intra: bool = False
     int8_block: int = 2048
     pipeline_mb: float = 2.0
+    stall_warn_s: float = STALL_WARN_S
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
         for key, low, strict in (("bucket_mb", 0, True), ("timeout_s", 0, True), ("tune_steps", 1, False),
-                                 ("int8_block", 1, False), ("pipeline_mb", 0, False)):
+                                 ("int8_block", 1, False), ("pipeline_mb", 0, False),
+                                 ("stall_warn_s", 0, False)):
             value = getattr(self, key)
             if value < low or (strict and value == low):
                 problems.append(f"{where(path + key)} must be {'>' if strict else '>='} {low}, got {value}")

@@ -110,7 +110,8 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/tune.json``), ``tune_int8`` (let the tuner
     pick int8, default False: it changes numerics), ``deadlock_guard`` (default False), ``timeout_s`` (guard
     timeout, default 300), ``compress_intra`` (default False), ``int8_block`` (2048), ``pipeline_mb``
-    (hierarchical pipeline chunk, default 2; 0 = whole buckets). An explicit option beats a ``cfg`` field.
+    (hierarchical pipeline chunk, default 2; 0 = whole buckets), ``stall_warn_s`` (default 60; 0 = off). An
+    explicit option beats a ``cfg`` field.
     Collective: every rank must call it at the same point. Returns the model unchanged without a process
     group of more than one rank.
     """
@@ -144,7 +145,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     groups = build_groups(topology) if want_groups else None
     state = CommState(process_group, groups, hierarchical=groups is not None and opts.hierarchical is not False,
                       compression=opts.compression, compress_intra=opts.compress_intra, int8_block=opts.int8_block,
-                      pipeline_mb=opts.pipeline_mb)
+                      pipeline_mb=opts.pipeline_mb, stall_warn_s=opts.stall_warn_s)
     device_ids = _device_ids(model, device)
     bucket_mb, tuner = opts.bucket_mb, None
     if opts.autotune:
@@ -181,7 +182,7 @@ def _hook_existing(ddp, opts: CommConfig):
              f"(comm.compression {opts.compression} is not applied)")
         return ddp
     state = CommState(ddp.process_group, None, compression=opts.compression, int8_block=opts.int8_block,
-                      pipeline_mb=opts.pipeline_mb)
+                      pipeline_mb=opts.pipeline_mb, stall_warn_s=opts.stall_warn_s)
     ddp.register_comm_hook(state, comm_hook)
     ddp.aiak_comm_state = state
     if opts.deadlock_guard:

@@ -43,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
+from aiak.comm.stall import STALL_WARN_S, StallWatch, next_watch_name
 from aiak.comm.topology import HierarchicalGroups
 from aiak.util.threads_at_exit import stop_at_exit
 
@@ -54,17 +55,31 @@ _STOP = object()  # put in a worker's queue at interpreter exit
 
 # -- collectives on 1-D tensors ------------------------------------------------------------------------
 class _Issued:
-    """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output)."""
+    """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output).
 
-    __slots__ = ("work", "then")
+    Issued inside the comm worker's job for a bucket, it is numbered and described by that state's
+    :class:`~aiak.comm.stall.StallWatch` (the job's, in :data:`_job`), whose ``wait`` says which ranks are late
+    when it lasts past ``comm.stall_warn_s``."""
 
-    def __init__(self, work, then: Optional[Callable[[], object]] = None):
+    __slots__ = ("work", "then", "watch", "seq", "what", "ranks")
+
+    def __init__(self, work, then: Optional[Callable[[], object]] = None, stage: str = "", group=None):
         self.work, self.then = work, then
+        self.watch = getattr(_job, "watch", None)
+        if self.watch is not None:
+            self.seq, self.what = self.watch.issued(stage, group)
+            self.ranks = self.watch.ranks_of(group)
 
     def wait(self) -> None:
-        self.work.wait()
+        if self.watch is not None:
+            self.watch.wait(self.work, self.seq, self.what, self.ranks)
+        else:
+            self.work.wait()
         if self.then is not None:
             self.then()
+
+
+_job = threading.local()  # ``watch``: the StallWatch of the bucket the comm worker runs now (set by _run_bucket)
 
 
 def _dist(name: str, deprecated: str) -> Callable:
@@ -72,15 +87,16 @@ def _dist(name: str, deprecated: str) -> Callable:
     return getattr(dist, name, None) or getattr(dist, deprecated)
 
 
-def _allreduce(x: torch.Tensor, group, wire: torch.dtype) -> _Issued:
+def _allreduce(x: torch.Tensor, group, wire: torch.dtype, stage: str = "allreduce") -> _Issued:
     """Sum of ``x`` over ``group``, into ``x``, sent as ``wire``."""
     if x.dtype == wire:
-        return _Issued(dist.all_reduce(x, group=group, async_op=True))
+        return _Issued(dist.all_reduce(x, group=group, async_op=True), stage=stage, group=group)
     sent = x.to(wire)
-    return _Issued(dist.all_reduce(sent, group=group, async_op=True), functools.partial(x.copy_, sent))
+    return _Issued(dist.all_reduce(sent, group=group, async_op=True), functools.partial(x.copy_, sent), stage,
+                   group)
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _Issued:
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, stage: str = "reduce-scatter") -> _Issued:
     """``output`` = this rank's chunk of the sum of ``input`` over ``group``.
 
     Gloo has no reduce-scatter: there it is an all-to-all of the chunks and a local sum (same bytes on the wire).
@@ -88,13 +104,15 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> _Issued
     if dist.get_backend(group) == "gloo":
         received = torch.empty_like(input)
         work = dist.all_to_all_single(received, input, group=group, async_op=True)
-        return _Issued(work, functools.partial(torch.sum, received.view(-1, output.numel()), 0, out=output))
+        return _Issued(work, functools.partial(torch.sum, received.view(-1, output.numel()), 0, out=output), stage,
+                       group)
     return _Issued(_dist("reduce_scatter_single", "reduce_scatter_tensor")(output, input, group=group,
-                                                                           async_op=True))
+                                                                           async_op=True), stage=stage, group=group)
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group) -> _Issued:
-    return _Issued(_dist("all_gather_single", "all_gather_into_tensor")(output, input, group=group, async_op=True))
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, stage: str = "allgather") -> _Issued:
+    return _Issued(_dist("all_gather_single", "all_gather_into_tensor")(output, input, group=group, async_op=True),
+                   stage=stage, group=group)
 
 
 class _Int8Allreduce:
@@ -107,10 +125,12 @@ class _Int8Allreduce:
     :attr:`keys` once the whole bucket is known finite (or not): a non-finite bucket keeps the old residuals.
     """
 
-    __slots__ = ("x", "group", "size", "block", "feedback", "keys", "layout", "n", "chunk", "received", "gathered")
+    __slots__ = ("x", "group", "size", "block", "feedback", "keys", "layout", "n", "chunk", "received", "gathered",
+                 "stage")
 
-    def __init__(self, x: torch.Tensor, group, feedback: ErrorFeedback, key, block: int, layout: Optional[Hashable]):
-        self.x, self.group, self.feedback, self.block = x, group, feedback, block
+    def __init__(self, x: torch.Tensor, group, feedback: ErrorFeedback, key, block: int, layout: Optional[Hashable],
+                 stage: str = "allreduce"):
+        self.x, self.group, self.feedback, self.block, self.stage = x, group, feedback, block, stage
         self.size = dist.get_world_size(group)
         self.keys = ((key, "local"), (key, "shard"))
         self.layout = layout  # what ``x`` holds (:func:`bucket_layout`); the residuals are kept per layout
@@ -123,7 +143,8 @@ class _Int8Allreduce:
         if self.feedback.enabled:
             self.feedback.update(self.keys[0], sent, dequantize_int8_chunks(packed, self.chunk, self.block))
         self.received = torch.empty_like(packed)
-        return _Issued(dist.all_to_all_single(self.received, packed, group=self.group, async_op=True))
+        return _Issued(dist.all_to_all_single(self.received, packed, group=self.group, async_op=True),
+                       stage=f"{self.stage} (int8 all-to-all)", group=self.group)
 
     def share(self) -> _Issued:
         total = dequantize_int8_chunks(self.received, self.chunk, self.block).view(self.size, self.chunk).sum(0)
@@ -132,7 +153,7 @@ class _Int8Allreduce:
         if self.feedback.enabled:
             self.feedback.update(self.keys[1], sent, dequantize_int8(mine, self.chunk, self.block))
         self.gathered = torch.empty(self.size * mine.numel(), dtype=torch.uint8, device=self.x.device)
-        return _all_gather(self.gathered, mine, self.group)
+        return _all_gather(self.gathered, mine, self.group, f"{self.stage} (int8 allgather)")
 
     def finish(self) -> None:
         if self.n == self.size * self.chunk:  # no padding: decode straight into ``x``
@@ -184,14 +205,16 @@ class CommState:
         int8_block: values per int8 block (one min/scale pair each).
         pipeline_mb: chunk size of the hierarchical pipeline (float32 MB); ``0`` = one chunk per bucket.
         error_feedback: keep int8 residuals (turning it off is for experiments only).
+        stall_warn_s: a collective waiting this long names the ranks that have not reached it
+            (:mod:`aiak.comm.stall`); 0 = off.
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
-                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker")
+                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker", "watch")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
-                 pipeline_mb: float = 2.0, error_feedback: bool = True):
+                 pipeline_mb: float = 2.0, error_feedback: bool = True, stall_warn_s: float = STALL_WARN_S):
         if hierarchical and groups is None:
             raise ValueError("hierarchical=True needs groups (aiak.comm.topology.build_groups); it returns None "
                              "for uneven nodes, in which case pass hierarchical=False")
@@ -212,6 +235,7 @@ class CommState:
         self.tuner = None  # an aiak.comm.autotune.StepTuner while tuning
         self.iteration = 0
         self.worker = _Worker()
+        self.watch = StallWatch(stall_warn_s, next_watch_name())
 
     def set_algorithm(self, hierarchical: bool, compression: str) -> None:
         """Switch algorithm; call it between steps (no bucket in flight), as the tuner does at bucket 0."""
@@ -303,17 +327,18 @@ class _Hierarchical:
             self.state.feedback.commit(self.int8_keys, FiniteFlag(self.x))
 
     def scatter_in_node(self, chunk: _Chunk) -> None:
-        chunk.inflight = _reduce_scatter(chunk.shard, chunk.values, self.intra)
+        chunk.inflight = _reduce_scatter(chunk.shard, chunk.values, self.intra,
+                                         f"reduce-scatter in node, chunk {chunk.index}")
 
     def cross_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
         wire = CAST_DTYPES.get(self.compression, chunk.shard.dtype)  # uncompressed: the bucket's dtype, as DDP
-        chunk.inflight = _allreduce(chunk.shard, self.inter, wire)
+        chunk.inflight = _allreduce(chunk.shard, self.inter, wire, f"allreduce across nodes, chunk {chunk.index}")
 
     def exchange_across_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
         chunk.int8 = _Int8Allreduce(chunk.shard, self.inter, self.state.feedback, (self.key, chunk.index),
-                                    self.state.int8_block, self.layout)
+                                    self.state.int8_block, self.layout, f"allreduce across nodes, chunk {chunk.index}")
         chunk.inflight = chunk.int8.exchange()
 
     def share_across_nodes(self, chunk: _Chunk) -> None:
@@ -326,7 +351,7 @@ class _Hierarchical:
             chunk.int8.finish()
             self.int8_keys.extend(chunk.int8.keys)
             chunk.int8 = None
-        chunk.inflight = _all_gather(chunk.values, chunk.shard, self.intra)
+        chunk.inflight = _all_gather(chunk.values, chunk.shard, self.intra, f"allgather in node, chunk {chunk.index}")
 
 
 # -- the worker --------------------------------------------------------------------------------------
@@ -394,9 +419,13 @@ class _Worker:
             yield
 
 
-def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: torch.Tensor, key,
+def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: torch.Tensor, key, step: int,
                 layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"]) -> None:
-    """The worker's job for one bucket: sum ``tensor`` (already divided) in place, then complete or fail ``fut``."""
+    """The worker's job for one bucket of ``step``: sum ``tensor`` (already divided) in place, then complete or
+    fail ``fut``."""
+    _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.stall
+    if _job.watch is not None:
+        _job.watch.at(step, key)
     try:
         with state.worker.on_comm_stream(tensor, ready):
             if hierarchical:
@@ -426,7 +455,7 @@ def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hash
         fut, ready = Future(), None
     # The algorithm is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
     state.worker.submit(functools.partial(_run_bucket, state, state.hierarchical, state.compression, tensor, key,
-                                          layout, fut, ready))
+                                          state.iteration, layout, fut, ready))
     return fut
 
 

@@ -59,9 +59,10 @@ def _user_stacklevel() -> int:
     return level
 
 
-def warn(message: str, category: type = UserWarning) -> None:
-    """Warn at the user's line (on rank 0 only)."""
-    if _quiet_depth or not is_rank_zero():
+def warn(message: str, category: type = UserWarning, everywhere: bool = False) -> None:
+    """Warn at the user's line (on rank 0 only, unless ``everywhere``: what only this rank can see, such as a
+    collective it waits in)."""
+    if _quiet_depth or not (everywhere or is_rank_zero()):
         return
     warnings.warn(message, category, stacklevel=_user_stacklevel())
 

@@ -446,6 +446,29 @@ def scenario_probe(rank):
             "matched": selection.matched, "strategy": selection.strategy.to_dict(), "digest": selection.profiles_digest}
 
 
+def scenario_stall(rank):
+    """Rank 3 reaches step 2's backward 3 s late; with ``stall_warn_s: 1`` the waiting ranks say who they wait
+    for, and the steps still finish; with 0 nothing is said. Hierarchical on 2 nodes x 2 ranks, so rank 2 waits
+    for rank 3 in the node and ranks 0 and 1 wait across nodes."""
+    out = {}
+    for warn_s in (1.0, 0.0):
+        ddp = wrap_distributed(small_model(), CommConfig(hierarchical=True, bucket_mb=0.25, stall_warn_s=warn_s))
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x, y = rank_data(rank, step=step)
+                loss = nn.functional.mse_loss(ddp(x), y)
+                if step == 2 and rank == 3:
+                    time.sleep(3.0)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        out[warn_s] = {"warnings": [str(w.message) for w in caught if "aiak.comm" in str(w.message)],
+                       "params": [p.detach().clone() for p in ddp.parameters()]}
+    return out
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
