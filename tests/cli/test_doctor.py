@@ -390,6 +390,23 @@ def test_nccl_ib(tmp_path, rdma, env, status, in_detail, fix):
     assert c.status == status and in_detail in c.detail and fix in c.fix
 
 
+@pytest.mark.parametrize("gpu, rdma, env, status, in_detail, fix", [
+    (False, None, {}, "pass", "n/a without a GPU", ""),
+    (True, MLX, {}, "pass", "InfiniBand / RoCE", ""),
+    (True, None, {}, "warn", "one socket per peer", "export NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4"),
+    (True, MLX, {"NCCL_IB_DISABLE": "1"}, "warn", "one socket per peer", "NCCL_NSOCKS_PERTHREAD=4"),
+    (True, None, {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}, "pass", "16 socket(s) per peer", ""),
+    (True, None, {"NCCL_SOCKET_NTHREADS": "8", "NCCL_NSOCKS_PERTHREAD": "16"}, "warn", "more than NCCL's 64",
+     "export NCCL_NSOCKS_PERTHREAD=4"),
+    (True, None, {"NCCL_SOCKET_NTHREADS": "32"}, "warn", "not an integer in 1-16", "export NCCL_SOCKET_NTHREADS=4"),
+    (True, None, {"NCCL_NSOCKS_PERTHREAD": "many"}, "warn", "not an integer", "export NCCL_NSOCKS_PERTHREAD=4"),
+], ids=["cpu", "rdma", "default", "ib-disabled", "sixteen", "too-many", "threads-range", "not-int"])
+def test_nccl_sockets(tmp_path, gpu, rdma, env, status, in_detail, fix):
+    make = gpu_machine if gpu else fake_machine
+    c = find(make(tmp_path, rdma=rdma, environ=env, ifaces=TWO_NICS, modules=["nvidia_peermem"]), "NCCL sockets")
+    assert c.status == status and in_detail in c.detail and fix in c.fix
+
+
 @pytest.mark.parametrize("value, rdma, status, fix", [
     (None, MLX, "pass", ""),
     ("PXB", MLX, "pass", ""),

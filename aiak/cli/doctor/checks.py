@@ -543,6 +543,43 @@ def check_ib(m: Machine) -> Check:
     return Check(name, PASS, f"{len(devices)} RDMA device(s): {listing}")
 
 
+NCCL_SOCKETS_MAX = 64   # NCCL refuses more than 64 sockets per peer (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD)
+
+
+def check_nccl_sockets(m: Machine) -> Check:
+    """NCCL between nodes over TCP sockets (no usable RDMA device) with its default of one socket on one thread
+    (NCCL tunes it only on AWS and GCP): one TCP stream rarely fills a cloud link, whose providers cap each
+    flow. ``NCCL_SOCKET_NTHREADS`` (1-16) x ``NCCL_NSOCKS_PERTHREAD`` sockets per peer, at most 64; NCCL reads
+    them once per process, when its first communicator is created, so they belong in the job's environment."""
+    name = "NCCL sockets"
+    if not m.gpus:
+        return Check(name, PASS, "n/a without a GPU (gloo: comm.connections sets TCP connections per peer)")
+    disable = _parse_int((m.environ.get("NCCL_IB_DISABLE") or "0").strip())
+    if any(_rdma_active(d) for _, d in rdma_devices(m)) and not disable:
+        return Check(name, PASS, "n/a: NCCL uses InfiniBand / RoCE between nodes")
+    values = {}
+    for var, high in (("NCCL_SOCKET_NTHREADS", 16), ("NCCL_NSOCKS_PERTHREAD", NCCL_SOCKETS_MAX)):
+        raw = m.environ.get(var)
+        number = _parse_int(raw.strip()) if raw is not None else 1
+        if number is None or not 1 <= number <= high:
+            return Check(name, WARN, f"{var}={raw!r} is not an integer in 1-{high}: NCCL ignores it",
+                         f"export {var}=4")
+        values[var] = number
+    sockets = values["NCCL_SOCKET_NTHREADS"] * values["NCCL_NSOCKS_PERTHREAD"]
+    setting = " x ".join(f"{var}={values[var]}" for var in values)
+    if sockets > NCCL_SOCKETS_MAX:
+        return Check(name, WARN, f"{setting} asks for {sockets} sockets per peer, more than NCCL's "
+                                 f"{NCCL_SOCKETS_MAX}: NCCL fails to connect", "export NCCL_NSOCKS_PERTHREAD=4")
+    uplinks = [i for i in interfaces(m) if i.up and not i.loopback and not i.name.startswith("docker")]
+    if sockets == 1 and uplinks:
+        return Check(name, WARN, "NCCL between nodes over TCP sockets with one socket per peer (its default off "
+                                 "AWS and GCP): one stream rarely fills a cloud link, which caps each flow",
+                     "export NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4 in the job's environment (NCCL reads "
+                     "them once, at its first communicator)")
+    return Check(name, PASS, f"{sockets} socket(s) per peer ({setting})" if sockets > 1
+                 else "one socket per peer; no interface but loopback is up (single node)")
+
+
 def check_gdr_level(m: Machine) -> Check:
     """NCCL_NET_GDR_LEVEL must be a path type NCCL knows (case-sensitive) or a legacy digit; LOC turns
     GPUDirect RDMA off."""
@@ -670,7 +707,7 @@ def check_backends(m: Machine) -> Check:
 CHECKS: Tuple[Callable[..., Union[Check, List[Check]]], ...] = (
     check_python, check_torch, check_cudnn, check_nccl, check_gpu, check_cpu, check_tf32, check_shm,
     check_memlock, check_workers, check_network, check_socket_ifname, check_gloo_ifname, check_ib,
-    check_gdr_level, check_nccl_debug, check_gpudirect, check_triton, check_dali, check_apex, check_backends,
+    check_nccl_sockets, check_gdr_level, check_nccl_debug, check_gpudirect, check_triton, check_dali, check_apex, check_backends,
 )
 
 
