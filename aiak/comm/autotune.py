@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import statistics
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -53,6 +53,12 @@ class CommChoice:
     hierarchical: bool
     compression: str
     bucket_mb: float
+    connections: int = 1   # TCP connections per peer on the stage that crosses nodes (aiak.comm.connections)
+
+    @property
+    def algorithm(self) -> Tuple[bool, str, int]:
+        """``(hierarchical, compression, connections)``, as :meth:`CommState.set_algorithm` takes them."""
+        return self.hierarchical, self.compression, self.connections
 
     def entry(self, **extra: Any) -> Dict[str, Any]:
         """The cache entry of this choice (:mod:`aiak.util.cache`), with ``extra`` beside it."""
@@ -61,7 +67,8 @@ class CommChoice:
     def describe(self) -> str:
         algo = "hierarchical" if self.hierarchical else "flat"
         algo = algo if self.compression == "none" else f"{algo}+{self.compression}"
-        return f"{algo}, bucket {self.bucket_mb:g} MB"
+        wires = "" if self.connections == 1 else f", {self.connections} connections"
+        return f"{algo}{wires}, bucket {self.bucket_mb:g} MB"
 
 
 # -- cache -------------------------------------------------------------------------------------
@@ -103,10 +110,14 @@ class TuneInputs:
     int8_block: int
     compress_intra: bool
     pipeline_mb: float
+    connections: Tuple[int, ...] = (1,)  # TCP connections per peer tried (comm.connections), the first the base
+    link: str = ""  # the nodes' host names and the interfaces named for the run: which network was measured
 
     @classmethod
-    def of(cls, opts: Any, world_size: int, local_size: int, device_type: str, groups: bool) -> "TuneInputs":
-        """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.comm.config.CommConfig`).
+    def of(cls, opts: Any, world_size: int, local_size: int, device_type: str, groups: bool,
+           connections: Sequence[int] = (1,), link: str = "") -> "TuneInputs":
+        """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.comm.config.CommConfig`),
+        trying ``connections`` (the ones set up for it).
 
         Comm mode tries the configured bucket size, 5 and 50 MB; step mode keeps the configured one (DDP fixes
         it at construction)."""
@@ -114,7 +125,7 @@ class TuneInputs:
         int8 = bool(opts.tune_int8 or opts.compression == "int8")
         return cls(world_size, local_size, device_type, opts.perf_mode, int8, opts.hierarchical, groups,
                    tuple(float(mb) for mb in dict.fromkeys(bucket_mbs)), opts.tune_steps, opts.int8_block,
-                   opts.compress_intra, opts.pipeline_mb)
+                   opts.compress_intra, opts.pipeline_mb, tuple(connections), link)
 
     @property
     def hierarchical_allowed(self) -> bool:
@@ -122,7 +133,9 @@ class TuneInputs:
         return self.groups and self.hierarchical is not False
 
     def candidates(self) -> List[tuple]:
-        return algorithm_candidates(self.hierarchical_allowed, self.int8)
+        """Step mode's candidates: every algorithm with every number of connections."""
+        return [(h, c, k) for h, c, _ in algorithm_candidates(self.hierarchical_allowed, self.int8)
+                for k in self.connections]
 
     def key(self, model: torch.nn.Module) -> str:
         settings = {f.name: value for f, value in zip(fields(self), astuple(self))
@@ -140,6 +153,8 @@ class TuneInputs:
         if choice.hierarchical and not self.groups:
             return "hierarchical allreduce is unavailable here (single node, one rank per node, uneven nodes or a " \
                    "custom process group)"
+        if choice.connections not in self.connections:
+            return f"{choice.connections} connections are not among those this run sets up {list(self.connections)}"
         if choice.bucket_mb not in self.bucket_mbs:
             return f"bucket {choice.bucket_mb:g} MB is not among the sizes this run tries {list(self.bucket_mbs)}"
         return None
@@ -150,7 +165,8 @@ def read_choice(cache: TuneCache, key: str) -> Optional[CommChoice]:
     """The :class:`CommChoice` cached under ``key``, or None (absent, or malformed: said once)."""
     entry = cache.get_entry(key)
     try:
-        return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]))
+        return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]),
+                          int(entry.get("connections", 1)))
     except (TypeError, KeyError, ValueError):
         if entry is not None:
             warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {cache.path}")
@@ -178,10 +194,11 @@ def decide(times: Sequence[float], group=None) -> int:
     return rank0_index(min(range(len(slowest)), key=slowest.__getitem__), group)
 
 
-def algorithm_candidates(hierarchical_available: bool, allow_int8: bool) -> List[tuple]:
+def algorithm_candidates(hierarchical_available: bool, allow_int8: bool, connections: int = 1) -> List[tuple]:
+    """``(hierarchical, compression, connections)`` for every algorithm allowed, at ``connections``."""
     compressions = ["none", "fp16", "bf16"] + (["int8"] if allow_int8 else [])
     algos = [False, True] if hierarchical_available else [False]
-    return [(h, c) for h in algos for c in compressions]
+    return [(h, c, connections) for h in algos for c in compressions]
 
 
 # -- comm mode ---------------------------------------------------------------------------------
@@ -211,46 +228,47 @@ def _averaging(state: CommState, algorithm: tuple, buffers: List[torch.Tensor], 
     return step
 
 
-def _time_in_rounds(state: CommState, candidates: List[tuple], sizes_of: Callable[[tuple], List[int]], repeats: int,
-                    device, group) -> List[float]:
+def _time_in_rounds(state: CommState, model: torch.nn.Module, candidates: List[CommChoice], repeats: int, device,
+                    group) -> List[float]:
     """Median seconds per candidate, the candidates alternating in rounds on the one timing engine
     (:func:`aiak.measure.rounds.alternate`: a warm-up each, then ``repeats`` rounds in rotating order), so that a
-    slow minute of a shared link costs every candidate alike. Each candidate is ``(hierarchical, compression)``
-    plus its buffers' sizes (:func:`gradient_bucket_sizes`)."""
+    slow minute of a shared link costs every candidate alike. Each candidate averages buffers of its bucket
+    size's DDP buckets (:func:`gradient_bucket_sizes`) with its algorithm."""
     device = torch.device(device) if device is not None else group_device(group)
-    contenders = [Contender(str(c), _averaging(state, c[:2], [torch.randn(n, device=device) for n in sizes_of(c)],
-                                               group), device) for c in candidates]
-    alternate(contenders, warmup=1, rounds=repeats, steps_per_round=1, group=group,
-              slow_factor=float("inf"))
+    contenders = [Contender(c.describe(), _averaging(state, c.algorithm, [torch.randn(n, device=device) for n in
+                                                                          gradient_bucket_sizes(model, c.bucket_mb)],
+                                                     group), device) for c in candidates]
+    alternate(contenders, warmup=1, rounds=repeats, steps_per_round=1, group=group, slow_factor=float("inf"))
     state.feedback.reset()
     return [statistics.median(c.step_seconds) for c in contenders]
 
 
 def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[float], allow_int8: bool,
-              repeats: int = 3, device=None, *, allow_hierarchical: bool = True) -> CommChoice:
+              repeats: int = 3, device=None, *, allow_hierarchical: bool = True,
+              connections: Sequence[int] = (1,)) -> CommChoice:
     """Comm-mode tuning (collective: every rank calls it at the same point). Leaves ``state`` on the winner.
 
-    The algorithms are timed at the first bucket size, then the bucket sizes with the best algorithm, each set
-    in alternating rounds. Hierarchical candidates are timed where ``state`` has groups, unless
+    Three sets, each timed in alternating rounds and decided on the slowest rank's times: the algorithms (at the
+    first bucket size and the first of ``connections``), then ``connections`` with the best algorithm, then the
+    bucket sizes with the best of both. Hierarchical candidates are timed where ``state`` has groups, unless
     ``allow_hierarchical`` is false (``comm.hierarchical: false``)."""
     group = state.process_group
-    base_mb = bucket_mbs[0]
-    algos = algorithm_candidates(state.groups is not None and allow_hierarchical, allow_int8)
-    sizes = gradient_bucket_sizes(model, base_mb)
-    times = _time_in_rounds(state, algos, lambda _: sizes, repeats, device, group)
-    best = algos[decide(times, group)]
-    report = [f"{CommChoice(h, c, base_mb).describe()}: {t * 1e3:.1f} ms" for (h, c), t in zip(algos, times)]
-    mb = base_mb
+    report: List[str] = []
+
+    def fastest(candidates: List[CommChoice]) -> CommChoice:
+        times = _time_in_rounds(state, model, candidates, repeats, device, group)
+        report.extend(f"{c.describe()}: {t * 1e3:.1f} ms" for c, t in zip(candidates, times))
+        return candidates[decide(times, group)]
+
+    best = fastest([CommChoice(h, c, bucket_mbs[0], k) for h, c, k in algorithm_candidates(
+        state.groups is not None and allow_hierarchical, allow_int8, connections[0])])
+    if len(connections) > 1:
+        best = fastest([replace(best, connections=k) for k in connections])
     if len(bucket_mbs) > 1:
-        buckets = [(*best, m) for m in bucket_mbs]
-        bucket_times = _time_in_rounds(state, buckets, lambda c: gradient_bucket_sizes(model, c[2]), repeats,
-                                       device, group)
-        report += [f"{CommChoice(*c).describe()}: {t * 1e3:.1f} ms" for c, t in zip(buckets, bucket_times)]
-        mb = bucket_mbs[decide(bucket_times, group)]
-    state.set_algorithm(*best)
-    choice = CommChoice(best[0], best[1], mb)
-    logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", choice.describe(), "; ".join(report))
-    return choice
+        best = fastest([replace(best, bucket_mb=mb) for mb in bucket_mbs])
+    state.set_algorithm(*best.algorithm)
+    logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", best.describe(), "; ".join(report))
+    return best
 
 
 # -- step mode ---------------------------------------------------------------------------------
@@ -304,9 +322,9 @@ class StepTuner:
         best = self.candidates[decide(times, state.process_group)]
         state.set_algorithm(*best)
         state.tuner = None
-        self.choice = CommChoice(best[0], best[1], self.bucket_mb)
-        report = "; ".join(f"{CommChoice(h, c, self.bucket_mb).describe()}: {t * 1e3:.1f} ms/step"
-                           for (h, c), t in zip(self.candidates, times))
+        self.choice = CommChoice(best[0], best[1], self.bucket_mb, best[2])
+        report = "; ".join(f"{CommChoice(h, c, self.bucket_mb, k).describe()}: {t * 1e3:.1f} ms/step"
+                           for (h, c, k), t in zip(self.candidates, times))
         logger.info("aiak.comm autotune (step mode) chose %s; measured: %s", self.choice.describe(), report)
         if self.on_decided is not None:
             self.on_decided(self.choice, times)

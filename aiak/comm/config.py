@@ -23,6 +23,9 @@ class CommConfig:
     ``stall_warn_s``: a collective of aiak's communication hook that has waited this long warns which ranks
     have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.stall`; 0 = off). DDP's
     own allreduce (flat fp32 with nothing else set) runs without aiak's hook, so it is not watched.
+    ``connections``: TCP connections per peer for the stage that crosses nodes (gloo; each cut into that many
+    pieces sent at once, :mod:`aiak.comm.connections`): an integer, or ``auto``: the comm autotuner measures one
+    against several (one without autotuning). NCCL's sockets are NCCL's own settings (``aiak doctor``).
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
@@ -39,6 +42,7 @@ class CommConfig:
     int8_block: int = 2048
     pipeline_mb: float = 2.0
     stall_warn_s: float = STALL_WARN_S
+    connections: Union[str, int] = field(default="auto", metadata=choices("auto", also="an integer >= 1"))
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
@@ -48,6 +52,8 @@ class CommConfig:
             value = getattr(self, key)
             if value < low or (strict and value == low):
                 problems.append(f"{where(path + key)} must be {'>' if strict else '>='} {low}, got {value}")
+        if isinstance(self.connections, int) and not isinstance(self.connections, bool) and self.connections < 1:
+            problems.append(f"{where(path + 'connections')} must be 'auto' or an integer >= 1, got {self.connections}")
         return problems
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from aiak.comm.autotune import StepTuner, TuneInputs, cached_choice, tune_comm
 from aiak.comm.config import CommConfig, check_comm
+from aiak.comm.connections import connection_counts, connections_available, wide_groups
 from aiak.comm.deadlock import enable_deadlock_guard
 from aiak.comm.hooks import CommState, comm_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
@@ -75,7 +76,8 @@ def resolve_options(cfg: Optional[CommConfig] = None, **overrides: Any) -> CommC
 
 
 def _knobs_set(opts: CommConfig) -> bool:
-    return opts.compression != "none" or opts.hierarchical is True or opts.autotune or opts.deadlock_guard
+    return opts.compression != "none" or opts.hierarchical is True or opts.autotune or opts.deadlock_guard \
+        or opts.connections not in ("auto", 1)
 
 
 def _device_ids(model: torch.nn.Module, device) -> Optional[list]:
@@ -143,17 +145,20 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
              f"topology is {topology.describe()}; using flat allreduce")
         want_groups = False
     groups = build_groups(topology) if want_groups else None
-    state = CommState(process_group, groups, hierarchical=groups is not None and opts.hierarchical is not False,
-                      compression=opts.compression, compress_intra=opts.compress_intra, int8_block=opts.int8_block,
-                      pipeline_mb=opts.pipeline_mb, stall_warn_s=opts.stall_warn_s)
+    hierarchical = groups is not None and opts.hierarchical is not False
+    counts = _connection_counts(opts, topology, process_group)
+    wide = wide_groups(topology, process_group, counts, flat=not hierarchical or opts.autotune,
+                       inter=groups is not None)
+    state = CommState(process_group, groups, hierarchical=hierarchical, compression=opts.compression,
+                      compress_intra=opts.compress_intra, int8_block=opts.int8_block, pipeline_mb=opts.pipeline_mb,
+                      stall_warn_s=opts.stall_warn_s, wide=wide, connections=counts[0])
     device_ids = _device_ids(model, device)
     bucket_mb, tuner = opts.bucket_mb, None
     if opts.autotune:
-        bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group)
+        bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group, counts)
 
     ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group)
-    default_path = not opts.autotune and not opts.deadlock_guard and not state.hierarchical \
-        and state.compression == "none"
+    default_path = not opts.autotune and not opts.deadlock_guard and state.algorithm == (False, "none", 1)
     if not default_path:  # DDP's built-in C++ allreduce is the fastest flat fp32 path
         state.tuner = tuner
         ddp.register_comm_hook(state, comm_hook)
@@ -171,9 +176,9 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
 def _hook_existing(ddp, opts: CommConfig):
     """A DistributedDataParallel the script built itself: its buckets stay as they are (bucket_mb cannot change
     now); aiak's communication hook is registered if the DDP has none yet and the settings need one."""
-    if opts.autotune or opts.hierarchical is True:
-        warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune and comm.hierarchical need "
-             "the wrapping to be aiak's (call aiak.optimize before DistributedDataParallel); its allreduce is kept "
+    if opts.autotune or opts.hierarchical is True or opts.connections not in ("auto", 1):
+        warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune, comm.hierarchical and "
+             "comm.connections need the wrapping to be aiak's (call aiak.optimize before DistributedDataParallel); its allreduce is kept "
              f"{'with compression ' + opts.compression if opts.compression != 'none' else 'as is'}")
     if opts.compression == "none" and not opts.deadlock_guard:
         return ddp
@@ -191,21 +196,34 @@ def _hook_existing(ddp, opts: CommConfig):
     return ddp
 
 
-def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, process_group):
+def _connection_counts(opts: CommConfig, topology, process_group):
+    """:func:`aiak.comm.connections.connection_counts` for this run; a number given that cannot apply says why."""
+    crosses = topology.num_nodes > 1
+    available = connections_available(process_group)
+    if opts.connections != "auto" and opts.connections > 1 and not (crosses and available):
+        warn(f"aiak.comm: comm.connections: {opts.connections} applies to gloo groups that cross nodes; "
+             + ("this run has one node" if not crosses else
+                f"this run's backend is {dist.get_backend(process_group)}: for NCCL over sockets set "
+                "NCCL_SOCKET_NTHREADS and NCCL_NSOCKS_PERTHREAD before the process group is created (aiak doctor "
+                "checks them)") + "; one connection is used")
+    return connection_counts(opts.connections, opts.autotune, crosses, available)
+
+
+def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, process_group, counts=(1,)):
     """Cache lookup (rank 0 reads, broadcasts; an entry this run's settings do not allow is tuned again), else
     comm-mode tuning now or a step-mode tuner.
 
     Returns ``(bucket_mb, tuner or None)`` and leaves ``state`` on the chosen (or cached) algorithm.
     """
     inputs = TuneInputs.of(opts, topology.world_size, topology.local_size, "cuda" if device_ids else "cpu",
-                           groups=state.groups is not None)
+                           groups=state.groups is not None, connections=counts, link=topology.link)
     cache = TuneCache(opts.tune_cache)
     key = inputs.key(model)
     cached = cached_choice(cache, key, inputs, process_group)
     if cached is not None:
         logger.info("aiak.comm autotune: cache hit in %s for %s -> %s (tuning skipped)", cache.path, key,
                     cached.describe())
-        state.set_algorithm(cached.hierarchical, cached.compression)
+        state.set_algorithm(*cached.algorithm)
         return cached.bucket_mb, None
 
     def remember(choice, times=None):
@@ -215,7 +233,7 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
     if opts.perf_mode == "comm":
         device = torch.device("cuda", device_ids[0]) if device_ids else None
         choice = tune_comm(model, state, inputs.bucket_mbs, inputs.int8, repeats=opts.tune_steps, device=device,
-                           allow_hierarchical=inputs.hierarchical_allowed)
+                           allow_hierarchical=inputs.hierarchical_allowed, connections=inputs.connections)
         remember(choice)
         return choice.bucket_mb, None
 

@@ -115,6 +115,35 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group, stage: str = "
                    stage=stage, group=group)
 
 
+class _Together:
+    """Collectives issued together (one per connection); ``wait()`` waits for each in turn."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: List[_Issued]):
+        self.parts = parts
+
+    def wait(self) -> None:
+        for part in self.parts:
+            part.wait()
+
+
+def _pieces(x: torch.Tensor, k: int) -> List[torch.Tensor]:
+    """``x`` (1-D) cut into ``k`` contiguous views of nearly equal size (fewer when ``x`` has fewer values)."""
+    n = x.numel()
+    bounds = [n * i // k for i in range(k + 1)]
+    return [x[a:b] for a, b in zip(bounds, bounds[1:]) if b > a] or [x]
+
+
+def _allreduce_over(x: torch.Tensor, group, wire: torch.dtype, connections: int, stage: str):
+    """:func:`_allreduce` of ``x`` cut into one piece per connection, all issued at once (on a group of
+    ``connections`` gloo contexts each piece travels on its own TCP connection: :mod:`aiak.comm.connections`)."""
+    if connections == 1:
+        return _allreduce(x, group, wire, stage)
+    return _Together([_allreduce(piece, group, wire, f"{stage}, piece {i} of {connections}")
+                      for i, piece in enumerate(_pieces(x, connections))])
+
+
 class _Int8Allreduce:
     """ByteGrad sum of a 1-D ``x`` over ``group``, in place, in three steps a pipeline can interleave.
 
@@ -162,6 +191,31 @@ class _Int8Allreduce:
             self.x.copy_(dequantize_int8_chunks(self.gathered, self.chunk, self.block)[:self.n])
 
 
+class _Int8Over:
+    """:class:`_Int8Allreduce` of ``x`` cut into one piece per connection, each step issued for all pieces at
+    once; with one connection it is exactly one :class:`_Int8Allreduce` under ``key``."""
+
+    __slots__ = ("parts", "keys")
+
+    def __init__(self, x: torch.Tensor, group, feedback: ErrorFeedback, key, block: int, layout: Optional[Hashable],
+                 stage: str, connections: int):
+        pieces = _pieces(x, connections) if connections > 1 else [x]
+        self.parts = [_Int8Allreduce(piece, group, feedback, key if len(pieces) == 1 else (key, "piece", i), block,
+                                     layout, stage if len(pieces) == 1 else f"{stage}, piece {i} of {len(pieces)}")
+                      for i, piece in enumerate(pieces)]
+        self.keys = tuple(k for part in self.parts for k in part.keys)
+
+    def exchange(self) -> _Together:
+        return _Together([part.exchange() for part in self.parts])
+
+    def share(self) -> _Together:
+        return _Together([part.share() for part in self.parts])
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+
 # -- what a gradient bucket holds --------------------------------------------------------------------
 class ParameterNumbers:
     """Small integers naming parameters, in the order they are first asked for.
@@ -207,14 +261,20 @@ class CommState:
         error_feedback: keep int8 residuals (turning it off is for experiments only).
         stall_warn_s: a collective waiting this long names the ranks that have not reached it
             (:mod:`aiak.comm.stall`); 0 = off.
+        wide: groups whose collectives spread over several TCP connections per peer
+            (:func:`aiak.comm.connections.group_with_connections`), keyed ``("flat" | "inter", connections)``:
+            copies of ``process_group`` and of ``groups.inter``.
+        connections: how many connections the cross-node stage uses (1: the plain groups).
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
-                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker", "watch")
+                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker", "watch",
+                 "wide", "connections")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
-                 pipeline_mb: float = 2.0, error_feedback: bool = True, stall_warn_s: float = STALL_WARN_S):
+                 pipeline_mb: float = 2.0, error_feedback: bool = True, stall_warn_s: float = STALL_WARN_S,
+                 wide: Optional[Dict[Tuple[str, int], object]] = None, connections: int = 1):
         if hierarchical and groups is None:
             raise ValueError("hierarchical=True needs groups (aiak.comm.topology.build_groups); it returns None "
                              "for uneven nodes, in which case pass hierarchical=False")
@@ -225,8 +285,7 @@ class CommState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.groups = groups
-        self.hierarchical = hierarchical
-        self.compression = check_compression(compression)
+        self.hierarchical, self.compression, self.connections = False, "none", 1
         self.compress_intra = compress_intra
         self.int8_block = int8_block
         self.pipeline_mb = pipeline_mb
@@ -236,30 +295,51 @@ class CommState:
         self.iteration = 0
         self.worker = _Worker()
         self.watch = StallWatch(stall_warn_s, next_watch_name())
+        self.wide = dict(wide or {})
+        self.set_algorithm(hierarchical, compression, connections)
 
-    def set_algorithm(self, hierarchical: bool, compression: str) -> None:
+    def set_algorithm(self, hierarchical: bool, compression: str, connections: int = 1) -> None:
         """Switch algorithm; call it between steps (no bucket in flight), as the tuner does at bucket 0."""
         if hierarchical and self.groups is None:
             raise ValueError("hierarchical allreduce is unavailable (single node, one rank per node or uneven nodes)")
-        if (hierarchical, compression) != (self.hierarchical, self.compression):
+        if connections != 1 and ("inter" if hierarchical else "flat", connections) not in self.wide:
+            raise ValueError(f"{connections} connections per peer were not set up for the "
+                             f"{'hierarchical' if hierarchical else 'flat'} algorithm (comm.connections)")
+        if (hierarchical, compression, connections) != self.algorithm:
             self.feedback.reset()
         self.hierarchical, self.compression = hierarchical, check_compression(compression)
+        self.connections = connections
+
+    @property
+    def algorithm(self) -> Tuple[bool, str, int]:
+        """``(hierarchical, compression, connections)``, as :meth:`set_algorithm` takes them."""
+        return self.hierarchical, self.compression, self.connections
+
+    def cross_group(self, kind: str, connections: int):
+        """The group of the stage that crosses nodes: ``kind`` "flat" (DDP's group) or "inter" (this rank's
+        inter-node group), with ``connections`` TCP connections per peer."""
+        if connections != 1:
+            return self.wide[(kind, connections)]
+        return self.process_group if kind == "flat" else self.groups.inter
 
     def describe(self) -> str:
         algo = "hierarchical" if self.hierarchical else "flat"
-        return algo if self.compression == "none" else f"{algo}+{self.compression}"
+        algo = algo if self.compression == "none" else f"{algo}+{self.compression}"
+        return algo if self.connections == 1 else f"{algo}, {self.connections} connections"
 
 
 # -- the algorithms, each run by the worker on one bucket (already divided by the world size) ----------------
-def _flat(state: CommState, compression: str, x: torch.Tensor, key, layout: Optional[Hashable]) -> None:
+def _flat(state: CommState, compression: str, connections: int, x: torch.Tensor, key,
+          layout: Optional[Hashable]) -> None:
+    group = state.cross_group("flat", connections)
     if compression == "int8":
-        op = _Int8Allreduce(x, state.process_group, state.feedback, key, state.int8_block, layout)
+        op = _Int8Over(x, group, state.feedback, key, state.int8_block, layout, "allreduce", connections)
         op.exchange().wait()
         op.share().wait()
         op.finish()
         state.feedback.commit(op.keys, FiniteFlag(x))  # the same verdict on every rank: all hold the same ``x``
     else:
-        _allreduce(x, state.process_group, CAST_DTYPES.get(compression, x.dtype)).wait()
+        _allreduce_over(x, group, CAST_DTYPES.get(compression, x.dtype), connections, "allreduce").wait()
 
 
 class _Chunk:
@@ -271,8 +351,8 @@ class _Chunk:
         self.index = index
         self.values = values  # the slice of the (padded, maybe cast) bucket; the allgather writes it back
         self.shard = torch.empty(values.numel() // local_size, dtype=values.dtype, device=values.device)
-        self.inflight: Optional[_Issued] = None  # the collective the next stage of this chunk waits for
-        self.int8: Optional[_Int8Allreduce] = None
+        self.inflight = None  # the collective(s) the next stage of this chunk waits for: _Issued or _Together
+        self.int8: Optional[_Int8Over] = None
 
 
 def _chunk_bounds(numel: int, local_size: int, pipeline_mb: float, compression: str) -> List[Tuple[int, int]]:
@@ -297,9 +377,11 @@ class _Hierarchical:
     the result and issues the chunk's next collective. :meth:`run` is the software pipeline.
     """
 
-    def __init__(self, state: CommState, compression: str, x: torch.Tensor, key, layout: Optional[Hashable]):
+    def __init__(self, state: CommState, compression: str, connections: int, x: torch.Tensor, key,
+                 layout: Optional[Hashable]):
         self.state, self.compression, self.x, self.key, self.layout = state, compression, x, key, layout
-        self.intra, self.inter = state.groups.intra, state.groups.inter
+        self.connections = connections
+        self.intra, self.inter = state.groups.intra, state.cross_group("inter", connections)
         local = len(state.groups.intra_ranks)
         self.padded, self.n = pad_to_multiple(x, local)
         intra_dtype = CAST_DTYPES.get(compression) if state.compress_intra else None
@@ -333,12 +415,14 @@ class _Hierarchical:
     def cross_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
         wire = CAST_DTYPES.get(self.compression, chunk.shard.dtype)  # uncompressed: the bucket's dtype, as DDP
-        chunk.inflight = _allreduce(chunk.shard, self.inter, wire, f"allreduce across nodes, chunk {chunk.index}")
+        chunk.inflight = _allreduce_over(chunk.shard, self.inter, wire, self.connections,
+                                         f"allreduce across nodes, chunk {chunk.index}")
 
     def exchange_across_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
-        chunk.int8 = _Int8Allreduce(chunk.shard, self.inter, self.state.feedback, (self.key, chunk.index),
-                                    self.state.int8_block, self.layout, f"allreduce across nodes, chunk {chunk.index}")
+        chunk.int8 = _Int8Over(chunk.shard, self.inter, self.state.feedback, (self.key, chunk.index),
+                               self.state.int8_block, self.layout, f"allreduce across nodes, chunk {chunk.index}",
+                               self.connections)
         chunk.inflight = chunk.int8.exchange()
 
     def share_across_nodes(self, chunk: _Chunk) -> None:
@@ -419,19 +503,20 @@ class _Worker:
             yield
 
 
-def _run_bucket(state: CommState, hierarchical: bool, compression: str, tensor: torch.Tensor, key, step: int,
+def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int], tensor: torch.Tensor, key, step: int,
                 layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"]) -> None:
     """The worker's job for one bucket of ``step``: sum ``tensor`` (already divided) in place, then complete or
     fail ``fut``."""
     _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.stall
     if _job.watch is not None:
         _job.watch.at(step, key)
+    hierarchical, compression, connections = algorithm
     try:
         with state.worker.on_comm_stream(tensor, ready):
             if hierarchical:
-                _Hierarchical(state, compression, tensor, key, layout).run()
+                _Hierarchical(state, compression, connections, tensor, key, layout).run()
             else:
-                _flat(state, compression, tensor, key, layout)
+                _flat(state, compression, connections, tensor, key, layout)
             fut.set_result(tensor)  # on CUDA: records the completion event on the comm stream
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
         if not fut.done():
@@ -454,8 +539,8 @@ def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hash
     else:
         fut, ready = Future(), None
     # The algorithm is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
-    state.worker.submit(functools.partial(_run_bucket, state, state.hierarchical, state.compression, tensor, key,
-                                          state.iteration, layout, fut, ready))
+    state.worker.submit(functools.partial(_run_bucket, state, state.algorithm, tensor, key, state.iteration, layout,
+                                          fut, ready))
     return fut
 
 

@@ -34,6 +34,7 @@ class Topology:
     world_size: int
     nodes: Tuple[Tuple[int, ...], ...]
     source: str  # "env" or "hostname": where the node assignment came from
+    hosts: Tuple[str, ...] = ()  # the host name of each node's first rank
 
     @property
     def num_nodes(self) -> int:
@@ -60,6 +61,13 @@ class Topology:
     def hierarchical_useful(self) -> bool:
         """More than one node and more than one rank per node: the only case where two levels help."""
         return self.num_nodes > 1 and self.uniform and self.local_size > 1
+
+    @property
+    def link(self) -> str:
+        """What names the network between the nodes, for a cache of measurements on it: the nodes' host names and
+        the interfaces the run was told to use (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``)."""
+        interfaces = [f"{v}={os.environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if os.environ.get(v)]
+        return ",".join(self.hosts) + "".join(f";{i}" for i in interfaces)
 
     def describe(self) -> str:
         sizes = sorted({len(r) for r in self.nodes})
@@ -107,7 +115,8 @@ def detect_topology(group=None) -> Topology:
     for r, (n, lr) in enumerate(keys):
         by_node.setdefault(n, []).append((lr, r))
     nodes = tuple(tuple(r for _, r in sorted(members)) for _, members in sorted(by_node.items()))
-    return Topology(rank=rank, world_size=world, nodes=nodes, source=source)
+    return Topology(rank=rank, world_size=world, nodes=nodes, source=source,
+                    hosts=tuple(gathered[ranks[0]][3] for ranks in nodes))
 
 
 @dataclass

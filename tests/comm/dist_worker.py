@@ -469,6 +469,30 @@ def scenario_stall(rank):
     return out
 
 
+def scenario_connections(rank):
+    """Integer-valued buckets averaged with 1 and with 4 connections per peer (2 nodes x 2 ranks): flat and
+    hierarchical, uncompressed, fp16 and bf16 (exact for these integers), and int8; the collectives recorded."""
+    from aiak.comm.connections import wide_groups
+    from aiak.comm.hooks import CommState, average
+    from aiak.comm.topology import build_groups
+
+    topology = detect_topology()
+    groups = build_groups(topology)
+    wide = wide_groups(topology, None, (4,), flat=True, inter=True)
+    out = {}
+    for h in (False, True):
+        for c in ("none", "fp16", "bf16", "int8"):
+            for k in (1, 4):
+                state = CommState(None, groups, hierarchical=h, compression=c, wide=wide, connections=k,
+                                  pipeline_mb=0.1, stall_warn_s=0)
+                g = torch.Generator().manual_seed(rank)
+                x = torch.randint(-8, 9, (100_003,), generator=g).float() * 4  # /4 by average(): still integers
+                with CollectiveRecorder() as rec:
+                    average(state, x).wait()
+                out[(h, c, k)] = {"result": x, "calls": rec.calls, "describe": state.describe()}
+    return out
+
+
 def main():
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])

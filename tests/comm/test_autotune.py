@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from aiak.comm.autotune import CommChoice, cache_key, gradient_bucket_sizes, read_choice
+from aiak.comm.connections import AUTO_CANDIDATES
 from aiak.util.cache import TuneCache
 from aiak.util.cache import default_cache_path
 
@@ -78,7 +79,9 @@ def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
     for mode in ("comm", "step"):
         assert len({str(r[mode]["choice"]) for r in first}) == 1, f"ranks disagree in {mode} mode"
     assert len({r["comm"]["bucket_mb"] for r in first}) == 1
-    assert first[0]["step"]["tuned_at"] == 6 * 2 + 1  # 6 candidates x (warm-up + 1 timed step), decided at the next
+    # 6 algorithms x 2 connection counts (comm.connections: auto across 2 nodes) x (warm-up + 1 timed step),
+    # decided at the next step
+    assert first[0]["step"]["tuned_at"] == 6 * len(AUTO_CANDIDATES) * 2 + 1
     for rank, r in enumerate(first):  # every rank decides the same; rank 0 alone logs it (issue 14)
         assert not any("cache hit" in m for m in r["logs"])
         assert sum("autotune (comm mode) chose" in m for m in r["logs"]) == (rank == 0)
@@ -127,9 +130,9 @@ def _record_algorithms(monkeypatch, state):
     seen = []
     real = type(state).set_algorithm
 
-    def recording(self, hierarchical, compression):
-        seen.append((hierarchical, compression))
-        return real(self, hierarchical, compression)
+    def recording(self, hierarchical, compression, connections=1):
+        seen.append((hierarchical, compression, connections))
+        return real(self, hierarchical, compression, connections)
 
     monkeypatch.setattr(type(state), "set_algorithm", recording)
     return seen

@@ -24,7 +24,7 @@ BASE = TuneInputs(world_size=4, local_size=2, device_type="cpu", perf_mode="comm
                   pipeline_mb=2.0)
 OTHER_VALUE = {"world_size": 8, "local_size": 4, "device_type": "cuda", "perf_mode": "step", "int8": True,
                "hierarchical": False, "groups": False, "bucket_mbs": (25.0,), "tune_steps": 5, "int8_block": 64,
-               "compress_intra": True, "pipeline_mb": 0.0}
+               "compress_intra": True, "pipeline_mb": 0.0, "connections": (1, 4), "link": "node-a,node-b"}
 
 
 def _model(width=5, dtype=torch.float32):
@@ -54,7 +54,10 @@ def test_inputs_from_the_comm_settings():
     assert TuneInputs.of(CommConfig(compression="int8"), 4, 2, "cpu", groups=True).int8
     step = TuneInputs.of(CommConfig(perf_mode="step", tune_int8=True, hierarchical=False), 4, 2, "cpu", groups=True)
     assert step.bucket_mbs == (25.0,) and step.int8
-    assert step.candidates() == [(False, "none"), (False, "fp16"), (False, "bf16"), (False, "int8")]
+    assert step.candidates() == [(False, "none", 1), (False, "fp16", 1), (False, "bf16", 1), (False, "int8", 1)]
+    both = TuneInputs.of(CommConfig(perf_mode="step", hierarchical=False), 4, 2, "cpu", groups=True,
+                         connections=(1, 4), link="a,b")
+    assert both.candidates() == [(False, c, k) for c in ("none", "fp16", "bf16") for k in (1, 4)]
 
 
 @pytest.mark.parametrize("choice,inputs,why", [
@@ -63,6 +66,7 @@ def test_inputs_from_the_comm_settings():
     (CommChoice(True, "fp16", 25.0), {"groups": False}, "unavailable"),
     (CommChoice(False, "fp16", 12.0), {}, "bucket 12 MB is not among the sizes this run tries"),
     (CommChoice(False, "int4", 25.0), {}, "not one of"),
+    (CommChoice(False, "none", 25.0, 4), {}, "4 connections are not among those this run sets up [1]"),
 ])
 def test_a_choice_outside_the_runs_candidates_is_refused(choice, inputs, why):
     assert why in dataclasses.replace(BASE, **inputs).refusal(choice)
