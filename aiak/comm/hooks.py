@@ -57,24 +57,26 @@ _STOP = object()  # put in a worker's queue at interpreter exit
 class _Issued:
     """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output).
 
-    Issued inside the comm worker's job for a bucket, it is numbered and described by that state's
-    :class:`~aiak.comm.stall.StallWatch` (the job's, in :data:`_job`), whose ``wait`` says which ranks are late
-    when it lasts past ``comm.stall_warn_s``."""
+    Issued inside the comm worker's job for a bucket, it is numbered by that state's
+    :class:`~aiak.comm.stall.StallWatch` (the job's, in :data:`_job`), which is told while the worker waits in
+    it: a wait past ``comm.stall_warn_s`` is reported with the ranks that have not reached it."""
 
-    __slots__ = ("work", "then", "watch", "seq", "what", "ranks")
+    __slots__ = ("work", "then", "watch", "where")
 
     def __init__(self, work, then: Optional[Callable[[], object]] = None, stage: str = "", group=None):
         self.work, self.then = work, then
         self.watch = getattr(_job, "watch", None)
-        if self.watch is not None:
-            self.seq, self.what = self.watch.issued(stage, group)
-            self.ranks = self.watch.ranks_of(group)
+        self.where = self.watch.issued(stage, group) if self.watch is not None else None
 
     def wait(self) -> None:
-        if self.watch is not None:
-            self.watch.wait(self.work, self.seq, self.what, self.ranks)
-        else:
+        if self.watch is None:
             self.work.wait()
+        else:
+            self.watch.waiting_in(self.where)
+            try:
+                self.work.wait()
+            finally:
+                self.watch.waiting_in(None)
         if self.then is not None:
             self.then()
 

@@ -7,15 +7,15 @@ that have not submitted a tensor; OCCL (Pan et al. 2023) argues that an ordering
 silent hang. Here:
 
 - Every rank numbers the collectives its comm worker issues (all ranks issue the same sequence: the same
-  buckets, algorithm and chunks, in the same order) and remembers where it is: collective number, step,
-  bucket, stage and the ranks of its group.
-- A small publisher thread writes that position to the process group's store at most every
-  :attr:`StallWatch.publish_s` seconds, and only when it changed: no collective, nothing on the step's path.
-- A wait that has lasted ``comm.stall_warn_s`` seconds (``work.wait(timeout)``; the collective itself is not
-  touched) reads every rank's last position from the store and warns, on the first waiting rank to claim that
-  collective in the store (``store.add``), which ranks have not reached it and where each was last seen;
-  then it keeps waiting. The process group's own timeout and the debug deadlock guard
-  (:mod:`aiak.comm.deadlock`) are unchanged.
+  buckets, algorithm and chunks, in the same order) and remembers where it is (collective number, step,
+  bucket, stage, group) and which collective it waits in, since when. That is all the worker does: two
+  assignments per collective, its ``wait()`` stays torch's own.
+- A small watcher thread, every :attr:`StallWatch.publish_s` seconds, writes the position to the process
+  group's store when it changed (no collective, nothing on the step's path), and when the worker has waited
+  ``comm.stall_warn_s`` seconds in one collective, reads its group's positions from the store and warns which
+  ranks have not reached it and where each was last seen (one waiting rank per collective, the first to claim
+  it with ``store.add``). The collective is not touched: the worker keeps waiting. The process group's own
+  timeout and the debug deadlock guard (:mod:`aiak.comm.deadlock`) are unchanged.
 
 On CPU (gloo) the comm worker blocks in ``wait()``, so every collective is watched. On CUDA buckets the watch
 stays out of the way: NCCL's ``wait()`` only orders the comm stream, and a ``wait(timeout)`` would block the
@@ -28,7 +28,6 @@ import json
 import threading
 import time
 import weakref
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -37,8 +36,8 @@ from aiak.util.threads_at_exit import stop_at_exit
 from aiak.util.warn import warn
 
 STALL_WARN_S = 60.0   # comm.stall_warn_s's default: Horovod's stall inspector's
-PUBLISH_S = 1.0       # the publisher writes a changed position at most this often ...
-IDLE_EXIT_S = 30.0    # ... and exits after this long without a new collective (the next one starts it again)
+PUBLISH_S = 1.0       # the watcher looks (and publishes a changed position) at most this often ...
+IDLE_EXIT_S = 30.0    # ... and exits after this long without a collective (the next one starts it again)
 _PREFIX = "aiak/comm/stall"
 _states = 0           # CommStates created in this process: the same count on every rank (they are collective)
 
@@ -53,11 +52,11 @@ def next_watch_name() -> str:
 class StallWatch:
     """Where this rank's comm worker is, published to the store; a wait past ``warn_s`` names the late ranks.
 
-    ``warn_s`` <= 0 turns the watch off (waits are plain ``wait()``, nothing is published).
+    ``warn_s`` <= 0 turns the watch off (nothing is recorded or published).
     """
 
-    def __init__(self, warn_s: float, name: str, group=None, publish_s: float = PUBLISH_S):
-        self.warn_s, self.name, self.group = float(warn_s), name, group
+    def __init__(self, warn_s: float, name: str, publish_s: float = PUBLISH_S):
+        self.warn_s, self.name = float(warn_s), name
         self.publish_s = min(publish_s, max(self.warn_s / 4, 0.05))  # published well before anyone warns
         self.rank = dist.get_rank()           # global ranks: what a user reads in logs and torchrun's output
         self.world = dist.get_world_size()
@@ -65,12 +64,14 @@ class StallWatch:
         if default_store is None:
             self.warn_s = 0.0
         self.store = default_store() if self.enabled else None
-        self._ranks: Dict[Any, List[int]] = {}
         self.seq = 0
         self.step = 0
         self.bucket: Any = None
-        self.position: Dict[str, Any] = {}
-        self._published: Optional[str] = None
+        self.at_now: Optional[Tuple] = None      # (seq, step, bucket, stage, group) of the last collective issued
+        self.waiting: Optional[Tuple] = None     # (at_now of the collective waited in, monotonic start)
+        self._ranks: Dict[Any, List[int]] = {}
+        self._published: Optional[Tuple] = None
+        self._reported: Optional[int] = None
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -80,23 +81,25 @@ class StallWatch:
     def enabled(self) -> bool:
         return self.warn_s > 0
 
-    # -- the comm worker's side ---------------------------------------------------------------------------
+    # -- the comm worker's side: assignments only ---------------------------------------------------------
     def at(self, step: int, bucket: Any) -> None:
         """The worker starts a bucket of ``step``."""
         self.step, self.bucket = step, bucket
 
-    def issued(self, stage: str, group) -> Tuple[int, str]:
-        """A collective was issued on ``group``; returns its number and its description."""
+    def issued(self, stage: str, group) -> Tuple:
+        """A collective was issued on ``group``; returns where (to hand to :meth:`waiting_in`)."""
         self.seq += 1
-        ranks = self.ranks_of(group)
-        what = f"collective #{self.seq} (step {self.step}, bucket {self.bucket}, {stage} over ranks {ranks})"
-        if self.enabled:
+        self.at_now = (self.seq, self.step, self.bucket, stage, group)
+        if self._thread is None:
             with self._lock:
-                self.position = {"seq": self.seq, "step": self.step, "bucket": self.bucket, "stage": stage,
-                                 "ranks": ranks}
-                self._start_publisher()
-        return self.seq, what
+                self._start_watcher()
+        return self.at_now
 
+    def waiting_in(self, where: Optional[Tuple]) -> None:
+        """The worker waits in the collective issued at ``where`` (None: it waits no more)."""
+        self.waiting = (where, time.monotonic()) if where is not None else None
+
+    # -- the watcher thread's side ------------------------------------------------------------------------
     def ranks_of(self, group) -> List[int]:
         """The global ranks of ``group`` (the world for None), looked up once per group."""
         ranks = self._ranks.get(group)
@@ -105,60 +108,50 @@ class StallWatch:
                                           else list(range(self.world)))
         return ranks
 
-    def wait(self, work, seq: int, what: str, ranks: List[int]) -> None:
-        """``work.wait()``; past :attr:`warn_s` seconds, say which of ``ranks`` have not reached collective
-        ``seq``, then wait on."""
-        if not self.enabled:
-            work.wait()
-            return
-        started = time.monotonic()
-        try:
-            work.wait(timeout=timedelta(seconds=self.warn_s))
-            return
-        except RuntimeError:
-            if work.is_completed():   # it failed: the error is the caller's
-                raise
-        self._report(seq, what, ranks, time.monotonic() - started)
-        work.wait()
+    def look(self) -> None:
+        """Publish a changed position; report a wait that has lasted :attr:`warn_s`."""
+        at_now = self.at_now
+        if at_now is not None and at_now is not self._published:
+            seq, step, bucket, stage, _ = at_now
+            self.store.set(f"{self.name}/at/{self.rank}", json.dumps([seq, step, bucket, stage]))
+            self._published = at_now
+        waiting = self.waiting
+        if waiting is not None:
+            where, since = waiting
+            waited = time.monotonic() - since
+            if waited >= self.warn_s and self._reported != where[0]:
+                self._reported = where[0]
+                self._report(where, waited)
 
-    # -- the report -----------------------------------------------------------------------------------------
-    def _report(self, seq: int, what: str, ranks: List[int], waited: float) -> None:
-        self._publish()   # this rank's own position first: a rank reporting later sees it
+    def _report(self, where: Tuple, waited: float) -> None:
+        seq, step, bucket, stage, group = where
+        ranks = self.ranks_of(group)
         if self.store.add(f"{self.name}/reported/{seq}/{','.join(map(str, ranks))}", 1) != 1:
             return        # another waiting rank of this group reports this collective
         late = []
         for rank in ranks:
             seen = self._position_of(rank)
-            if seen is None or seen["seq"] < seq:
+            if seen is None or seen[0] < seq:
                 late.append((rank, seen))
         if not late:
             return        # everyone has reached it since: it is merely slow (a slow link, a large bucket)
-        where = "; ".join(f"rank {rank}: " + (f"last at collective #{p['seq']} (step {p['step']}, bucket "
-                                               f"{p['bucket']}, {p['stage']})" if p else "no collective yet")
-                          for rank, p in late)
-        warn(f"aiak.comm: rank {self.rank} has waited {waited:.0f} s in {what} for rank(s) "
-             f"{[rank for rank, _ in late]}, which have not reached it ({where}); still waiting "
-             f"(comm.stall_warn_s: {self.warn_s:g})", everywhere=True)
+        said = "; ".join(f"rank {rank}: " + (f"last at collective #{p[0]} (step {p[1]}, bucket {p[2]}, {p[3]})"
+                                             if p else "no collective yet") for rank, p in late)
+        warn(f"aiak.comm: rank {self.rank} has waited {waited:.0f} s in collective #{seq} (step {step}, bucket "
+             f"{bucket}, {stage} over ranks {ranks}) for rank(s) {[rank for rank, _ in late]}, which have not "
+             f"reached it ({said}); still waiting (comm.stall_warn_s: {self.warn_s:g})", everywhere=True)
 
-    def _position_of(self, rank: int) -> Optional[Dict[str, Any]]:
+    def _position_of(self, rank: int) -> Optional[List[Any]]:
         key = f"{self.name}/at/{rank}"
         if not self.store.check([key]):
             return None
         return json.loads(self.store.get(key).decode())
 
-    # -- the publisher ----------------------------------------------------------------------------------------
-    def _publish(self) -> None:
-        with self._lock:
-            text = json.dumps(self.position) if self.position else None
-        if text is not None and text != self._published:
-            self.store.set(f"{self.name}/at/{self.rank}", text)
-            self._published = text
-
-    def _start_publisher(self) -> None:
+    def _start_watcher(self) -> None:
         if self._thread is None:   # called under the lock
             self._stop.clear()
-            self._thread = threading.Thread(target=_publish_loop, args=(weakref.ref(self),), daemon=True,
-                                             name="aiak-comm-stall")
+            self._thread = threading.Thread(target=_watch, args=(weakref.ref(self),), daemon=True,
+                                            name="aiak-comm-stall")
             self._thread.start()
 
     def stop_for_exit(self) -> None:
@@ -168,27 +161,27 @@ class StallWatch:
             thread.join(timeout=2 * self.publish_s + 1)
 
 
-def _publish_loop(ref: "weakref.ref[StallWatch]") -> None:
-    """Publish the watch's position while it changes; exit when the watch is gone, stopped or idle."""
-    idle_since = time.monotonic()
-    last = None
+def _watch(ref: "weakref.ref[StallWatch]") -> None:
+    """Look every ``publish_s`` while the watch lives; exit when it is gone, stopped, or idle (no collective for
+    :data:`IDLE_EXIT_S` and none waited in)."""
+    last, idle_since = None, time.monotonic()
     while True:
         watch = ref()
         if watch is None:
             return
         stop, period = watch._stop, watch.publish_s
         try:
-            watch._publish()
-        except Exception:  # noqa: BLE001 - the store is gone (the group was destroyed): nothing to watch
+            watch.look()
+        except Exception:  # noqa: BLE001 - the store is gone (the group was destroyed): nothing left to watch
             with watch._lock:
                 watch._thread = None
             return
-        with watch._lock:
-            if watch.seq != last:
-                last, idle_since = watch.seq, time.monotonic()
-            elif time.monotonic() - idle_since > IDLE_EXIT_S:
+        if watch.seq != last or watch.waiting is not None:
+            last, idle_since = watch.seq, time.monotonic()
+        elif time.monotonic() - idle_since > IDLE_EXIT_S:
+            with watch._lock:
                 watch._thread = None
-                return
+            return
         del watch
         if stop.wait(period):
             return
