@@ -1,19 +1,16 @@
 """wrap_loader: what aiak.optimize applies for a strategy's ``loader:`` section."""
 from __future__ import annotations
 
-import datetime
-import os
-import socket
+import functools
 import types
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from aiak.loaders import BalancedBatchSampler, PadCollate, PrefetchLoader, balance_loader, wrap_loader
 from aiak.strategy.schema import LoaderConfig
+from tests.ranks import spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,55 +149,28 @@ def test_keys_a_later_schema_may_add_token_budget_and_normalize():
 
 
 # -- under a real process group (gloo): rank and world size come from torch.distributed ----------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, kind: str, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        dataset = Sentences(101)
-        if kind == "random":  # shuffle=True, the ranks' RNGs seeded differently: they must still split the data
-            torch.manual_seed(rank)
-            loader = DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=PadCollate())
-        else:
-            sampler = DistributedSampler(dataset, seed=3)
-            loader = DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=PadCollate())
-        wrapped = wrap_loader(loader, LoaderConfig(prefetch=2, balanced=True), torch.device("cpu"))
-        epochs = []
-        for epoch in range(3):
-            if kind == "distributed":
-                sampler.set_epoch(epoch)
-            epochs.append([(idx.tolist(), tokens.numel()) for tokens, idx in wrapped])
-        gathered = [None] * world
-        dist.all_gather_object(gathered, epochs)
-        if rank == 0:
-            out.put(gathered)
-    finally:
-        dist.destroy_process_group()
+def _balanced_epochs(rank: int, world: int, kind: str):
+    dataset = Sentences(101)
+    if kind == "random":  # shuffle=True, the ranks' RNGs seeded differently: they must still split the data
+        torch.manual_seed(rank)
+        loader = DataLoader(dataset, batch_size=4, shuffle=True, collate_fn=PadCollate())
+    else:
+        sampler = DistributedSampler(dataset, seed=3)
+        loader = DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=PadCollate())
+    wrapped = wrap_loader(loader, LoaderConfig(prefetch=2, balanced=True), torch.device("cpu"))
+    epochs = []
+    for epoch in range(3):
+        if kind == "distributed":
+            sampler.set_epoch(epoch)
+        epochs.append([(idx.tolist(), tokens.numel()) for tokens, idx in wrapped])
+    return epochs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "distributed"])
 def test_balanced_under_a_process_group_shards_balances_and_reshuffles(kind):
     world = 2
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, kind, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        gathered = out.get(timeout=90)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    gathered = spawn_ranks(functools.partial(_balanced_epochs, kind=kind), world, timeout=90)
     lengths = Sentences(101).lengths
     orders = []
     for epoch in range(3):

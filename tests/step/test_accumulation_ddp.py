@@ -1,22 +1,13 @@
 """Accumulation under DDP (2 gloo ranks): gradients are allreduced only on the last micro-step."""
-import io
-import os
-import queue
-import socket
+import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from tests.ranks import spawn_ranks
+
 N_ACC, MICRO, STEPS = 4, 4, 8  # STEPS micro-steps per rank = 2 real steps
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -31,9 +22,7 @@ def _data(rank, world):
     return x, y
 
 
-def _worker(rank, world, port, accumulation, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+def _worker(rank, world, accumulation):
     import aiak
     from torch.profiler import profile
 
@@ -48,33 +37,11 @@ def _worker(rank, world, port, accumulation, out):
             opt.step()
             opt.zero_grad()
     allreduces = sum(e.name == "gloo:all_reduce" for e in prof.events())
-    buffer = io.BytesIO()  # bytes, not tensors: a tensor sent through a queue dies with its sender process
-    torch.save(model.state_dict(), buffer)
-    out.put((rank, allreduces, buffer.getvalue()))
-    dist.destroy_process_group()
+    return allreduces, model.state_dict()
 
 
 def _launch(accumulation, world=2):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, accumulation, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, n, blob = out.get(timeout=120)
-            results[rank] = (n, torch.load(io.BytesIO(blob)))
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(world)) - set(results))} produced no result within 120 s")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
+    return dict(enumerate(spawn_ranks(functools.partial(_worker, accumulation=accumulation), world)))
 
 
 @pytest.mark.slow
