@@ -1,25 +1,31 @@
-"""Hierarchical allreduce and gradient compression over a shaped link between two simulated nodes.
+"""Hierarchical allreduce, gradient compression and several connections per peer over a link between simulated
+nodes, under a named link condition.
 
-Two network namespaces play two nodes joined by a veth pair shaped with ``tc qdisc ... tbf rate 500mbit``;
-two gloo ranks run in each namespace, so intra-node traffic stays on the namespace's loopback and only
-inter-node traffic crosses the shaped link (the reference setting: hierarchical allreduce made Swin
+Network namespaces play the nodes, joined through a router namespace under one of :mod:`netlab`'s profiles
+(``rate``: 500 Mbit/s; ``latency``: 100 Mbit/s and a 20 ms round trip; ``lossy``: the same and 0.1% loss;
+``per-flow``: 25 Mbit/s per TCP connection under 400 Mbit/s), calibrated first and printed above the tables;
+``--nodes 2x2`` runs two gloo ranks in each of two namespaces (intra-node traffic stays on the namespace's
+loopback, only inter-node traffic crosses the link), ``--nodes 4x1`` one rank in each of four (the reference setting: hierarchical allreduce made Swin
 training 85% faster on 4 nodes x 8 GPUs over 25 Gb/s TCP; ByteGrad cuts traffic 4x).
 
 Measured in one run, against flat allreduce (what DDP does by default):
-  * allreduce of 16-64 MB: flat, hierarchical, hierarchical+fp16, hierarchical+int8 (+ flat+fp16/int8);
+  * allreduce of 16-64 MB: flat, hierarchical, hierarchical+fp16, hierarchical+int8 (+ flat+fp16/int8), and
+    flat and hierarchical with 4 TCP connections per peer (``comm.connections: 4``) against 1;
   * one DDP training step of a ~25M-parameter MLP with each algorithm (``aiak.comm.wrap_distributed``);
   * scaling linearity = throughput on 4 ranks / (4 x throughput of one rank alone).
-Goals: hierarchical >= 1.4x flat (theory 1.5x with 2 local ranks), +fp16 >= 2.5x, +int8 >= 4x.
+Goals (profile ``rate``, 2x2): hierarchical >= 1.4x flat (theory 1.5x with 2 local ranks), +fp16 >= 2.5x,
++int8 >= 4x. Profile ``per-flow``: 4 connections >= 2.5x one on the allreduce, >= 2x on the DDP step; profile
+``rate``: 4 connections within noise of one.
 After one warm-up round of every algorithm, the algorithms take turns round by round (drift hits them alike);
 tables give the median and min-max of the slowest rank's time, and of the per-round ratio to flat.
 
 ``gpu_checks()`` (for benchmarks/gpu_check.py) checks the CUDA paths on one GPU instead; see its docstring.
 
-Needs root (creates namespaces ``aiak<pid>n0/n1``, deleted afterwards, also on failure or Ctrl-C). Traffic
-only goes to loopback and to the addresses of those namespaces (10.231.0.1/2).
+Needs root (creates namespaces ``aiak<pid>n<i>`` and ``aiak<pid>r``, deleted afterwards, also on failure or
+Ctrl-C). Traffic only goes to loopback and to the addresses of those namespaces (10.231.<i>.1/2).
 
     sudo python benchmarks/comm_netns.py --quick
-    sudo python benchmarks/comm_netns.py --sizes-mb 16 64 --repeats 5 --step-params-m 25
+    sudo python benchmarks/comm_netns.py --profile per-flow --nodes 2x2 --sizes-mb 16 --repeats 5
 """
 from __future__ import annotations
 
@@ -35,62 +41,30 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ALGORITHMS = [("flat", False, "none"), ("hierarchical", True, "none"), ("hierarchical+fp16", True, "fp16"),
-              ("hierarchical+int8", True, "int8"), ("flat+fp16", False, "fp16"), ("flat+int8", False, "int8"),
-              ("hierarchical+fp16 intra too", True, "fp16")]  # compress_intra=True
-GOALS = {"hierarchical": 1.4, "hierarchical+fp16": 2.5, "hierarchical+int8": 4.0}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netlab import PROFILES, Lab, calibrate, describe_calibration  # noqa: E402  (the rig, beside this file)
+ALGORITHMS = [("flat", False, "none", 1), ("hierarchical", True, "none", 1), ("hierarchical+fp16", True, "fp16", 1),
+              ("hierarchical+int8", True, "int8", 1), ("flat+fp16", False, "fp16", 1), ("flat+int8", False, "int8", 1),
+              ("hierarchical+fp16 intra too", True, "fp16", 1),  # compress_intra=True
+              ("flat, 4 connections", False, "none", 4), ("hierarchical, 4 connections", True, "none", 4)]
+STEP_ALGORITHMS = ("flat", "hierarchical", "hierarchical+fp16", "hierarchical+int8", "flat, 4 connections",
+                   "hierarchical, 4 connections")
+GOALS = {"hierarchical": 1.4, "hierarchical+fp16": 2.5, "hierarchical+int8": 4.0}   # profile rate, 2x2
+CONNECTION_GOALS = {"per-flow": (2.5, 2.0)}      # 4 connections / 1: allreduce, DDP step
 PROTOTYPE_16MB = {"flat": 0.39, "hierarchical": 0.33, "hierarchical+fp16": 0.19}
-ADDRS = ("10.231.0.1", "10.231.0.2")
 
 
-# -- namespaces ---------------------------------------------------------------------------------
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
-
-
-class TwoNodes:
-    """Two namespaces joined by a shaped veth pair; a context manager that always cleans up."""
-
-    def __init__(self, rate: str, tag: str):
-        self.rate = rate
-        self.ns = (f"aiak{tag}n0", f"aiak{tag}n1")
-        self.dev = (f"aiak{tag}v0", f"aiak{tag}v1")
-
-    def __enter__(self):
-        try:
-            for ns in self.ns:
-                sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for ns, dev, addr in zip(self.ns, self.dev, ADDRS):
-                sh("ip", "link", "set", dev, "netns", ns)
-                sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", dev)
-                sh("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
-                sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                   "burst", "256kb", "latency", "100ms")
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def cleanup(self):
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # takes the veth with it
-
-    def __exit__(self, *exc):
-        self.cleanup()
-
-
-def launch(nodes: TwoNodes, args, out: Path) -> None:
+def launch(lab: Lab, local_size: int, args, out: Path) -> None:
     port = 29500 + os.getpid() % 1000
     procs = []
-    for rank in range(4):
-        node, local = divmod(rank, 2)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2",
-               "GROUP_RANK": str(node), "NODE_RANK": str(node), "MASTER_ADDR": ADDRS[0], "MASTER_PORT": str(port),
-               "GLOO_SOCKET_IFNAME": nodes.dev[node], "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        cmd = ["ip", "netns", "exec", nodes.ns[node], sys.executable, __file__, "--worker", str(out),
+    world = lab.n * local_size
+    for rank in range(world):
+        node, local = divmod(rank, local_size)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(node), "NODE_RANK": str(node),
+               "MASTER_ADDR": lab.addr[0], "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": lab.dev[node],
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        cmd = ["ip", "netns", "exec", lab.ns[node], sys.executable, __file__, "--worker", str(out),
                "--sizes-mb", *map(str, args.sizes_mb), "--repeats", str(args.repeats),
                "--step-params-m", str(args.step_params_m), "--step-repeats", str(args.step_repeats),
                "--pipeline-mb", str(args.pipeline_mb)] + (["--skip-step"] if args.skip_step else [])
@@ -115,12 +89,16 @@ def worker(args) -> None:
     import torch.nn as nn
 
     from aiak.comm import CommState, average, build_groups, detect_topology, wrap_distributed
+    from aiak.comm.connections import wide_groups
     from aiak.strategy.schema import CommConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    groups = build_groups(detect_topology())
+    topology = detect_topology()
+    groups = build_groups(topology) if topology.hierarchical_useful else None
+    wide = wide_groups(topology, None, (4,), flat=True, inter=groups is not None)
+    algorithms = [a for a in ALGORITHMS if groups is not None or not a[1]]
     result = {"allreduce": {}, "step": {}}
 
     def slowest(seconds):  # a collective is as slow as its slowest rank
@@ -131,7 +109,8 @@ def worker(args) -> None:
     for mb in args.sizes_mb:  # round 0 warms every algorithm up; then the algorithms take turns, round by round
         x = torch.randn(int(mb * 2**20) // 4)
         states = {name: CommState(None, groups, hierarchical=hier, compression=comp, pipeline_mb=args.pipeline_mb,
-                                  compress_intra=name.endswith("intra too")) for name, hier, comp in ALGORITHMS}
+                                  compress_intra=name.endswith("intra too"), wide=wide, connections=k)
+                  for name, hier, comp, k in algorithms}
         samples = {name: [] for name in states}
         for round_ in range(args.repeats + 1):
             for name, state in states.items():
@@ -184,8 +163,9 @@ def worker(args) -> None:
                 times.append(time.perf_counter() - start)
         alone = statistics.median(times)
     dist.barrier()
-    nets = {name: wrap_distributed(model(), CommConfig(hierarchical=hier, compression=comp, bucket_mb=25),
-                                   pipeline_mb=args.pipeline_mb) for name, hier, comp in ALGORITHMS[:4]}
+    nets = {name: wrap_distributed(model(), CommConfig(hierarchical=hier, compression=comp, bucket_mb=25,
+                                                       connections=k), pipeline_mb=args.pipeline_mb)
+            for name, hier, comp, k in algorithms if name in STEP_ALGORITHMS}
     opts = {name: torch.optim.SGD(net.parameters(), lr=1e-3) for name, net in nets.items()}
     result["step"] = {name: [] for name in nets}
     for round_ in range(args.step_repeats + 1):  # round 0 warms up; then the algorithms take turns
@@ -193,8 +173,13 @@ def worker(args) -> None:
             seconds = time_step(net, opts[name])
             if round_:
                 result["step"][name].append(seconds)
+    # the comm autotuner with comm.connections: auto, fresh cache: what it picks on this link
+    cache = Path(args.worker).with_name("tune.json")
+    tuned = wrap_distributed(model(), CommConfig(autotune=True, bucket_mb=25, tune_steps=2, tune_cache=str(cache)),
+                             pipeline_mb=args.pipeline_mb)
+    result["autotune"] = tuned.aiak_comm_state.describe()
     if rank == 0:
-        result.update(alone=alone, params=params, batch=batch.shape[0])
+        result.update(alone=alone, params=params, batch=batch.shape[0], world=dist.get_world_size())
         Path(args.worker).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -467,33 +452,56 @@ def _ratios(flat, other) -> list:
     return [f / o for f, o in zip(flat, other)]
 
 
-def report(result: dict, rate: str) -> None:
-    print(f"\nallreduce over 2 simulated nodes x 2 ranks, inter-node link {rate} (seconds of the slowest rank; "
-          f"median and min-max over {len(next(iter(next(iter(result['allreduce'].values())).values())))} rounds)")
+def report(result: dict, profile: str, layout: str) -> None:
+    rounds = len(next(iter(next(iter(result['allreduce'].values())).values())))
+    print(f"\nallreduce over {layout} simulated nodes x ranks, link '{profile}' (seconds of the slowest rank; "
+          f"median and min-max over {rounds} rounds)")
     print(f"{'size':>7} {'algorithm':<28} {'median s':>8} {'min-max s':>13} {'vs flat':>8} {'min-max':>11} "
           f"{'goal':>11} {'prototype 16 MB':>16}")
+    goals = GOALS if (profile, layout) == ("rate", "2x2") else {}
     for mb, row in result["allreduce"].items():
         flat = row["flat"]
         for name, times in row.items():
             ratios = _ratios(flat, times)
-            ratio, goal = statistics.median(ratios), GOALS.get(name)
+            ratio, goal = statistics.median(ratios), goals.get(name)
             verdict = "" if goal is None else (f">={goal:g}x " + ("ok" if ratio >= goal else "MISSED"))
-            proto = f"{PROTOTYPE_16MB[name]:.2f} s" if float(mb) == 16 and name in PROTOTYPE_16MB else ""
+            proto = f"{PROTOTYPE_16MB[name]:.2f} s" if float(mb) == 16 and name in PROTOTYPE_16MB and goals else ""
             print(f"{float(mb):>5g}MB {name:<28} {statistics.median(times):>8.3f} {_spread(times):>13} "
                   f"{ratio:>7.2f}x {min(ratios):>5.2f}-{max(ratios):<5.2f} {verdict:>11} {proto:>16}")
+        _connections(row, profile, 0, f"{float(mb):g} MB allreduce")
     if not result["step"]:
         return
     step, alone = result["step"], result["alone"]
     print(f"\nDDP step, {result['params'] / 1e6:.1f}M-parameter MLP, batch {result['batch']} per rank, bucket 25 MB "
           f"(median and min-max over {len(step['flat'])} rounds)")
-    print(f"{'algorithm':<20} {'s/step':>8} {'min-max':>13} {'vs flat':>8} {'min-max':>11} {'linearity':>10}")
-    print(f"{'1 rank alone':<20} {alone:>8.3f} {'':>13} {'':>8} {'':>11} {'':>10}")
+    print(f"{'algorithm':<28} {'s/step':>8} {'min-max':>13} {'vs flat':>8} {'min-max':>11} {'linearity':>10}")
+    print(f"{'1 rank alone':<28} {alone:>8.3f} {'':>13} {'':>8} {'':>11} {'':>10}")
+    world = result.get("world", 4)
     for name, times in step.items():
         ratios = _ratios(step["flat"], times)
-        print(f"{name:<20} {statistics.median(times):>8.3f} {_spread(times):>13} {statistics.median(ratios):>7.2f}x "
+        print(f"{name:<28} {statistics.median(times):>8.3f} {_spread(times):>13} {statistics.median(ratios):>7.2f}x "
               f"{min(ratios):>5.2f}-{max(ratios):<5.2f} {alone / statistics.median(times):>10.2f}")
-    print("linearity = throughput on 4 ranks / (4 x one rank) = t(1 rank) / t(4 ranks); "
-          "the 4 ranks share this machine's cores, so compute slows down too")
+    _connections(step, profile, 1, "DDP step")
+    if "autotune" in result:
+        print(f"comm autotuner (comm mode, comm.connections: auto, fresh cache) chose: {result['autotune']}")
+    print(f"linearity = throughput on {world} ranks / ({world} x one rank) = t(1 rank) / t({world} ranks); "
+          f"the {world} ranks share this machine's cores, so compute slows down too")
+
+
+def _connections(row: dict, profile: str, which: int, what: str) -> None:
+    """4 connections against 1, per round, for each algorithm measured both ways, with the profile's goal."""
+    for base in ("flat", "hierarchical"):
+        four = f"{base}, 4 connections"
+        if base in row and four in row:
+            ratios = _ratios(row[base], row[four])
+            ratio = statistics.median(ratios)
+            goal = CONNECTION_GOALS.get(profile, (None, None))[which]
+            verdict = "" if goal is None else f"  goal >= {goal:g}x: " + ("ok" if ratio >= goal else "MISSED")
+            if profile == "rate":
+                verdict = "  goal: within noise of 1 (" + ("ok" if min(ratios) <= 1.0 <= max(ratios) or
+                                                          abs(ratio - 1) <= 0.05 else "MISSED") + ")"
+            print(f"  {what}, {base}: 4 connections / 1 = {ratio:.2f}x per round (min-max {min(ratios):.2f}-"
+                  f"{max(ratios):.2f}){verdict}")
 
 
 def main(argv=None) -> None:
@@ -504,7 +512,8 @@ def main(argv=None) -> None:
     p.add_argument("--step-repeats", type=int, default=3)
     p.add_argument("--pipeline-mb", type=float, default=2.0, help="hierarchical pipeline chunk (0 = whole buffer)")
     p.add_argument("--skip-step", action="store_true", help="allreduce table only")
-    p.add_argument("--rate", default="500mbit", help="tc tbf rate of the inter-node link")
+    p.add_argument("--profile", default="rate", choices=sorted(PROFILES), help="the link condition (default rate)")
+    p.add_argument("--nodes", default="2x2", choices=["2x2", "4x1"], help="nodes x ranks per node (default 2x2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     p.add_argument("--quick", action="store_true", help="16 MB only, 3 repeats, 2 step repeats")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -514,12 +523,15 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     if os.geteuid() != 0:
-        sys.exit("comm_netns.py needs root (it creates network namespaces and a shaped veth pair)")
+        sys.exit("comm_netns.py needs root (it creates network namespaces and shapes their links)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally/with below still cleans up
-    with TwoNodes(args.rate, str(os.getpid() % 100000)) as nodes, tempfile.TemporaryDirectory() as tmp:
+    nodes, local_size = map(int, args.nodes.split("x"))
+    profile = PROFILES[args.profile]
+    with Lab(profile, nodes, str(os.getpid() % 10000)) as lab, tempfile.TemporaryDirectory() as tmp:
+        print(describe_calibration(args.profile, profile, calibrate(lab)), flush=True)
         out = Path(tmp) / "result.json"
-        launch(nodes, args, out)
-        report(json.loads(out.read_text()), args.rate)
+        launch(lab, local_size, args, out)
+        report(json.loads(out.read_text()), args.profile, args.nodes)
 
 
 if __name__ == "__main__":
