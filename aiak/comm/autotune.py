@@ -188,10 +188,19 @@ def cached_choice(cache: TuneCache, key: str, inputs: TuneInputs, group=None) ->
 
 
 # -- deciding on rank 0 ------------------------------------------------------------------------
-def decide(times: Sequence[float], group=None) -> int:
-    """Index of the fastest candidate by the slowest rank's time; decided on rank 0, followed by all."""
+CONNECTIONS_MARGIN = 0.1   # more connections are kept only when they are at least 10% faster than the first count
+
+
+def decide(times: Sequence[float], group=None, keep_first_within: float = 0.0) -> int:
+    """Index of the fastest candidate by the slowest rank's time; decided on rank 0, followed by all. With
+    ``keep_first_within``, the first candidate (the simplest) is kept unless the fastest beats it by more than
+    that fraction: on a link that does not cap each flow, 1 and 4 connections are within a few percent and a
+    few rounds can order them either way (measured: 0.88-1.07x), and more connections cost sockets and threads."""
     slowest = max_across_ranks(times, group)
-    return rank0_index(min(range(len(slowest)), key=slowest.__getitem__), group)
+    best = min(range(len(slowest)), key=slowest.__getitem__)
+    if slowest[best] * (1 + keep_first_within) >= slowest[0]:
+        best = 0
+    return rank0_index(best, group)
 
 
 def algorithm_candidates(hierarchical_available: bool, allow_int8: bool, connections: int = 1) -> List[tuple]:
@@ -255,15 +264,15 @@ def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[flo
     group = state.process_group
     report: List[str] = []
 
-    def fastest(candidates: List[CommChoice]) -> CommChoice:
+    def fastest(candidates: List[CommChoice], margin: float = 0.0) -> CommChoice:
         times = _time_in_rounds(state, model, candidates, repeats, device, group)
         report.extend(f"{c.describe()}: {t * 1e3:.1f} ms" for c, t in zip(candidates, times))
-        return candidates[decide(times, group)]
+        return candidates[decide(times, group, keep_first_within=margin)]
 
     best = fastest([CommChoice(h, c, bucket_mbs[0], k) for h, c, k in algorithm_candidates(
         state.groups is not None and allow_hierarchical, allow_int8, connections[0])])
     if len(connections) > 1:
-        best = fastest([replace(best, connections=k) for k in connections])
+        best = fastest([replace(best, connections=k) for k in connections], CONNECTIONS_MARGIN)
     if len(bucket_mbs) > 1:
         best = fastest([replace(best, bucket_mb=mb) for mb in bucket_mbs])
     state.set_algorithm(*best.algorithm)

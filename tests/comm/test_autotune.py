@@ -118,6 +118,8 @@ def test_decide_and_cache_lookup_on_a_gloo_group_use_cpu(tmp_path):
     try:
         assert group_device() == torch.device("cpu")
         assert decide([3.0, 1.0, 2.0]) == 1
+        # more connections are kept only when clearly faster than the first (simplest) candidate
+        assert decide([1.0, 0.95], keep_first_within=0.1) == 0 and decide([1.0, 0.85], keep_first_within=0.1) == 1
         cache = TuneCache(tmp_path / "tune.json")
         cache.put_entry("k", CommChoice(False, "fp16", 5.0).entry())
         assert rank0_object(lambda: read_choice(cache, "k")) == CommChoice(False, "fp16", 5.0)
