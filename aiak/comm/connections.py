@@ -84,14 +84,32 @@ def wide_groups(topology, process_group, counts: Sequence[int], flat: bool, inte
     ``("flat", k)`` (the ranks of ``process_group``) and ``("inter", k)`` (this rank's inter-node group: local
     rank ``i`` of every node). Collective: every rank creates every group, in the same order."""
     wide: Dict[Tuple[str, int], Any] = {}
+    flat_ranks = tuple(dist.get_process_group_ranks(process_group) if process_group is not None
+                       else range(topology.world_size))
     for k in (k for k in counts if k > 1):
         if flat:
-            ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
-                else list(range(topology.world_size))
-            wide[("flat", k)] = group_with_connections(ranks, k)
+            wide[("flat", k)] = _cached(("flat", id(dist.group.WORLD), flat_ranks, k),
+                                        lambda: group_with_connections(flat_ranks, k))
         if inter:
-            for i in range(topology.local_size):
-                group = group_with_connections([node[i] for node in topology.nodes], k)
-                if topology.local_rank == i:
-                    wide[("inter", k)] = group
+            wide[("inter", k)] = _cached(("inter", id(dist.group.WORLD), topology.nodes, k),
+                                         lambda: _inter_groups(topology, k))
     return wide
+
+
+_GROUPS: Dict[Tuple, Any] = {}   # created once per layout and count, as aiak.comm.topology.build_groups does
+
+
+def _cached(key: Tuple, create) -> Any:
+    if key not in _GROUPS:   # the same keys on every rank, in the same order: all create or none does
+        _GROUPS[key] = create()
+    return _GROUPS[key]
+
+
+def _inter_groups(topology, k: int):
+    """Every inter-node group (local rank ``i`` of every node) with ``k`` connections; this rank's."""
+    mine = None
+    for i in range(topology.local_size):
+        group = group_with_connections([node[i] for node in topology.nodes], k)
+        if topology.local_rank == i:
+            mine = group
+    return mine

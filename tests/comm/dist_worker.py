@@ -479,7 +479,8 @@ def scenario_connections(rank):
     topology = detect_topology()
     groups = build_groups(topology)
     wide = wide_groups(topology, None, (4,), flat=True, inter=True)
-    out = {}
+    again = wide_groups(topology, None, (4,), flat=True, inter=True)  # a second DDP: the same groups, none new
+    out = {"same_groups": all(again[key] is group for key, group in wide.items()) and len(again) == len(wide) == 2}
     for h in (False, True):
         for c in ("none", "fp16", "bf16", "int8"):
             for k in (1, 4):

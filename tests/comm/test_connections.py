@@ -46,6 +46,10 @@ def test_int8_over_four_connections_agrees_on_every_rank_within_its_quantization
     assert (results[0] - expected).abs().max() <= 2 * (64 / 255)
 
 
+def test_the_groups_are_created_once_per_layout(ranks):
+    assert all(r["same_groups"] for r in ranks)
+
+
 def test_the_setting_chooses_what_is_set_up():
     assert connection_counts(4, autotune=False, crosses_nodes=True, available=True) == (4,)
     assert connection_counts("auto", autotune=True, crosses_nodes=True, available=True) == AUTO_CANDIDATES
