@@ -66,3 +66,20 @@ def test_a_bad_setting_is_named_with_what_is_valid():
         Strategy.from_dict({"comm": {"connections": "many"}})
     assert "comm.connections must be one of ['auto', 'an integer >= 1'], got 'many'" in str(e.value)
     assert CommConfig().connections == "auto"
+
+
+def test_the_link_a_measurement_was_made_on_names_the_nodes_and_the_interfaces(monkeypatch):
+    from aiak.comm.topology import Topology
+
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    topology = Topology(rank=0, world_size=4, nodes=((0, 1), (2, 3)), source="env", hosts=("node-a", "node-b"))
+    assert topology.link == "node-a,node-b;GLOO_SOCKET_IFNAME=eth1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth2")      # another network between the same hosts: another link
+    assert topology.link != "node-a,node-b;GLOO_SOCKET_IFNAME=eth1"
+
+
+def test_a_negative_stall_warning_is_named_with_what_is_valid():
+    with pytest.raises(StrategyError) as e:
+        Strategy.from_dict({"comm": {"stall_warn_s": -1}})
+    assert "comm.stall_warn_s must be >= 0, got -1" in str(e.value)
