@@ -143,7 +143,9 @@ class Contender:
 
     :func:`alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
     steps in each round), ``steps`` (all steps run, warm-up included) and ``loss`` (the last loss, a float); a
-    contender stopped early has ``stopped`` set to the reason.
+    contender stopped early has ``stopped`` set to the reason. With ``reports_seconds``, ``step()`` returns the
+    seconds it measured itself instead of a loss (work timed in other processes, :mod:`aiak.comm.env_trials`):
+    they replace the clock's, which would count the waiting for those processes too.
     """
 
     name: str
@@ -156,6 +158,7 @@ class Contender:
     steps: int = 0
     loss: float = float("nan")
     stopped: Optional[str] = None
+    reports_seconds: bool = False
 
     def timing(self) -> Spread:
         return Spread.of(self.step_seconds)
@@ -173,7 +176,7 @@ def _run(c: Contender, n: int, total: int, progress: Optional[Progress], catch: 
         write_switches(c.switches)
     clock = StepClock(c.device)
     marks = [clock.mark()]
-    loss = None
+    loss, reported = None, []
     for _ in range(n):
         try:
             loss = c.step()
@@ -183,12 +186,15 @@ def _run(c: Contender, n: int, total: int, progress: Optional[Progress], catch: 
             c.stopped = describe_error(e)
             break
         marks.append(clock.mark())
+        if c.reports_seconds:
+            reported.append(float(loss))
+            loss = None
         c.steps += 1
         if progress is not None:
             progress(c, c.steps, total)
     if loss is not None:
         c.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-    seconds = [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+    seconds = reported if c.reports_seconds else [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
     return seconds + [math.inf] if c.stopped is not None and len(seconds) < n else seconds
 
 

@@ -205,3 +205,12 @@ def test_plan_rounds_refuses_too_few_steps():
 
     with pytest.raises(ValueError, match="24 steps are fewer than 5 warm-up \\+ 20 rounds x 1"):
         plan_rounds(24, 20, 5)
+
+
+def test_a_contender_that_reports_its_own_seconds_is_timed_by_them_not_by_the_clock():
+    """Work timed in other processes (aiak.comm.env_trials): the parent's clock would count its waiting too."""
+    reported = iter([5.0, 1.0, 2.0, 3.0])
+    waited = Contender("children", lambda: next(reported), reports_seconds=True)
+    alternate([waited], warmup=1, rounds=3, steps_per_round=1, across_ranks=False)
+    assert waited.warmup_seconds == [5.0] and waited.step_seconds == [1.0, 2.0, 3.0]
+    assert math.isnan(waited.loss)
