@@ -67,19 +67,24 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
             tuning.restore_rng()
         raise
     if before is None:
-        decision = decisions.build(selection, s, tuning, applied.summary)
+        decision = decisions.build(selection, s, tuning, applied.summary, _comm_tuning(applied.model))
         if bare is not None:
             bare._aiak_applied = ModelRecord(s, applied.scaler, decision)
     else:
         decision = replace(before.decision, strategy=s.to_dict(), effects=[list(e) for e in applied.summary.lines],
                            tuning="not run: the model was optimized by an earlier optimize() call, whose strategy "
-                                  "it keeps")
+                                  "it keeps", comm=_comm_tuning(applied.model) or before.decision.comm)
     decisions.record(decision)
     logger.info("%s", decision.render())
     _say_what_was_applied(decision)
     warn_if_unsharded(applied.loader)
     result = (applied.model, rewrap_optimizer(wrappers, applied.optimizer), applied.loader)
     return result + (scheduler,) if scheduler is not None else result
+
+
+def _comm_tuning(model: nn.Module):
+    """The comm autotuner's record of the DDP ``optimize()`` built (None without one, or without autotuning)."""
+    return getattr(getattr(model, "aiak_comm_state", None), "tuning", None)
 
 
 def _is_auto(strategy: Any) -> bool:

@@ -255,9 +255,12 @@ def _codec_rows(device) -> list:
                  f"{statistics.quantiles(times, n=10)[-1] * 1e3:.3f})")]
 
 
-def _pipeline_rows(device, groups) -> list:
+def _pipeline_rows(device, groups, host_inter) -> list:
     """``average`` on a CUDA bucket whose producer stream is busy: the worker's comm stream must wait for the
-    producer (else it reads the stale 7.0s) and the consumer for the comm stream (else it clones stale data)."""
+    producer (else it reads the stale 7.0s) and the consumer for the comm stream (else it clones stale data).
+    CPU-Reduce (``host_inter``: a gloo group) also copies each shard to pinned host memory and back: gloo must
+    read the copy only once it is complete (else it sums uninitialized pinned memory), the allgather only after
+    the copy back."""
     import torch
 
     from aiak.comm import CommState, average
@@ -266,9 +269,10 @@ def _pipeline_rows(device, groups) -> list:
     n = 4 * 2**20 + 12345  # 16 MB and some: the int8 and hierarchical paths pad
     source = torch.randn(n, device=device)
     busy = _gpu_sleep_cycles(0.05)
-    for hierarchical in (False, True):
-        for compression in ("int8", "fp16"):
-            state = CommState(groups=groups, hierarchical=hierarchical, compression=compression, pipeline_mb=1.0)
+    for hierarchical, cpu_reduce in ((False, False), (True, False), (True, True)):
+        for compression in ("int8", "fp16") + (("none",) if cpu_reduce else ()):
+            state = CommState(groups=groups, hierarchical=hierarchical, compression=compression, pipeline_mb=1.0,
+                              host_inter=host_inter, cpu_reduce=cpu_reduce)
             bucket = torch.full((n,), 7.0, device=device)
             producer = torch.cuda.Stream(device=device)
             torch.cuda.synchronize()
@@ -281,7 +285,7 @@ def _pipeline_rows(device, groups) -> list:
             host_ms = (time.perf_counter() - start) * 1e3
             torch.cuda.synchronize()
             excess = float(((result - source).abs() / _bound(source, compression)).max())
-            algo = ("hierarchical" if hierarchical else "flat") + "+" + compression
+            algo = state.describe()
             rows.append(_row(f"comm: {algo} hook on cuda/nccl, bucket written behind 50 ms of GPU work",
                              excess <= 1, "max error / codec bound (goal <= 1; stale data reads >> 1)",
                              f"{excess:.3f} (host {host_ms:.1f} ms)"))
@@ -299,6 +303,35 @@ def _pipeline_rows(device, groups) -> list:
     rows.append(_row("comm: int8 on cuda after a NaN bucket", nan_seen and same and finite,
                      "goal: NaN bucket non-finite, later buckets bit-equal to a twin's, residuals finite",
                      f"nan seen {nan_seen}, equal {same}, residuals finite {finite}"))
+    return rows
+
+
+def _socket_rows(device) -> list:
+    """NCCL's socket-count candidates timed in fresh child processes (aiak.comm.nccl_sockets), here on one GPU:
+    each child joins its own one-rank NCCL group on this device, checks a sum, sees its variables and times the
+    buckets. (One node has no sockets to tune: this checks the children, not a speed-up.)"""
+    from aiak.comm.env_trials import time_env_candidates
+    from aiak.comm.nccl_sockets import CANDIDATES, label
+
+    saved = os.environ.get("MASTER_ADDR")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"   # where the children reach this process's store
+    try:
+        start = time.perf_counter()
+        trials = time_env_candidates(CANDIDATES, [2**20, 4 * 2**20], backend="nccl", device_index=device.index,
+                                     rounds=2, timeout_s=120)
+        seconds = time.perf_counter() - start
+    finally:
+        if saved is None:
+            os.environ.pop("MASTER_ADDR")
+        else:
+            os.environ["MASTER_ADDR"] = saved
+    rows = []
+    for t in trials:
+        seen = all(t.env_seen.get(k) == v for k, v in t.env.items())
+        rows.append(_row(f"comm: NCCL sockets candidate {label(t.env)} in child processes",
+                         not t.error and len(t.seconds) == 2 and seen,
+                         "goal: measured twice, variables seen, no error",
+                         t.error[:200] or f"{t.median * 1e3:.2f} ms (of {seconds:.1f} s for all)"))
     return rows
 
 
@@ -410,8 +443,9 @@ def _ddp_rows(device) -> list:
 
 def gpu_checks() -> list:
     """CUDA checks for benchmarks/gpu_check.py, on a one-rank NCCL world (FileStore in a temp dir): the int8
-    codec, the hook pipeline's stream dependencies (flat and hierarchical, int8 and fp16), int8 NaN recovery,
-    the autotuner on NCCL, and DDP + hook gradients. Each row states its goal."""
+    codec, the hook pipeline's stream dependencies (flat, hierarchical and CPU-Reduce's host copies; int8, fp16 and
+    none), int8 NaN recovery, the autotuner on NCCL, NCCL socket candidates timed in child processes, and DDP + hook
+    gradients. Each row states its goal."""
     import tempfile
 
     import torch
@@ -434,8 +468,10 @@ def gpu_checks() -> list:
         try:
             groups = HierarchicalGroups(Topology(0, 1, ((0,),), "one GPU"), dist.new_group([0]), dist.new_group([0]),
                                         (0,), (0,))
-            rows += _guarded("hook pipeline", _pipeline_rows, device, groups)
+            host_inter = dist.new_group([0], backend="gloo")   # CPU-Reduce's cross-node group
+            rows += _guarded("hook pipeline", _pipeline_rows, device, groups, host_inter)
             rows += _guarded("autotune", _autotune_rows, device)
+            rows += _guarded("NCCL sockets", _socket_rows, device)
             rows += _guarded("DDP hook", _ddp_rows, device)
         finally:
             dist.destroy_process_group()

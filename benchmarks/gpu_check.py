@@ -8,8 +8,8 @@ final loss vs fp32, cache hit),
 amp (capability probe, exact norm layers under O2 fp16, torch's clip_grad_norm_ under O2 + accumulation,
 inductor through aiak), loaders (side-stream copy hidden under compute, record_stream, CUDA-resident source
 batches, DALI GPU output), optim (LAMB/LARS on CUDA), ops (Triton window attention: correctness, the largest
-admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream order, NaN recovery and
-autotune on a one-rank NCCL group), doctor (what it reads of the GPUs, NCCL, Triton and DALI on the GPU),
+admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream order with CPU-Reduce's host
+copies, NaN recovery, autotune and NCCL socket candidates in child processes on a one-rank NCCL group), doctor (what it reads of the GPUs, NCCL, Triton and DALI on the GPU),
 bench (``aiak bench`` on resnet18: CUDA memory, CUDA kernels in its trace, default = plain). Every row compares what it measured to its goal and says ok or NO.
 Exit status 1 if any check failed. Without CUDA it prints why and exits 0 having checked nothing (so it is
 safe to run anywhere).

@@ -28,14 +28,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import statistics
-from dataclasses import asdict, astuple, dataclass, fields, replace
+from dataclasses import asdict, astuple, dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from aiak.comm.compression import COMPRESSIONS
-from aiak.comm.hooks import CommState, average
+from aiak.comm.hooks import CommState, average, describe_algorithm
 from aiak.measure.clock import StepClock
 from aiak.measure.rounds import Contender, alternate
 from aiak.util.cache import TuneCache
@@ -54,21 +54,65 @@ class CommChoice:
     compression: str
     bucket_mb: float
     connections: int = 1   # TCP connections per peer on the stage that crosses nodes (aiak.comm.connections)
+    cpu_reduce: bool = False   # hierarchical, its cross-node stage on host copies over gloo (aiak.comm.hooks)
 
     @property
-    def algorithm(self) -> Tuple[bool, str, int]:
-        """``(hierarchical, compression, connections)``, as :meth:`CommState.set_algorithm` takes them."""
-        return self.hierarchical, self.compression, self.connections
+    def algorithm(self) -> Tuple[bool, str, int, bool]:
+        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`CommState.set_algorithm` takes
+        them."""
+        return self.hierarchical, self.compression, self.connections, self.cpu_reduce
 
     def entry(self, **extra: Any) -> Dict[str, Any]:
         """The cache entry of this choice (:mod:`aiak.util.cache`), with ``extra`` beside it."""
         return {**asdict(self), **extra}
 
     def describe(self) -> str:
-        algo = "hierarchical" if self.hierarchical else "flat"
-        algo = algo if self.compression == "none" else f"{algo}+{self.compression}"
-        wires = "" if self.connections == 1 else f", {self.connections} connections"
-        return f"{algo}{wires}, bucket {self.bucket_mb:g} MB"
+        return f"{describe_algorithm(*self.algorithm)}, bucket {self.bucket_mb:g} MB"
+
+
+@dataclass
+class CommTuning:
+    """What the comm autotuner measured and chose: the ``comm`` part of the decision record
+    (``aiak.last_decision()``), like the trials' rows. Filled as the tuner goes: in step mode, ``chosen`` stays
+    empty until the first steps have been measured.
+
+    ``candidates``: ``{"candidate", "set", "ms", "ms_spread", "chosen", "error"}`` per candidate measured, ``set``
+    being which pass measured it (``algorithms``, ``connections``, ``bucket sizes``, ``steps``, ``NCCL sockets``);
+    ``ms``: the slowest rank's median over the rounds, ``ms_spread``: its smallest and largest round (both None for
+    a candidate that failed, ``error`` saying why). ``advice``: what to set before the next launch (NCCL's socket
+    counts, which no process can change once NCCL has read them)."""
+
+    mode: str                       # comm | step
+    cache: str = ""                 # the cache file
+    cache_hit: bool = False         # the choice came from the cache: nothing was measured now
+    candidates: List[Dict[str, Any]] = field(default_factory=list)
+    chosen: str = ""
+    advice: str = ""
+
+    def add(self, pass_name: str, labels: Sequence[str], stats: Sequence[Optional[Sequence[float]]], best: int,
+            errors: Sequence[str] = ()) -> None:
+        """One pass: ``stats`` holds ``(median, fastest, slowest)`` seconds per candidate (None: it failed, with
+        ``errors[i]`` saying why); ``best`` indexes the winner."""
+        for i, (label, stat) in enumerate(zip(labels, stats)):
+            self.candidates.append({"candidate": label, "set": pass_name,
+                                    "ms": stat[0] * 1e3 if stat else None,
+                                    "ms_spread": [stat[1] * 1e3, stat[2] * 1e3] if stat else None,
+                                    "chosen": i == best, "error": errors[i] if i < len(errors) else ""})
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> List[str]:
+        """The record's rows for :meth:`aiak.tune.decision.Decision.render`."""
+        if self.cache_hit:
+            return [f"comm autotune ({self.mode} mode): cached choice {self.chosen} (from {self.cache}; nothing "
+                    "measured now)"]
+        head = f"comm autotune ({self.mode} mode): " + (f"chose {self.chosen}" if self.chosen
+                                                        else "measuring during the first steps")
+        rows = [f"  {c['set']:<12} {c['candidate']:<48} " + (
+            f"{c['ms']:>9.2f} ms ({c['ms_spread'][0]:.2f}-{c['ms_spread'][1]:.2f}){'  chosen' if c['chosen'] else ''}"
+            if c["ms"] is not None else f"failed: {c['error']}") for c in self.candidates]
+        return [head] + rows + ([f"  advice: {self.advice}"] if self.advice else [])
 
 
 # -- cache -------------------------------------------------------------------------------------
@@ -112,10 +156,11 @@ class TuneInputs:
     pipeline_mb: float
     connections: Tuple[int, ...] = (1,)  # TCP connections per peer tried (comm.connections), the first the base
     link: str = ""  # the nodes' host names and the interfaces named for the run: which network was measured
+    cpu_reduce: bool = False  # CPU-Reduce candidates are measured (NCCL job with hierarchical groups, comm.cpu_reduce)
 
     @classmethod
     def of(cls, opts: Any, world_size: int, local_size: int, device_type: str, groups: bool,
-           connections: Sequence[int] = (1,), link: str = "") -> "TuneInputs":
+           connections: Sequence[int] = (1,), link: str = "", cpu_reduce: bool = False) -> "TuneInputs":
         """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.comm.config.CommConfig`),
         trying ``connections`` (the ones set up for it).
 
@@ -125,7 +170,7 @@ class TuneInputs:
         int8 = bool(opts.tune_int8 or opts.compression == "int8")
         return cls(world_size, local_size, device_type, opts.perf_mode, int8, opts.hierarchical, groups,
                    tuple(float(mb) for mb in dict.fromkeys(bucket_mbs)), opts.tune_steps, opts.int8_block,
-                   opts.compress_intra, opts.pipeline_mb, tuple(connections), link)
+                   opts.compress_intra, opts.pipeline_mb, tuple(connections), link, cpu_reduce)
 
     @property
     def hierarchical_allowed(self) -> bool:
@@ -133,9 +178,10 @@ class TuneInputs:
         return self.groups and self.hierarchical is not False
 
     def candidates(self) -> List[tuple]:
-        """Step mode's candidates: every algorithm with every number of connections."""
-        return [(h, c, k) for h, c, _ in algorithm_candidates(self.hierarchical_allowed, self.int8)
-                for k in self.connections]
+        """Step mode's candidates: every algorithm with every number of connections (CPU-Reduce: one)."""
+        return [(h, c, k, host) for h, c, _, host in algorithm_candidates(self.hierarchical_allowed, self.int8,
+                                                                          cpu_reduce=self.cpu_reduce)
+                for k in self.connections if k == 1 or not host]
 
     def key(self, model: torch.nn.Module) -> str:
         settings = {f.name: value for f, value in zip(fields(self), astuple(self))
@@ -153,6 +199,9 @@ class TuneInputs:
         if choice.hierarchical and not self.groups:
             return "hierarchical allreduce is unavailable here (single node, one rank per node, uneven nodes or a " \
                    "custom process group)"
+        if choice.cpu_reduce and not (self.cpu_reduce and choice.hierarchical and choice.connections == 1):
+            return "CPU-Reduce is not among this run's candidates (it needs an NCCL job with hierarchical groups, " \
+                   "and comm.cpu_reduce not false)"
         if choice.connections not in self.connections:
             return f"{choice.connections} connections are not among those this run sets up {list(self.connections)}"
         if choice.bucket_mb not in self.bucket_mbs:
@@ -166,7 +215,7 @@ def read_choice(cache: TuneCache, key: str) -> Optional[CommChoice]:
     entry = cache.get_entry(key)
     try:
         return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]),
-                          int(entry.get("connections", 1)))
+                          int(entry.get("connections", 1)), bool(entry.get("cpu_reduce", False)))
     except (TypeError, KeyError, ValueError):
         if entry is not None:
             warn(f"aiak.comm: ignoring malformed tuning cache entry {key!r} in {cache.path}")
@@ -203,11 +252,14 @@ def decide(times: Sequence[float], group=None, keep_first_within: float = 0.0) -
     return rank0_index(best, group)
 
 
-def algorithm_candidates(hierarchical_available: bool, allow_int8: bool, connections: int = 1) -> List[tuple]:
-    """``(hierarchical, compression, connections)`` for every algorithm allowed, at ``connections``."""
+def algorithm_candidates(hierarchical_available: bool, allow_int8: bool, connections: int = 1,
+                         cpu_reduce: bool = False) -> List[tuple]:
+    """``(hierarchical, compression, connections, cpu_reduce)`` for every algorithm allowed, at ``connections``;
+    with ``cpu_reduce``, each hierarchical one also as CPU-Reduce (over one connection)."""
     compressions = ["none", "fp16", "bf16"] + (["int8"] if allow_int8 else [])
-    algos = [False, True] if hierarchical_available else [False]
-    return [(h, c, connections) for h in algos for c in compressions]
+    algos = [(False, False)] + ([(True, False)] if hierarchical_available else []) \
+        + ([(True, True)] if hierarchical_available and cpu_reduce else [])
+    return [(h, c, 1 if host else connections, host) for h, host in algos for c in compressions]
 
 
 # -- comm mode ---------------------------------------------------------------------------------
@@ -238,8 +290,8 @@ def _averaging(state: CommState, algorithm: tuple, buffers: List[torch.Tensor], 
 
 
 def _time_in_rounds(state: CommState, model: torch.nn.Module, candidates: List[CommChoice], repeats: int, device,
-                    group) -> List[float]:
-    """Median seconds per candidate, the candidates alternating in rounds on the one timing engine
+                    group) -> List[List[float]]:
+    """The slowest rank's seconds of every round, per candidate, the candidates alternating in rounds on the one timing engine
     (:func:`aiak.measure.rounds.alternate`: a warm-up each, then ``repeats`` rounds in rotating order), so that a
     slow minute of a shared link costs every candidate alike. Each candidate averages buffers of its bucket
     size's DDP buckets (:func:`gradient_bucket_sizes`) with its algorithm."""
@@ -249,34 +301,40 @@ def _time_in_rounds(state: CommState, model: torch.nn.Module, candidates: List[C
                                                      group), device) for c in candidates]
     alternate(contenders, warmup=1, rounds=repeats, steps_per_round=1, group=group, slow_factor=float("inf"))
     state.feedback.reset()
-    return [statistics.median(c.step_seconds) for c in contenders]
+    return [list(c.step_seconds) for c in contenders]
 
 
 def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[float], allow_int8: bool,
               repeats: int = 3, device=None, *, allow_hierarchical: bool = True,
-              connections: Sequence[int] = (1,)) -> CommChoice:
+              connections: Sequence[int] = (1,), cpu_reduce: bool = False,
+              record: Optional[CommTuning] = None) -> CommChoice:
     """Comm-mode tuning (collective: every rank calls it at the same point). Leaves ``state`` on the winner.
 
     Three sets, each timed in alternating rounds and decided on the slowest rank's times: the algorithms (at the
     first bucket size and the first of ``connections``), then ``connections`` with the best algorithm, then the
     bucket sizes with the best of both. Hierarchical candidates are timed where ``state`` has groups, unless
-    ``allow_hierarchical`` is false (``comm.hierarchical: false``)."""
+    ``allow_hierarchical`` is false (``comm.hierarchical: false``); with ``cpu_reduce`` (``state`` has a
+    ``host_inter`` group), each hierarchical one also as CPU-Reduce. What was measured goes into ``record``."""
     group = state.process_group
-    report: List[str] = []
+    record = record if record is not None else CommTuning("comm")
 
-    def fastest(candidates: List[CommChoice], margin: float = 0.0) -> CommChoice:
-        times = _time_in_rounds(state, model, candidates, repeats, device, group)
-        report.extend(f"{c.describe()}: {t * 1e3:.1f} ms" for c, t in zip(candidates, times))
-        return candidates[decide(times, group, keep_first_within=margin)]
+    def fastest(pass_name: str, candidates: List[CommChoice], margin: float = 0.0) -> CommChoice:
+        seconds = _time_in_rounds(state, model, candidates, repeats, device, group)
+        best = decide([statistics.median(s) for s in seconds], group, keep_first_within=margin)
+        record.add(pass_name, [c.describe() for c in candidates],
+                   [(statistics.median(s), min(s), max(s)) for s in seconds], best)
+        return candidates[best]
 
-    best = fastest([CommChoice(h, c, bucket_mbs[0], k) for h, c, k in algorithm_candidates(
-        state.groups is not None and allow_hierarchical, allow_int8, connections[0])])
-    if len(connections) > 1:
-        best = fastest([replace(best, connections=k) for k in connections], CONNECTIONS_MARGIN)
+    best = fastest("algorithms", [CommChoice(h, c, bucket_mbs[0], k, host) for h, c, k, host in algorithm_candidates(
+        state.groups is not None and allow_hierarchical, allow_int8, connections[0], cpu_reduce)])
+    if len(connections) > 1 and not best.cpu_reduce:
+        best = fastest("connections", [replace(best, connections=k) for k in connections], CONNECTIONS_MARGIN)
     if len(bucket_mbs) > 1:
-        best = fastest([replace(best, bucket_mb=mb) for mb in bucket_mbs])
+        best = fastest("bucket sizes", [replace(best, bucket_mb=mb) for mb in bucket_mbs])
     state.set_algorithm(*best.algorithm)
-    logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", best.describe(), "; ".join(report))
+    record.chosen = best.describe()
+    logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", best.describe(), "; ".join(
+        f"{c['candidate']}: {c['ms']:.1f} ms" for c in record.candidates))
     return best
 
 
@@ -292,7 +350,8 @@ class StepTuner:
     """
 
     def __init__(self, candidates: Sequence[tuple], steps: int, bucket_mb: float,
-                 on_decided: Optional[Callable[[CommChoice, List[float]], None]] = None):
+                 on_decided: Optional[Callable[[CommChoice, List[float]], None]] = None,
+                 record: Optional[CommTuning] = None):
         if steps < 1:
             raise ValueError(f"tune_steps must be >= 1, got {steps}")
         self.candidates = list(candidates)
@@ -305,6 +364,7 @@ class StepTuner:
         self._intervals: List[List[tuple]] = [[] for _ in self.candidates]  # (start mark, end mark) per timed step
         self._last_mark = None
         self.choice: Optional[CommChoice] = None
+        self.record = record if record is not None else CommTuning("step")
         n = len(self.candidates)
         self._schedule = [(i, False) for i in range(n)] + [((r + j) % n, True) for r in range(steps) for j in range(n)]
 
@@ -327,13 +387,21 @@ class StepTuner:
 
     def _finish(self, state: CommState) -> None:
         self.samples = [[self._clock.seconds(a, b) for a, b in pairs] for pairs in self._intervals]
-        times = [statistics.median(s) for s in self.samples]
-        best = self.candidates[decide(times, state.process_group)]
+        # per candidate the largest rank's median, fastest and slowest step (a step is as slow as its slowest rank)
+        agreed = max_across_ranks([f(s) for s in self.samples for f in (statistics.median, min, max)],
+                                  state.process_group)
+        times = agreed[0::3]
+        index = decide(times, state.process_group)
+        best = self.candidates[index]
         state.set_algorithm(*best)
         state.tuner = None
-        self.choice = CommChoice(best[0], best[1], self.bucket_mb, best[2])
-        report = "; ".join(f"{CommChoice(h, c, self.bucket_mb, k).describe()}: {t * 1e3:.1f} ms/step"
-                           for (h, c, k), t in zip(self.candidates, times))
+        self.choice = CommChoice(best[0], best[1], self.bucket_mb, *best[2:])
+        choices = [CommChoice(h, c, self.bucket_mb, *rest) for h, c, *rest in self.candidates]
+        self.record.add("steps", [c.describe() for c in choices], [agreed[3 * i:3 * i + 3] for i in range(len(choices))],
+                        index)
+        self.record.chosen = self.choice.describe()
+        report = "; ".join(f"{CommChoice(h, c, self.bucket_mb, *rest).describe()}: {t * 1e3:.1f} ms/step"
+                           for (h, c, *rest), t in zip(self.candidates, times))
         logger.info("aiak.comm autotune (step mode) chose %s; measured: %s", self.choice.describe(), report)
         if self.on_decided is not None:
             self.on_decided(self.choice, times)

@@ -26,6 +26,11 @@ class CommConfig:
     ``connections``: TCP connections per peer for the stage that crosses nodes (gloo; each cut into that many
     pieces sent at once, :mod:`aiak.comm.connections`): an integer, or ``auto``: the comm autotuner measures one
     against several (one without autotuning). NCCL's sockets are NCCL's own settings (``aiak doctor``).
+    ``cpu_reduce``: ACSpeed's CPU-Reduce for NCCL jobs (GPUs sharing PCIe with the NIC): the hierarchical
+    algorithm with its cross-node stage on pinned host copies over gloo. ``auto``: the comm autotuner measures it
+    beside NCCL's own stages (off without autotuning); ``true``: used; ``false``: never. It applies to CUDA
+    gradients on an NCCL group with hierarchical groups (several nodes of several ranks); gloo jobs already reduce
+    on the host.
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
@@ -43,6 +48,7 @@ class CommConfig:
     pipeline_mb: float = 2.0
     stall_warn_s: float = STALL_WARN_S
     connections: Union[str, int] = field(default="auto", metadata=choices("auto", also="an integer >= 1"))
+    cpu_reduce: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
@@ -54,6 +60,10 @@ class CommConfig:
                 problems.append(f"{where(path + key)} must be {'>' if strict else '>='} {low}, got {value}")
         if isinstance(self.connections, int) and not isinstance(self.connections, bool) and self.connections < 1:
             problems.append(f"{where(path + 'connections')} must be 'auto' or an integer >= 1, got {self.connections}")
+        if self.cpu_reduce is True and self.hierarchical is False:
+            problems.append(f"{where(path + 'cpu_reduce')}: true is a form of the hierarchical algorithm, but "
+                            f"{path}hierarchical is false; set hierarchical to auto or true, or "
+                            "cpu_reduce to auto or false")
         return problems
 
 

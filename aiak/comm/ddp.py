@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from aiak.comm.autotune import StepTuner, TuneInputs, cached_choice, tune_comm
+from aiak.comm import nccl_sockets
+from aiak.comm.autotune import CommTuning, StepTuner, TuneInputs, cached_choice, gradient_bucket_sizes, tune_comm
 from aiak.comm.config import CommConfig, check_comm
 from aiak.comm.connections import connection_counts, connections_available, wide_groups
 from aiak.comm.deadlock import enable_deadlock_guard
@@ -77,7 +78,7 @@ def resolve_options(cfg: Optional[CommConfig] = None, **overrides: Any) -> CommC
 
 def _knobs_set(opts: CommConfig) -> bool:
     return opts.compression != "none" or opts.hierarchical is True or opts.autotune or opts.deadlock_guard \
-        or opts.connections not in ("auto", 1)
+        or opts.connections not in ("auto", 1) or opts.cpu_reduce is True
 
 
 def _device_ids(model: torch.nn.Module, device) -> Optional[list]:
@@ -133,32 +134,36 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         return _hook_existing(model, opts)
 
     topology = detect_topology(process_group)
-    want_groups = opts.hierarchical is True or (opts.hierarchical == "auto" or opts.autotune) \
-        and topology.hierarchical_useful
+    want_groups = opts.hierarchical is True or opts.cpu_reduce is True \
+        or (opts.hierarchical == "auto" or opts.autotune) and topology.hierarchical_useful
     if process_group is not None and process_group is not dist.group.WORLD:
-        if opts.hierarchical is True:
-            warn("aiak.comm: hierarchical allreduce is built on the default (world) group; with a custom "
-                 "process_group it is off and allreduce is flat")
+        if opts.hierarchical is True or opts.cpu_reduce is True:
+            warn("aiak.comm: hierarchical allreduce (and CPU-Reduce, a form of it) is built on the default (world) "
+                 "group; with a custom process_group it is off and allreduce is flat")
         want_groups = False
-    elif opts.hierarchical is True and not topology.hierarchical_useful:
-        warn(f"aiak.comm: comm.hierarchical=true needs >1 node with >1 rank each and equal nodes; "
-             f"topology is {topology.describe()}; using flat allreduce")
+    elif want_groups and not topology.hierarchical_useful:
+        if opts.hierarchical is True or opts.cpu_reduce is True:
+            knob = "comm.hierarchical=true" if opts.hierarchical is True else "comm.cpu_reduce=true"
+            warn(f"aiak.comm: {knob} needs >1 node with >1 rank each and equal nodes; "
+                 f"topology is {topology.describe()}; using flat allreduce")
         want_groups = False
     groups = build_groups(topology) if want_groups else None
     hierarchical = groups is not None and opts.hierarchical is not False
+    device_ids = _device_ids(model, device)
+    host_inter = _host_inter_group(opts, topology, groups, bool(device_ids), process_group)
     counts = _connection_counts(opts, topology, process_group)
     wide = wide_groups(topology, process_group, counts, flat=not hierarchical or opts.autotune,
                        inter=groups is not None)
     state = CommState(process_group, groups, hierarchical=hierarchical, compression=opts.compression,
                       compress_intra=opts.compress_intra, int8_block=opts.int8_block, pipeline_mb=opts.pipeline_mb,
-                      stall_warn_s=opts.stall_warn_s, wide=wide, connections=counts[0])
-    device_ids = _device_ids(model, device)
+                      stall_warn_s=opts.stall_warn_s, wide=wide, connections=counts[0], host_inter=host_inter,
+                      cpu_reduce=host_inter is not None and opts.cpu_reduce is True)
     bucket_mb, tuner = opts.bucket_mb, None
     if opts.autotune:
         bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group, counts)
 
     ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group)
-    default_path = not opts.autotune and not opts.deadlock_guard and state.algorithm == (False, "none", 1)
+    default_path = not opts.autotune and not opts.deadlock_guard and state.algorithm == (False, "none", 1, False)
     if not default_path:  # DDP's built-in C++ allreduce is the fastest flat fp32 path
         state.tuner = tuner
         ddp.register_comm_hook(state, comm_hook)
@@ -176,9 +181,10 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
 def _hook_existing(ddp, opts: CommConfig):
     """A DistributedDataParallel the script built itself: its buckets stay as they are (bucket_mb cannot change
     now); aiak's communication hook is registered if the DDP has none yet and the settings need one."""
-    if opts.autotune or opts.hierarchical is True or opts.connections not in ("auto", 1):
-        warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune, comm.hierarchical and "
-             "comm.connections need the wrapping to be aiak's (call aiak.optimize before DistributedDataParallel); its allreduce is kept "
+    if opts.autotune or opts.hierarchical is True or opts.connections not in ("auto", 1) or opts.cpu_reduce is True:
+        warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune, comm.hierarchical, "
+             "comm.connections and comm.cpu_reduce need the wrapping to be aiak's (call aiak.optimize before "
+             "DistributedDataParallel); its allreduce is kept "
              f"{'with compression ' + opts.compression if opts.compression != 'none' else 'as is'}")
     if opts.compression == "none" and not opts.deadlock_guard:
         return ddp
@@ -209,6 +215,22 @@ def _connection_counts(opts: CommConfig, topology, process_group):
     return connection_counts(opts.connections, opts.autotune, crosses, available)
 
 
+def _host_inter_group(opts: CommConfig, topology, groups, cuda_gradients: bool, process_group):
+    """The gloo group CPU-Reduce crosses nodes on (this rank's inter-node ranks), where ``comm.cpu_reduce`` asks
+    for it (true, or auto with the autotuner) and it applies: CUDA gradients on a non-gloo group with hierarchical
+    groups. ``true`` where it cannot apply says why. Collective: every rank creates every group, in the same order."""
+    wanted = opts.cpu_reduce is True or opts.cpu_reduce == "auto" and opts.autotune
+    if not wanted or groups is None:
+        return None   # no hierarchical groups: comm.cpu_reduce=true has been warned of with comm.hierarchical's reason
+    if not cuda_gradients or dist.get_backend(process_group) == "gloo":
+        if opts.cpu_reduce is True:
+            warn("aiak.comm: comm.cpu_reduce=true applies to CUDA gradients on NCCL; this run "
+                 + ("keeps its gradients on the CPU" if not cuda_gradients else "runs gloo")
+                 + ", which reduces on the host already; the hierarchical algorithm runs as is")
+        return None
+    return build_groups(topology, backend="gloo").inter
+
+
 def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, process_group, counts=(1,)):
     """Cache lookup (rank 0 reads, broadcasts; an entry this run's settings do not allow is tuned again), else
     comm-mode tuning now or a step-mode tuner.
@@ -216,11 +238,20 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
     Returns ``(bucket_mb, tuner or None)`` and leaves ``state`` on the chosen (or cached) algorithm.
     """
     inputs = TuneInputs.of(opts, topology.world_size, topology.local_size, "cuda" if device_ids else "cpu",
-                           groups=state.groups is not None, connections=counts, link=topology.link)
+                           groups=state.groups is not None, connections=counts, link=topology.link,
+                           cpu_reduce=state.host_inter is not None)
     cache = TuneCache(opts.tune_cache)
     key = inputs.key(model)
+    state.tuning = record = CommTuning(opts.perf_mode, cache=str(cache.path))
+    if opts.connections == "auto" and nccl_sockets.measured_here(dist.get_backend(process_group), bool(device_ids),
+                                                                  topology.num_nodes > 1):
+        buckets = gradient_bucket_sizes(model, opts.bucket_mb)
+        nccl_sockets.advise(buckets, cache=cache, record=record, rounds=opts.tune_steps, device_index=device_ids[0],
+                            key=nccl_sockets.cache_key(topology.link, topology.world_size, topology.local_size,
+                                                       buckets, torch.__version__))
     cached = cached_choice(cache, key, inputs, process_group)
     if cached is not None:
+        record.cache_hit, record.chosen = True, cached.describe()
         logger.info("aiak.comm autotune: cache hit in %s for %s -> %s (tuning skipped)", cache.path, key,
                     cached.describe())
         state.set_algorithm(*cached.algorithm)
@@ -233,8 +264,9 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
     if opts.perf_mode == "comm":
         device = torch.device("cuda", device_ids[0]) if device_ids else None
         choice = tune_comm(model, state, inputs.bucket_mbs, inputs.int8, repeats=opts.tune_steps, device=device,
-                           allow_hierarchical=inputs.hierarchical_allowed, connections=inputs.connections)
+                           allow_hierarchical=inputs.hierarchical_allowed, connections=inputs.connections,
+                           cpu_reduce=inputs.cpu_reduce, record=record)
         remember(choice)
         return choice.bucket_mb, None
 
-    return opts.bucket_mb, StepTuner(inputs.candidates(), opts.tune_steps, opts.bucket_mb, remember)
+    return opts.bucket_mb, StepTuner(inputs.candidates(), opts.tune_steps, opts.bucket_mb, remember, record)

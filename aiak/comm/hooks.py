@@ -19,6 +19,11 @@ an inter-node allreduce of each shard (local rank ``i`` of every node carries sh
 use the network in parallel, each with ``1/local_size`` of the bucket), then an intra-node allgather.
 Buckets are cut into chunks (``pipeline_mb``) and the stages are software-pipelined: while chunk ``k``
 crosses the network, chunk ``k+1`` is reduce-scattered and chunk ``k-1`` allgathered on the node.
+CPU-Reduce (ACSpeed's, for GPUs that share PCIe with the NIC): the inter-node allreduce of each shard runs on host
+copies over a gloo group (``host_inter``) instead of NCCL: the shard is cast to the wire dtype on the GPU, copied
+into pinned host memory on the comm stream, summed by gloo across nodes, and copied back before the allgather
+(Horovod's hierarchical allreduce with CPU operations). Only the stage that crosses nodes moves to the host; the
+node's reduce-scatter and allgather stay on NCCL.
 Compression wraps the inter-node step only by default (``compress_intra=False``): that is where the
 bandwidth is scarce. int8 is Bagua's ByteGrad: reduce-scatter in compressed form (all-to-all of
 quantized chunks), decompress and sum, compress the summed chunk, allgather; both quantizations keep an
@@ -267,16 +272,20 @@ class CommState:
             (:func:`aiak.comm.connections.group_with_connections`), keyed ``("flat" | "inter", connections)``:
             copies of ``process_group`` and of ``groups.inter``.
         connections: how many connections the cross-node stage uses (1: the plain groups).
+        host_inter: a gloo group of this rank's inter-node ranks (``groups.inter_ranks``), for CPU-Reduce: the
+            cross-node stage of the hierarchical algorithm on host copies of the shards. ``None``: unavailable.
+        cpu_reduce: start with CPU-Reduce (needs ``hierarchical`` and ``host_inter``).
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
                  "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker", "watch",
-                 "wide", "connections")
+                 "wide", "connections", "host_inter", "cpu_reduce", "tuning")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
                  pipeline_mb: float = 2.0, error_feedback: bool = True, stall_warn_s: float = STALL_WARN_S,
-                 wide: Optional[Dict[Tuple[str, int], object]] = None, connections: int = 1):
+                 wide: Optional[Dict[Tuple[str, int], object]] = None, connections: int = 1, host_inter=None,
+                 cpu_reduce: bool = False):
         if hierarchical and groups is None:
             raise ValueError("hierarchical=True needs groups (aiak.comm.topology.build_groups); it returns None "
                              "for uneven nodes, in which case pass hierarchical=False")
@@ -287,35 +296,43 @@ class CommState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.groups = groups
-        self.hierarchical, self.compression, self.connections = False, "none", 1
+        self.hierarchical, self.compression, self.connections, self.cpu_reduce = False, "none", 1, False
         self.compress_intra = compress_intra
         self.int8_block = int8_block
         self.pipeline_mb = pipeline_mb
         self.feedback = ErrorFeedback(error_feedback)
         self.parameter_numbers = ParameterNumbers()  # names the parameters in :func:`bucket_layout`
         self.tuner = None  # an aiak.comm.autotune.StepTuner while tuning
+        self.tuning = None  # an aiak.comm.autotune.CommTuning: what the autotuner measured and chose (autotune only)
         self.iteration = 0
         self.worker = _Worker()
         self.watch = StallWatch(stall_warn_s, next_watch_name())
         self.wide = dict(wide or {})
-        self.set_algorithm(hierarchical, compression, connections)
+        self.host_inter = host_inter
+        self.set_algorithm(hierarchical, compression, connections, cpu_reduce)
 
-    def set_algorithm(self, hierarchical: bool, compression: str, connections: int = 1) -> None:
+    def set_algorithm(self, hierarchical: bool, compression: str, connections: int = 1,
+                      cpu_reduce: bool = False) -> None:
         """Switch algorithm; call it between steps (no bucket in flight), as the tuner does at bucket 0."""
         if hierarchical and self.groups is None:
             raise ValueError("hierarchical allreduce is unavailable (single node, one rank per node or uneven nodes)")
         if connections != 1 and ("inter" if hierarchical else "flat", connections) not in self.wide:
             raise ValueError(f"{connections} connections per peer were not set up for the "
                              f"{'hierarchical' if hierarchical else 'flat'} algorithm (comm.connections)")
-        if (hierarchical, compression, connections) != self.algorithm:
+        if cpu_reduce and not (hierarchical and self.host_inter is not None and connections == 1):
+            raise ValueError("CPU-Reduce is the hierarchical algorithm with its cross-node stage on a gloo group of host "
+                             "copies, over one connection: it needs hierarchical=True, a host_inter group and "
+                             f"connections=1 (got hierarchical={hierarchical}, host_inter "
+                             f"{'set' if self.host_inter is not None else 'None'}, connections={connections})")
+        if (hierarchical, compression, connections, cpu_reduce) != self.algorithm:
             self.feedback.reset()
         self.hierarchical, self.compression = hierarchical, check_compression(compression)
-        self.connections = connections
+        self.connections, self.cpu_reduce = connections, bool(cpu_reduce)
 
     @property
-    def algorithm(self) -> Tuple[bool, str, int]:
-        """``(hierarchical, compression, connections)``, as :meth:`set_algorithm` takes them."""
-        return self.hierarchical, self.compression, self.connections
+    def algorithm(self) -> Tuple[bool, str, int, bool]:
+        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`set_algorithm` takes them."""
+        return self.hierarchical, self.compression, self.connections, self.cpu_reduce
 
     def cross_group(self, kind: str, connections: int):
         """The group of the stage that crosses nodes: ``kind`` "flat" (DDP's group) or "inter" (this rank's
@@ -325,9 +342,14 @@ class CommState:
         return self.process_group if kind == "flat" else self.groups.inter
 
     def describe(self) -> str:
-        algo = "hierarchical" if self.hierarchical else "flat"
-        algo = algo if self.compression == "none" else f"{algo}+{self.compression}"
-        return algo if self.connections == 1 else f"{algo}, {self.connections} connections"
+        return describe_algorithm(*self.algorithm)
+
+
+def describe_algorithm(hierarchical: bool, compression: str, connections: int = 1, cpu_reduce: bool = False) -> str:
+    """``hierarchical (CPU-Reduce)+fp16, 4 connections``: an algorithm as :meth:`CommState.set_algorithm` takes it."""
+    algo = ("hierarchical (CPU-Reduce)" if cpu_reduce else "hierarchical") if hierarchical else "flat"
+    algo = algo if compression == "none" else f"{algo}+{compression}"
+    return algo if connections == 1 else f"{algo}, {connections} connections"
 
 
 # -- the algorithms, each run by the worker on one bucket (already divided by the world size) ----------------
@@ -347,14 +369,30 @@ def _flat(state: CommState, compression: str, connections: int, x: torch.Tensor,
 class _Chunk:
     """One slice of a bucket in the hierarchical pipeline."""
 
-    __slots__ = ("index", "values", "shard", "inflight", "int8")
+    __slots__ = ("index", "values", "shard", "host", "inflight", "int8")
 
     def __init__(self, index: int, values: torch.Tensor, local_size: int):
         self.index = index
         self.values = values  # the slice of the (padded, maybe cast) bucket; the allgather writes it back
         self.shard = torch.empty(values.numel() // local_size, dtype=values.dtype, device=values.device)
+        self.host: Optional[torch.Tensor] = None  # CPU-Reduce: the host copy of ``shard`` that crosses the nodes
         self.inflight = None  # the collective(s) the next stage of this chunk waits for: _Issued or _Together
         self.int8: Optional[_Int8Over] = None
+
+
+def _host_copy(shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``shard`` in host memory as ``dtype``, complete when this returns (gloo reads it from its own
+    threads). From a GPU: cast there (fewer bytes over PCIe), copied into pinned memory on the current stream (the
+    comm stream, already ordered after the reduce-scatter), and that copy waited for; the event, not the stream, so
+    the next chunk's reduce-scatter keeps running meanwhile."""
+    if not shard.is_cuda:
+        return shard.to(dtype, copy=True)
+    host = torch.empty(shard.shape, dtype=dtype, pin_memory=True)
+    host.copy_(shard.to(dtype), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host
 
 
 def _chunk_bounds(numel: int, local_size: int, pipeline_mb: float, compression: str) -> List[Tuple[int, int]]:
@@ -379,11 +417,12 @@ class _Hierarchical:
     the result and issues the chunk's next collective. :meth:`run` is the software pipeline.
     """
 
-    def __init__(self, state: CommState, compression: str, connections: int, x: torch.Tensor, key,
+    def __init__(self, state: CommState, compression: str, connections: int, cpu_reduce: bool, x: torch.Tensor, key,
                  layout: Optional[Hashable]):
         self.state, self.compression, self.x, self.key, self.layout = state, compression, x, key, layout
-        self.connections = connections
-        self.intra, self.inter = state.groups.intra, state.cross_group("inter", connections)
+        self.connections, self.cpu_reduce = connections, cpu_reduce
+        self.intra = state.groups.intra
+        self.inter = state.host_inter if cpu_reduce else state.cross_group("inter", connections)
         local = len(state.groups.intra_ranks)
         self.padded, self.n = pad_to_multiple(x, local)
         intra_dtype = CAST_DTYPES.get(compression) if state.compress_intra else None
@@ -414,15 +453,23 @@ class _Hierarchical:
         chunk.inflight = _reduce_scatter(chunk.shard, chunk.values, self.intra,
                                          f"reduce-scatter in node, chunk {chunk.index}")
 
+    def crossing(self, chunk: _Chunk, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor that crosses the nodes: the shard itself, or (CPU-Reduce) its host copy as ``dtype``."""
+        if not self.cpu_reduce:
+            return chunk.shard
+        chunk.host = _host_copy(chunk.shard, dtype)
+        return chunk.host
+
     def cross_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
         wire = CAST_DTYPES.get(self.compression, chunk.shard.dtype)  # uncompressed: the bucket's dtype, as DDP
-        chunk.inflight = _allreduce_over(chunk.shard, self.inter, wire, self.connections,
-                                         f"allreduce across nodes, chunk {chunk.index}")
+        chunk.inflight = _allreduce_over(self.crossing(chunk, wire), self.inter, wire, self.connections,
+                                         f"allreduce across nodes{' on the host' if self.cpu_reduce else ''}, "
+                                         f"chunk {chunk.index}")
 
     def exchange_across_nodes(self, chunk: _Chunk) -> None:
         chunk.inflight.wait()
-        chunk.int8 = _Int8Over(chunk.shard, self.inter, self.state.feedback, (self.key, chunk.index),
+        chunk.int8 = _Int8Over(self.crossing(chunk, chunk.shard.dtype), self.inter, self.state.feedback, (self.key, chunk.index),
                                self.state.int8_block, self.layout, f"allreduce across nodes, chunk {chunk.index}",
                                self.connections)
         chunk.inflight = chunk.int8.exchange()
@@ -437,6 +484,9 @@ class _Hierarchical:
             chunk.int8.finish()
             self.int8_keys.extend(chunk.int8.keys)
             chunk.int8 = None
+        if chunk.host is not None:  # CPU-Reduce: back to the device, on the stream the allgather is issued from
+            chunk.shard.copy_(chunk.host, non_blocking=True)
+            chunk.host = None
         chunk.inflight = _all_gather(chunk.values, chunk.shard, self.intra, f"allgather in node, chunk {chunk.index}")
 
 
@@ -505,18 +555,18 @@ class _Worker:
             yield
 
 
-def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int], tensor: torch.Tensor, key, step: int,
+def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor: torch.Tensor, key, step: int,
                 layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"]) -> None:
     """The worker's job for one bucket of ``step``: sum ``tensor`` (already divided) in place, then complete or
     fail ``fut``."""
     _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.stall
     if _job.watch is not None:
         _job.watch.at(step, key)
-    hierarchical, compression, connections = algorithm
+    hierarchical, compression, connections, cpu_reduce = algorithm
     try:
         with state.worker.on_comm_stream(tensor, ready):
             if hierarchical:
-                _Hierarchical(state, compression, connections, tensor, key, layout).run()
+                _Hierarchical(state, compression, connections, cpu_reduce, tensor, key, layout).run()
             else:
                 _flat(state, compression, connections, tensor, key, layout)
             fut.set_result(tensor)  # on CUDA: records the completion event on the comm stream

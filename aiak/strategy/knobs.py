@@ -83,6 +83,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("comm.pipeline_mb",      DDP,       False,   True,   False),
     Knob("comm.stall_warn_s",     DDP,       False,   True,   False),
     Knob("comm.connections",      DDP,       False,   True,   False),
+    Knob("comm.cpu_reduce",       DDP,       False,   True,   False),
     Knob("tune.enabled",          SELECTION, False,   True,   False),
     Knob("tune.candidates",       SELECTION, False,   True,   False),
     Knob("tune.steps",            SELECTION, False,   True,   False),

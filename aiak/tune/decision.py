@@ -8,6 +8,9 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
   ``measured`` (the trials changed the rules' pick) or ``user``;
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
 * ``tuning_seconds`` and ``cache_hit``;
+* ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
+  :class:`aiak.comm.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice made
+  during the first steps shows once made;
 
 plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why nothing was measured, if
 so: no trial ran, or every candidate failed; a knob is ``measured`` only when a trial chose it).
@@ -39,6 +42,7 @@ class Decision:
     probes: Dict[str, Any] = field(default_factory=dict)
     tuning: str = ""
     effects: List[List[str]] = field(default_factory=list)   # [knob, value, what was done] from the summary
+    comm: Any = None   # the comm autotuner's record (to_dict(), lines()), filled as it measures
 
     def effect(self, knob: str) -> str:
         """What applying ``knob`` did (``""`` if the applier said nothing of it)."""
@@ -48,7 +52,8 @@ class Decision:
         return json.loads(json.dumps({
             "strategy": self.strategy, "knobs": self.knobs, "trials": self.trials,
             "tuning_seconds": self.tuning_seconds, "cache_hit": self.cache_hit, "matched": self.matched,
-            "not_matched": self.not_matched, "probes": self.probes, "tuning": self.tuning}, default=_jsonable))
+            "not_matched": self.not_matched, "probes": self.probes, "tuning": self.tuning,
+            "comm": self.comm.to_dict() if self.comm is not None else None}, default=_jsonable))
 
     def render(self, full: bool = False) -> str:
         """The table: knobs (value, source, reason), trials, what each step did.
@@ -82,6 +87,8 @@ class Decision:
                 out.append(f"    {t['label']:<22} {ms:>8} {spread:>15} {ratio:>8} {cos:>9}  {verdict}")
         if self.tuning:
             out.append(f"  trials: {self.tuning}")
+        if self.comm is not None:
+            out += [f"  {line}" for line in self.comm.lines()]
         effects = [e for e in self.effects if full or any(p == e[0] or p.startswith(e[0] + ".") for p in shown)]
         if effects:
             out.append("  applied:")
@@ -164,9 +171,10 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None) -> Decision:
+def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None, comm: Any = None) -> Decision:
     """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied),
-    ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did)."""
+    ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did), ``comm`` (the comm
+    autotuner's :class:`~aiak.comm.autotune.CommTuning`, or None)."""
     measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)
@@ -195,7 +203,8 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None)
     return Decision(strategy=applied.to_dict(), knobs=knobs, trials=trials,
                     tuning_seconds=tuning.seconds if tuning is not None else 0.0,
                     cache_hit=bool(tuning is not None and tuning.cache_hit), matched=list(selection.matched),
-                    not_matched=dict(selection.skipped), probes=probes, tuning=tuning_note, effects=effects)
+                    not_matched=dict(selection.skipped), probes=probes, tuning=tuning_note, effects=effects,
+                    comm=comm)
 
 
 def record(decision: Decision) -> None:

@@ -64,7 +64,7 @@ class CollectiveRecorder:
            "all_gather_into_tensor", "all_to_all_single")
 
     def __init__(self):
-        self.calls, self._originals = [], {}
+        self.calls, self.groups, self._originals = [], [], {}
 
     def __enter__(self):
         for name in self.OPS:
@@ -81,6 +81,7 @@ class CollectiveRecorder:
             tensor = args[1] if name != "all_reduce" else args[0]  # the input
             self.calls.append((name.split("_single")[0].replace("_tensor", "").replace("_into", ""), ranks,
                                tensor.numel(), str(tensor.dtype)))
+            self.groups.append(group)
             return original(*args, **kwargs)
         return recorded
 
@@ -179,6 +180,7 @@ def scenario_autotune(rank):
     ddp = wrap_distributed(tiny_model(), CommConfig(autotune=True, bucket_mb=0.001), tune_steps=1, tune_int8=True)
     grads_of(ddp, 0)
     out["comm"] = {"choice": ddp.aiak_comm_state.describe(), "bucket_mb": ddp.bucket_bytes_cap / 2**20}
+    out["comm_record"] = ddp.aiak_comm_state.tuning.to_dict()
     ddp = wrap_distributed(tiny_model(), CommConfig(autotune=True, bucket_mb=0.001), tune_steps=1, perf_mode="step")
     state = ddp.aiak_comm_state
     steps = 0
@@ -187,6 +189,7 @@ def scenario_autotune(rank):
         steps += 1
     tuned_at = steps
     out["step"] = {"choice": state.describe(), "tuned_at": tuned_at, "final_grads": grads_of(ddp, 99)}
+    out["step_record"] = state.tuning.to_dict()
     out["logs"] = rec.messages
     out["cache"] = open(os.environ["AIAK_TUNE_CACHE"]).read() if rank == 0 else None
     return out
@@ -492,6 +495,42 @@ def scenario_connections(rank):
                 with CollectiveRecorder() as rec:
                     average(state, x).wait()
                 out[(h, c, k)] = {"result": x, "calls": rec.calls, "describe": state.describe()}
+    return out
+
+
+def scenario_cpu_reduce(rank):
+    """Integer-valued buckets averaged with the hierarchical algorithm and with CPU-Reduce (its cross-node stage on
+    host copies over a gloo group of its own), 2 nodes x 2 ranks, the collectives and their groups recorded; what
+    wrap_distributed says of comm.cpu_reduce on a gloo job; the comm autotuner measuring CPU-Reduce candidates."""
+    from aiak.comm.autotune import CommTuning, tune_comm
+    from aiak.comm.hooks import CommState, average
+    from aiak.comm.topology import build_groups
+
+    topology = detect_topology()
+    groups = build_groups(topology)
+    host = build_groups(topology, backend="gloo").inter
+    out = {"host_is_its_own_group": host is not groups.inter}
+    for c in ("none", "fp16", "bf16", "int8"):
+        for cpu_reduce in (False, True):
+            state = CommState(None, groups, hierarchical=True, compression=c, pipeline_mb=0.1, stall_warn_s=0,
+                              host_inter=host, cpu_reduce=cpu_reduce)
+            results = []
+            with CollectiveRecorder() as rec:
+                for step in range(2):   # int8: the second step adds the first one's residuals
+                    g = torch.Generator().manual_seed(10 * rank + step)
+                    x = torch.randint(-8, 9, (100_003,), generator=g).float() * 4  # /4 by average(): integers
+                    average(state, x).wait()
+                    results.append(x)
+            out[(c, cpu_reduce)] = {"results": results, "calls": rec.calls, "describe": state.describe(),
+                                    "on_host_group": [grp is host for grp in rec.groups]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = wrap_distributed(tiny_model(), CommConfig(cpu_reduce=True, bucket_mb=0.001))
+    out["gloo_wrap"] = {"describe": ddp.aiak_comm_state.describe(), "warnings": [str(w.message) for w in caught]}
+    state = CommState(None, groups, hierarchical=True, host_inter=host, stall_warn_s=0)
+    record = CommTuning("comm")
+    choice = tune_comm(tiny_model(), state, [0.001], allow_int8=False, repeats=1, cpu_reduce=True, record=record)
+    out["tuned"] = {"record": record.to_dict(), "choice": choice.describe()}
     return out
 
 

@@ -86,6 +86,18 @@ def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
         assert not any("cache hit" in m for m in r["logs"])
         assert sum("autotune (comm mode) chose" in m for m in r["logs"]) == (rank == 0)
         assert sum("autotune (step mode) chose" in m for m in r["logs"]) == (rank == 0)
+    # the decision record holds every candidate measured, the slowest rank's figures, the same on every rank
+    for name, passes in (("comm_record", {"algorithms": 8, "connections": 2, "bucket sizes": 3}),
+                         ("step_record", {"steps": 6 * len(AUTO_CANDIDATES)})):
+        record = first[0][name]
+        assert all(r[name] == record for r in first) and not record["cache_hit"]
+        for pass_name, n in passes.items():
+            rows = [c for c in record["candidates"] if c["set"] == pass_name]
+            assert len(rows) == n and sum(c["chosen"] for c in rows) == 1
+            assert all(0 < c["ms_spread"][0] <= c["ms"] <= c["ms_spread"][1] for c in rows)
+        assert record["chosen"] == next(c["candidate"] for c in rows if c["chosen"])   # the last pass's winner
+    assert first[0]["comm_record"]["chosen"].startswith(first[0]["comm"]["choice"])
+    assert first[0]["step_record"]["chosen"].startswith(first[0]["step"]["choice"])
     cached = json.loads(first[0]["cache"])
     assert {k.rsplit("|", 1)[1] for k in cached} == {"mode=comm", "mode=step"}
 
@@ -95,6 +107,8 @@ def test_ranks_agree_and_a_second_run_hits_the_cache(launch_ranks, tmp_path):
         assert not any("chose" in m for m in r["logs"])
         assert r["step"]["tuned_at"] == 0  # no tuning steps
     assert second[0]["comm"] == first[0]["comm"]
+    assert second[0]["comm_record"]["cache_hit"] and not second[0]["comm_record"]["candidates"]
+    assert second[0]["comm_record"]["chosen"] == first[0]["comm_record"]["chosen"]
     assert second[0]["step"]["choice"] == first[0]["step"]["choice"]
 
 
@@ -132,9 +146,9 @@ def _record_algorithms(monkeypatch, state):
     seen = []
     real = type(state).set_algorithm
 
-    def recording(self, hierarchical, compression, connections=1):
-        seen.append((hierarchical, compression, connections))
-        return real(self, hierarchical, compression, connections)
+    def recording(self, hierarchical, compression, connections=1, cpu_reduce=False):
+        seen.append((hierarchical, compression, connections, cpu_reduce))
+        return real(self, hierarchical, compression, connections, cpu_reduce)
 
     monkeypatch.setattr(type(state), "set_algorithm", recording)
     return seen

@@ -24,7 +24,8 @@ BASE = TuneInputs(world_size=4, local_size=2, device_type="cpu", perf_mode="comm
                   pipeline_mb=2.0)
 OTHER_VALUE = {"world_size": 8, "local_size": 4, "device_type": "cuda", "perf_mode": "step", "int8": True,
                "hierarchical": False, "groups": False, "bucket_mbs": (25.0,), "tune_steps": 5, "int8_block": 64,
-               "compress_intra": True, "pipeline_mb": 0.0, "connections": (1, 4), "link": "node-a,node-b"}
+               "compress_intra": True, "pipeline_mb": 0.0, "connections": (1, 4), "link": "node-a,node-b",
+               "cpu_reduce": True}
 
 
 def _model(width=5, dtype=torch.float32):
@@ -54,10 +55,11 @@ def test_inputs_from_the_comm_settings():
     assert TuneInputs.of(CommConfig(compression="int8"), 4, 2, "cpu", groups=True).int8
     step = TuneInputs.of(CommConfig(perf_mode="step", tune_int8=True, hierarchical=False), 4, 2, "cpu", groups=True)
     assert step.bucket_mbs == (25.0,) and step.int8
-    assert step.candidates() == [(False, "none", 1), (False, "fp16", 1), (False, "bf16", 1), (False, "int8", 1)]
+    assert step.candidates() == [(False, "none", 1, False), (False, "fp16", 1, False), (False, "bf16", 1, False),
+                                (False, "int8", 1, False)]
     both = TuneInputs.of(CommConfig(perf_mode="step", hierarchical=False), 4, 2, "cpu", groups=True,
                          connections=(1, 4), link="a,b")
-    assert both.candidates() == [(False, c, k) for c in ("none", "fp16", "bf16") for k in (1, 4)]
+    assert both.candidates() == [(False, c, k, False) for c in ("none", "fp16", "bf16") for k in (1, 4)]
 
 
 @pytest.mark.parametrize("choice,inputs,why", [

@@ -91,3 +91,29 @@ def test_headline_says_when_nothing_was_measured():
     model, optimizer, _ = setup()
     aiak.optimize(model, optimizer, None, strategy=TUNED)
     assert "trials skipped" in aiak.last_decision().headline()
+
+
+def test_the_comm_autotuners_candidates_are_in_the_record_and_its_table():
+    """What the comm autotuner measured reaches ``last_decision()`` like the trials' rows: read when asked, so a
+    step-mode choice made after ``optimize()`` returned shows."""
+    from dataclasses import replace
+
+    from aiak.comm.autotune import CommChoice, CommTuning
+
+    record = CommTuning("step")
+    decision = replace(explain(*setup()), comm=record)
+    assert decision.to_dict()["comm"]["chosen"] == "" and "measuring during the first steps" in decision.render()
+    flat, hier = CommChoice(False, "none", 25.0), CommChoice(True, "fp16", 25.0, 1, True)
+    record.add("steps", [flat.describe(), hier.describe()], [(0.020, 0.019, 0.024), (0.012, 0.011, 0.013)], best=1)
+    record.add("NCCL sockets", ["NCCL's default", "4 x 4"], [(0.5, 0.4, 0.6), None], best=0,
+               errors=["", "rank 1: no result within 60 s"])
+    record.advice = "set NCCL_SOCKET_NTHREADS=4"
+    record.chosen = hier.describe()
+    as_dict = decision.to_dict()["comm"]
+    assert as_dict["chosen"] == "hierarchical (CPU-Reduce)+fp16, bucket 25 MB"
+    assert [c["ms"] for c in as_dict["candidates"]] == [20.0, 12.0, 500.0, None]
+    assert as_dict["candidates"][1]["ms_spread"] == [11.0, 13.0] and as_dict["candidates"][1]["chosen"]
+    text = decision.render()
+    assert "comm autotune (step mode): chose hierarchical (CPU-Reduce)+fp16, bucket 25 MB" in text
+    assert "12.00 ms (11.00-13.00)  chosen" in text and "20.00 ms (19.00-24.00)" in text
+    assert "failed: rank 1: no result within 60 s" in text and "advice: set NCCL_SOCKET_NTHREADS=4" in text
