@@ -53,6 +53,7 @@ from aiak.comm.topology import HierarchicalGroups
 from aiak.util.threads_at_exit import stop_at_exit
 
 Future = torch.futures.Future
+SCOPES = ("world", "node", "rank")  # over which ranks :func:`average` averages (:attr:`CommState.scope`)
 IDLE_EXIT_S = 5.0  # a worker thread without work for this long exits; the next bucket starts a new one
 EXIT_JOIN_S = 10.0  # at interpreter exit, how long to wait for a job in flight (a hung peer must not hang exit)
 _STOP = object()  # put in a worker's queue at interpreter exit
@@ -275,17 +276,23 @@ class CommState:
         host_inter: a gloo group of this rank's inter-node ranks (``groups.inter_ranks``), for CPU-Reduce: the
             cross-node stage of the hierarchical algorithm on host copies of the shards. ``None``: unavailable.
         cpu_reduce: start with CPU-Reduce (needs ``hierarchical`` and ``host_inter``).
+        local_size: ranks per node (the ``node`` scope averages over this many).
+
+    ``scope`` says over which ranks the hook averages a bucket: ``world`` (every rank, with the algorithm above),
+    ``node`` (this rank's node only: an allreduce in ``groups.intra``, nothing at all with one rank per node; local
+    SGD between its averages, :mod:`aiak.comm.local_sgd`) or ``rank`` (no communication: each rank keeps its own
+    gradient; decentralized SGD, :mod:`aiak.comm.decentralized`).
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
                  "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker", "watch",
-                 "wide", "connections", "host_inter", "cpu_reduce", "tuning")
+                 "wide", "connections", "host_inter", "cpu_reduce", "tuning", "scope", "local_size")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
                  pipeline_mb: float = 2.0, error_feedback: bool = True, stall_warn_s: float = STALL_WARN_S,
                  wide: Optional[Dict[Tuple[str, int], object]] = None, connections: int = 1, host_inter=None,
-                 cpu_reduce: bool = False):
+                 cpu_reduce: bool = False, local_size: int = 1):
         if hierarchical and groups is None:
             raise ValueError("hierarchical=True needs groups (aiak.comm.topology.build_groups); it returns None "
                              "for uneven nodes, in which case pass hierarchical=False")
@@ -309,7 +316,17 @@ class CommState:
         self.watch = StallWatch(stall_warn_s, next_watch_name())
         self.wide = dict(wide or {})
         self.host_inter = host_inter
+        self.local_size = local_size
+        self.scope = "world"
         self.set_algorithm(hierarchical, compression, connections, cpu_reduce)
+
+    def set_scope(self, scope: str) -> None:
+        """Average buckets over ``world``, ``node`` or ``rank`` (see the class); call it between steps."""
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        if scope == "node" and self.local_size > 1 and self.groups is None:
+            raise ValueError("the node scope needs the intra-node groups (aiak.comm.topology.build_groups)")
+        self.scope = scope
 
     def set_algorithm(self, hierarchical: bool, compression: str, connections: int = 1,
                       cpu_reduce: bool = False) -> None:
@@ -555,8 +572,15 @@ class _Worker:
             yield
 
 
+def _in_node(state: CommState, x: torch.Tensor) -> None:
+    """Sum ``x`` over this rank's node (the ``node`` scope), in the intra-node wire dtype of ``compress_intra``."""
+    wire = CAST_DTYPES.get(state.compression, x.dtype) if state.compress_intra else x.dtype
+    _allreduce(x, state.groups.intra, wire, "allreduce in node").wait()
+
+
 def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor: torch.Tensor, key, step: int,
-                layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"]) -> None:
+                layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"],
+                scope: str = "world") -> None:
     """The worker's job for one bucket of ``step``: sum ``tensor`` (already divided) in place, then complete or
     fail ``fut``."""
     _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.stall
@@ -565,7 +589,9 @@ def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor
     hierarchical, compression, connections, cpu_reduce = algorithm
     try:
         with state.worker.on_comm_stream(tensor, ready):
-            if hierarchical:
+            if scope == "node":
+                _in_node(state, tensor)
+            elif hierarchical:
                 _Hierarchical(state, compression, connections, cpu_reduce, tensor, key, layout).run()
             else:
                 _flat(state, compression, connections, tensor, key, layout)
@@ -575,16 +601,47 @@ def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor
             fut.set_exception(e)
 
 
+def _run_job(state: CommState, work: Callable[[torch.Tensor], None], tensor: torch.Tensor, fut: Future,
+             ready: Optional["torch.cuda.Event"]) -> None:
+    try:
+        with state.worker.on_comm_stream(tensor, ready):
+            work(tensor)
+            fut.set_result(tensor)
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        if not fut.done():
+            fut.set_exception(e)
+
+
+def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.Tensor], None]) -> Future:
+    """``work(tensor)`` (collectives on ``tensor``, in place) on ``state``'s worker, after the work the caller's
+    stream has queued on ``tensor``; resolves to ``tensor``. Returns at once: the caller computes meanwhile
+    (decentralized SGD's exchange of weights runs beside the forward and backward this way)."""
+    if tensor.is_cuda:
+        fut, ready = Future(devices=[tensor.device]), torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+    else:
+        fut, ready = Future(), None
+    state.worker.submit(functools.partial(_run_job, state, work, tensor, fut, ready))
+    return fut
+
+
 # -- the hook ----------------------------------------------------------------------------------------
-def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hashable] = None) -> Future:
-    """Average a 1-D tensor in place across ranks with ``state``'s algorithm; resolves to ``tensor``.
+def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hashable] = None,
+            scope: str = "world") -> Future:
+    """Average a 1-D tensor in place across the ranks of ``scope`` (:data:`SCOPES`; ``world`` with ``state``'s
+    algorithm); resolves to ``tensor``.
 
     Returns at once; the state's worker does the work. Used by :func:`comm_hook` and, outside DDP, by
     benchmarks and the comm-mode tuner. Every rank must average the same tensors in the same order.
     ``key`` names the tensor's int8 residuals; ``layout`` says what it holds (:func:`bucket_layout`): a residual
     computed on another layout under the same key is dropped.
     """
-    tensor.div_(state.world_size)  # here, not in the worker: off the path between one bucket and the next
+    ranks = state.world_size if scope == "world" else state.local_size if scope == "node" else 1
+    if scope != "world" and ranks == 1:  # nothing to average with: the tensor as it is, no job for the worker
+        fut = Future(devices=[tensor.device]) if tensor.is_cuda else Future()
+        fut.set_result(tensor)
+        return fut
+    tensor.div_(ranks)  # here, not in the worker: off the path between one bucket and the next
     if tensor.is_cuda:
         fut, ready = Future(devices=[tensor.device]), torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))  # the caller's stream: after gradients and division
@@ -592,18 +649,18 @@ def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hash
         fut, ready = Future(), None
     # The algorithm is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
     state.worker.submit(functools.partial(_run_bucket, state, state.algorithm, tensor, key, state.iteration, layout,
-                                          fut, ready))
+                                          fut, ready, scope))
     return fut
 
 
 def comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook: average ``bucket`` across ranks with the algorithm in ``state``."""
+    """DDP hook: average ``bucket`` across the ranks of ``state.scope`` with the algorithm in ``state``."""
     # (annotations are real objects here, no ``from __future__ import annotations``: DDP checks them)
     if state.tuner is not None:
         state.tuner.on_bucket(state, bucket)
     keeps_residuals = state.compression == "int8" and state.feedback.enabled
     layout = bucket_layout(bucket, state.parameter_numbers) if keeps_residuals else None
-    fut = average(state, bucket.buffer(), key=bucket.index(), layout=layout)
+    fut = average(state, bucket.buffer(), key=bucket.index(), layout=layout, scope=state.scope)
     if bucket.is_last():
         state.iteration += 1
     return fut

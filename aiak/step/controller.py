@@ -109,6 +109,7 @@ class StepController:
         self.step_calls = 0          # step() calls: micro, real and skipped steps
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
         self.ddp = None
+        self.comm_algorithm = None   # a synchronisation that runs at real steps (see attach_comm_algorithm)
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
         optimizer._aiak_steps = self
@@ -256,6 +257,14 @@ class StepController:
         self.ddp = ddp_model
         self._set_sync()
 
+    def attach_comm_algorithm(self, algorithm) -> None:
+        """A synchronisation of the weights that runs at real steps (:mod:`aiak.comm.local_sgd`,
+        :mod:`aiak.comm.decentralized`; :mod:`aiak.comm.powersgd` only keeps state). ``algorithm`` has
+        ``at_real_step()`` (called at each real step before the loss scaler's verdict and the update),
+        ``after_real_step(updated)`` (after the update, or the skip) and ``state_dict()`` / ``load_state_dict()``,
+        which travel in the optimizer's checkpoint."""
+        self.comm_algorithm = algorithm
+
     def _set_sync(self) -> None:
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = (self.micro_step == self.accumulation - 1)
@@ -281,6 +290,8 @@ class StepController:
         self.micro_step = 0
         self._set_sync()
         self.step_events += 1
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.at_real_step()
 
         found_inf = self._prepare_grads()
         self._prepared = None
@@ -289,11 +300,15 @@ class StepController:
             if found_inf:
                 logger.info("aiak: inf/NaN gradients, step skipped; loss scale now %g", self.scaler.scale)
                 self._clear_grads()
+                if self.comm_algorithm is not None:
+                    self.comm_algorithm.after_real_step(False)
                 return loss
         inner_loss = self._inner_step()
         loss = inner_loss if closure is None else loss
         self.stepped = True
         self._clear_grads()
+        if self.comm_algorithm is not None:
+            self.comm_algorithm.after_real_step(True)
         return loss
 
     def _prepare_grads(self) -> bool:
@@ -434,11 +449,14 @@ class StepController:
         return state_dict
 
     def checkpoint_extras(self) -> Dict[str, Any]:
-        """What a checkpoint holds besides the optimizer's own state (plain JSON values): the position in the
-        accumulation window, the real steps a scheduler has counted, the loss scaler's state."""
+        """What a checkpoint holds besides the optimizer's own state: the position in the accumulation window, the
+        real steps a scheduler has counted, the loss scaler's state (plain JSON values), and the comm algorithm's
+        state (its step count; PowerSGD's residuals and factors are tensors)."""
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
+        if self.comm_algorithm is not None:
+            extra["comm_algorithm"] = self.comm_algorithm.state_dict()
         return extra
 
     def _take_extra(self, optimizer, state_dict):
@@ -458,6 +476,8 @@ class StepController:
         scheduler_steps.rebase(self)
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
+        if self.comm_algorithm is not None and "comm_algorithm" in extra:
+            self.comm_algorithm.load_state_dict(extra["comm_algorithm"])
         self._set_sync()
 
 
