@@ -114,16 +114,25 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
-    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary)
+    synchronising = distributed and _world_size() > 1 and s.comm.algorithm != "allreduce"
+    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
+                                always=synchronising)
 
     # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
     comm_cfg = s.comm
-    if s.precision.level == "O2" and s.comm.compression == "none" and distributed and _world_size() > 1:
+    if s.precision.level == "O2" and s.comm.compression == "none" and distributed and _world_size() > 1 \
+            and s.comm.algorithm in ("allreduce", "local_sgd"):
         comm_cfg = replace(s.comm, compression=s.precision.dtype)
+    if synchronising and controller is None:
+        raise ValueError(f"comm.algorithm {s.comm.algorithm} runs with the optimizer's steps (and saves its state in "
+                         "the optimizer's state_dict): pass the optimizer to aiak.optimize, or use algorithm allreduce")
     wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
     if wrapped is not bare and controller is not None:
         controller.attach_ddp(wrapped)
-    summary.add("comm", compact(s.comm, ("hierarchical", "compression", "bucket_mb")), _describe_comm(wrapped, bare))
+        if getattr(wrapped, "aiak_comm_algorithm", None) is not None:
+            controller.attach_comm_algorithm(wrapped.aiak_comm_algorithm)
+    summary.add("comm", compact(s.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
+                _describe_comm(wrapped, bare))
     if existing_ddp is None or existing_ddp is model:
         model = wrapped  # (a framework's DDP stays the framework's: the module comes back as it was given)
 
@@ -140,12 +149,14 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     return Applied(model, optimizer, loader, summary, controller, precision.scaler)
 
 
-def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scaler, summary: Summary):
-    """The scheduler re-pointed to a swapped optimizer, and the step controller (accumulation, loss scaling)."""
+def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scaler, summary: Summary,
+                   always: bool = False):
+    """The scheduler re-pointed to a swapped optimizer, and the step controller (accumulation, loss scaling, and
+    ``always`` for a comm algorithm that acts at real steps)."""
     if scheduler is not None and optimizer is not user_optimizer:
         optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
     controller = None
-    if optimizer is not None and (scaler is not None or s.grad_accumulation > 1):
+    if optimizer is not None and (scaler is not None or s.grad_accumulation > 1 or always):
         controller = StepController(optimizer, s.grad_accumulation, scaler, model=bare)
     summary.add("grad_accumulation", s.grad_accumulation,
                 f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
@@ -192,5 +203,4 @@ def is_ddp(model) -> bool:
 def _describe_comm(wrapped: nn.Module, model: nn.Module) -> str:
     if wrapped is model:
         return "single process: no DDP"
-    state = getattr(wrapped, "aiak_comm_state", None)
-    return f"DDP, {state.describe() if state is not None else 'built-in allreduce'}"
+    return f"DDP, {comm.describe_comm(wrapped)}"

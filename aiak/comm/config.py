@@ -8,6 +8,64 @@ from aiak.comm.compression import COMPRESSIONS
 from aiak.comm.stall import STALL_WARN_S
 from aiak.util.config import StrategyError, Where, choices, section_problems
 
+ALGORITHMS = ("allreduce", "local_sgd", "decentralized", "powersgd")
+
+# What each value of ``comm.algorithm`` trades (``aiak explain`` shows it; none is ever chosen by ``auto``).
+ALGORITHM_TRADES = {
+    "allreduce": "every step's gradients averaged across all ranks (DDP's arithmetic): nothing traded",
+    "local_sgd": "after warm-up, gradients averaged inside each node only and the weights (and floating buffers) "
+                 "averaged across nodes every `period` steps: 1/period of the cross-node traffic for replicas that "
+                 "drift apart between averages (Lin et al., 2020, 'Don't Use Large Mini-Batches, Use Local SGD')",
+    "decentralized": "no gradient allreduce: each step every rank averages its weights with its peers (one peer that "
+                     "changes each step, or all), overlapped with the forward and backward: latency hidden and one "
+                     "peer's traffic for replicas that agree only on average (Lian et al., 2017, D-PSGD)",
+    "powersgd": "gradients sent as rank-r factors with error feedback after warm-up: traffic cut to "
+                "r*(rows+cols) per matrix for a low-rank approximation, three allreduces per bucket in sequence "
+                "(Vogels et al., 2019, PowerSGD)",
+}
+
+
+@dataclass
+class LocalSGDConfig:
+    """``comm.local_sgd``: after ``warmup_steps`` real steps of ``allreduce``, gradients are averaged inside each
+    node every step and the weights and floating buffers across nodes every ``period`` real steps (the first
+    average right after the warm-up's last step, as torch's ``PeriodicModelAverager``). ``period: 1`` synchronises
+    every step: that is ``allreduce``, and it runs as ``allreduce``."""
+
+    period: int = 8
+    warmup_steps: int = 100
+
+    def _problems(self, where: Where, path: str) -> List[str]:
+        return [f"{where(path + key)} must be >= {low}, got {getattr(self, key)}"
+                for key, low in (("period", 1), ("warmup_steps", 0)) if getattr(self, key) < low]
+
+
+@dataclass
+class DecentralizedConfig:
+    """``comm.decentralized``: ``peers: shift_one`` averages with one peer that changes each step (the ranks of
+    the lower half paired with those of the upper half, the pairing shifted by one each step; an even number of
+    ranks), ``all`` with every rank (an allreduce of the weights)."""
+
+    peers: str = field(default="shift_one", metadata=choices("shift_one", "all"))
+
+
+@dataclass
+class PowerSGDConfig:
+    """``comm.powersgd``: rank ``rank`` approximations after ``warmup_steps`` real steps of plain allreduce
+    (at least 2: DDP rebuilds its buckets after the first step, and the error feedback is tied to them)."""
+
+    rank: int = 4
+    warmup_steps: int = 100
+
+    def _problems(self, where: Where, path: str) -> List[str]:
+        problems = []
+        if self.rank < 1:
+            problems.append(f"{where(path + 'rank')} must be >= 1, got {self.rank}")
+        if self.warmup_steps < 2:
+            problems.append(f"{where(path + 'warmup_steps')} must be >= 2 (DDP rebuilds its buckets after the first "
+                            f"step, and PowerSGD's residuals are tied to them), got {self.warmup_steps}")
+        return problems
+
 
 @dataclass
 class CommConfig:
@@ -31,6 +89,10 @@ class CommConfig:
     beside NCCL's own stages (off without autotuning); ``true``: used; ``false``: never. It applies to CUDA
     gradients on an NCCL group with hierarchical groups (several nodes of several ranks); gloo jobs already reduce
     on the host.
+    ``algorithm``: how ranks synchronise (:data:`ALGORITHM_TRADES`): ``allreduce`` (the hooks above), or one that
+    changes the training and is only ever named by a profile or the user: ``local_sgd``
+    (:mod:`aiak.comm.local_sgd`), ``decentralized`` (:mod:`aiak.comm.decentralized`), ``powersgd``
+    (:mod:`aiak.comm.powersgd`), each with its section of settings.
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
@@ -49,6 +111,10 @@ class CommConfig:
     stall_warn_s: float = STALL_WARN_S
     connections: Union[str, int] = field(default="auto", metadata=choices("auto", also="an integer >= 1"))
     cpu_reduce: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
+    algorithm: str = field(default="allreduce", metadata=choices(*ALGORITHMS))
+    local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
+    decentralized: DecentralizedConfig = field(default_factory=DecentralizedConfig)
+    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
@@ -64,6 +130,34 @@ class CommConfig:
             problems.append(f"{where(path + 'cpu_reduce')}: true is a form of the hierarchical algorithm, but "
                             f"{path}hierarchical is false; set hierarchical to auto or true, or "
                             "cpu_reduce to auto or false")
+        problems.extend(self._algorithm_problems(where, path))
+        return problems
+
+    def _algorithm_problems(self, where: Where, path: str) -> List[str]:
+        """The settings ``algorithm`` cannot run with, each with what to change."""
+        algorithm, problems = self.algorithm, []
+        if algorithm == "allreduce":
+            return problems
+        at = where(path + "algorithm")
+        if self.autotune:
+            problems.append(f"{at}: {algorithm} does not run with {path}autotune true (the autotuner times allreduce "
+                            f"algorithms against each other); set autotune false or algorithm allreduce")
+        if self.cpu_reduce is True:
+            problems.append(f"{at}: {algorithm} does not run with {path}cpu_reduce true (a form of the allreduce "
+                            "algorithm); set cpu_reduce to auto or false")
+        if algorithm in ("decentralized", "powersgd"):
+            if self.hierarchical is True:
+                what = "exchanges weights between ranks directly" if algorithm == "decentralized" else \
+                    "runs its low-rank allreduces over all ranks"
+                problems.append(f"{at}: {algorithm} {what}; {path}hierarchical true applies to the allreduce "
+                                "algorithm: set it to auto or false")
+            if self.compression != "none":
+                what = "exchanges weights in full precision" if algorithm == "decentralized" else \
+                    "is a compression of its own"
+                problems.append(f"{at}: {algorithm} {what}; set {path}compression to none")
+        if algorithm == "local_sgd" and self.compression == "int8":
+            problems.append(f"{at}: local_sgd averages weights across nodes, and int8's error feedback is for "
+                            f"gradients; set {path}compression to none, fp16 or bf16")
         return problems
 
 

@@ -24,7 +24,10 @@ from aiak.comm.autotune import CommTuning, StepTuner, TuneInputs, cached_choice,
 from aiak.comm.config import CommConfig, check_comm
 from aiak.comm.connections import connection_counts, connections_available, wide_groups
 from aiak.comm.deadlock import enable_deadlock_guard
+from aiak.comm.decentralized import Decentralized
 from aiak.comm.hooks import CommState, comm_hook
+from aiak.comm.local_sgd import LocalSGD
+from aiak.comm.powersgd import PowerSGD, powersgd_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.topology import build_groups, detect_topology
 from aiak.util.cache import TuneCache
@@ -134,8 +137,9 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         return _hook_existing(model, opts)
 
     topology = detect_topology(process_group)
+    algorithm = _algorithm_here(opts, topology, process_group)
     want_groups = opts.hierarchical is True or opts.cpu_reduce is True \
-        or (opts.hierarchical == "auto" or opts.autotune) and topology.hierarchical_useful
+        or (opts.hierarchical == "auto" or opts.autotune or algorithm == "local_sgd") and topology.hierarchical_useful
     if process_group is not None and process_group is not dist.group.WORLD:
         if opts.hierarchical is True or opts.cpu_reduce is True:
             warn("aiak.comm: hierarchical allreduce (and CPU-Reduce, a form of it) is built on the default (world) "
@@ -157,30 +161,86 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     state = CommState(process_group, groups, hierarchical=hierarchical, compression=opts.compression,
                       compress_intra=opts.compress_intra, int8_block=opts.int8_block, pipeline_mb=opts.pipeline_mb,
                       stall_warn_s=opts.stall_warn_s, wide=wide, connections=counts[0], host_inter=host_inter,
-                      cpu_reduce=host_inter is not None and opts.cpu_reduce is True)
+                      cpu_reduce=host_inter is not None and opts.cpu_reduce is True, local_size=topology.local_size)
+    exchange_group = dist.new_group(list(range(topology.world_size)), backend=dist.get_backend(process_group)) \
+        if algorithm == "decentralized" else None  # collective: every rank creates it here
     bucket_mb, tuner = opts.bucket_mb, None
     if opts.autotune:
         bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group, counts)
 
     ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group)
-    default_path = not opts.autotune and not opts.deadlock_guard and state.algorithm == (False, "none", 1, False)
-    if not default_path:  # DDP's built-in C++ allreduce is the fastest flat fp32 path
+    ddp.aiak_comm_algorithm = None
+    if algorithm == "powersgd":
+        ddp.aiak_comm_algorithm = PowerSGD(model, process_group, opts.powersgd.rank, opts.powersgd.warmup_steps)
+        ddp.register_comm_hook(ddp.aiak_comm_algorithm, powersgd_hook)
+    elif not opts.autotune and not opts.deadlock_guard and algorithm == "allreduce" \
+            and state.algorithm == (False, "none", 1, False):
+        pass  # DDP's built-in C++ allreduce is the fastest flat fp32 path
+    else:
         state.tuner = tuner
         ddp.register_comm_hook(state, comm_hook)
+    if algorithm == "local_sgd":
+        ddp.aiak_comm_algorithm = LocalSGD(ddp, state, opts.local_sgd.period, opts.local_sgd.warmup_steps)
+    elif algorithm == "decentralized":
+        ddp.aiak_comm_algorithm = Decentralized(ddp, state, opts.decentralized.peers, exchange_group)
     ddp.aiak_comm_state = state
     use_plain_state_dict_keys(ddp)
     mark_built_by_aiak(ddp)  # the script's own DDP line, after the aiak line, returns this DDP
     if opts.deadlock_guard:
         enable_deadlock_guard(timeout_s=opts.timeout_s)
     logger.info("aiak.comm: DDP over %s, bucket %g MB, %s%s", topology.describe(), bucket_mb,
-                "autotuning (step mode)" if tuner else state.describe(),
+                "autotuning (step mode)" if tuner else describe_comm(ddp),
                 ", deadlock guard on" if opts.deadlock_guard else "")
     return ddp
+
+
+def describe_comm(ddp) -> str:
+    """What synchronises the ranks of a DDP that ``wrap_distributed`` returned: its comm algorithm, else the
+    allreduce algorithm of its hook."""
+    algorithm, state = getattr(ddp, "aiak_comm_algorithm", None), getattr(ddp, "aiak_comm_state", None)
+    if algorithm is not None:
+        return algorithm.describe() + (f", {state.describe()} in warm-up and averages"
+                                       if isinstance(algorithm, LocalSGD) else "")
+    return state.describe() if state is not None else "built-in allreduce"
+
+
+def _algorithm_here(opts: CommConfig, topology, process_group) -> str:
+    """``comm.algorithm`` as it runs on this topology: ``local_sgd`` where it would synchronise every step anyway
+    (one node, or ``period: 1``) is ``allreduce``; what cannot run here is refused with the reason."""
+    algorithm = opts.algorithm
+    if algorithm == "allreduce":
+        return algorithm
+    if process_group is not None and process_group is not dist.group.WORLD:
+        raise ValueError(f"aiak.comm: comm.algorithm {algorithm} runs on the default (world) group; this DDP was "
+                         "given a process_group of its own: leave process_group out, or use algorithm allreduce")
+    if algorithm == "local_sgd":
+        if opts.local_sgd.period == 1:
+            logger.info("aiak.comm: local_sgd with period 1 synchronises every step: allreduce")
+            return "allreduce"
+        if topology.num_nodes == 1:
+            warn(f"aiak.comm: comm.algorithm local_sgd averages across nodes, and this run has one node "
+                 f"({topology.describe()}): every step is synchronous, allreduce runs; use decentralized or "
+                 "powersgd to send less inside a node")
+            return "allreduce"
+        if not topology.uniform:
+            raise ValueError(f"aiak.comm: comm.algorithm local_sgd needs nodes of equal size (gradients are averaged "
+                             f"inside each node); this run's are {[len(n) for n in topology.nodes]}")
+    if algorithm in ("decentralized", "powersgd") and opts.connections not in ("auto", 1):
+        warn(f"aiak.comm: comm.connections: {opts.connections} applies to the allreduce algorithms' cross-node stage; "
+             f"{algorithm} sends over one connection per peer")
+    if algorithm == "decentralized" and opts.decentralized.peers == "shift_one" and topology.world_size % 2:
+        raise ValueError(f"aiak.comm: comm.decentralized.peers shift_one pairs ranks, and this run has "
+                         f"{topology.world_size} (odd); use peers: all, or an even number of ranks")
+    return algorithm
 
 
 def _hook_existing(ddp, opts: CommConfig):
     """A DistributedDataParallel the script built itself: its buckets stay as they are (bucket_mb cannot change
     now); aiak's communication hook is registered if the DDP has none yet and the settings need one."""
+    if opts.algorithm != "allreduce":
+        raise ValueError(f"aiak.comm: comm.algorithm {opts.algorithm} needs aiak to wrap the model in DDP, and the "
+                         "model is already a DistributedDataParallel: call aiak.optimize before "
+                         "DistributedDataParallel (aiak wraps it itself under torchrun), or use algorithm allreduce")
     if opts.autotune or opts.hierarchical is True or opts.connections not in ("auto", 1) or opts.cpu_reduce is True:
         warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune, comm.hierarchical, "
              "comm.connections and comm.cpu_reduce need the wrapping to be aiak's (call aiak.optimize before "

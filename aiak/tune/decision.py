@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from aiak.comm.config import ALGORITHM_TRADES
 from aiak.strategy.select import leaves
 from aiak.tune.candidates import differences
 from aiak.util.text import yaml_text
@@ -193,6 +194,9 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
             knobs[path] = {"value": value, "source": knob.source, "reason": knob.reason}
         else:
             knobs[path] = {"value": value, "source": "default", "reason": "plain PyTorch's setting"}
+    algorithm = knobs.get("comm.algorithm")
+    if algorithm is not None and algorithm["value"] != "allreduce":  # it changes the training: say what it trades
+        algorithm["reason"] += f"; trades: {ALGORITHM_TRADES[algorithm['value']]}"
     probes = selection.probes.to_dict() if hasattr(selection.probes, "to_dict") else {}
     tuning_note = ""
     if tuning is None:

@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 def launch(scenario: str, tmp_path: Path, world: int = 4, nodes=None, timeout: float = 90.0, env=None,
-           allow_fail: bool = False):
-    """Run ``scenario`` on ``world`` ranks; ``nodes`` lists the node of each rank (default 2 nodes x 2).
+           allow_fail: bool = False, worker: Path = WORKER):
+    """Run ``scenario`` of ``worker`` (default dist_worker.py) on ``world`` ranks; ``nodes`` lists the node of each
+    rank (default 2 nodes x 2).
 
     Returns the per-rank result objects (``torch.save``d by the worker). Every process is killed when the
     timeout passes, so a hang fails the test instead of blocking the suite.
@@ -42,7 +43,7 @@ def launch(scenario: str, tmp_path: Path, world: int = 4, nodes=None, timeout: f
         e.update(env or {})
         e = {k: v for k, v in e.items() if v is not None}
         log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=e, stdout=log,
+        procs.append((subprocess.Popen([sys.executable, str(worker), scenario, str(out)], env=e, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     failed = []
     try:
@@ -68,5 +69,5 @@ def launch(scenario: str, tmp_path: Path, world: int = 4, nodes=None, timeout: f
 
 @pytest.fixture(scope="session")
 def launch_ranks(tmp_path_factory):
-    """``launch_ranks(scenario, world=4, nodes=None, timeout=90, env=None)`` -> per-rank results."""
+    """``launch_ranks(scenario, world=4, nodes=None, timeout=90, env=None, worker=WORKER)`` -> per-rank results."""
     return lambda scenario, **kw: launch(scenario, tmp_path_factory.mktemp(scenario), **kw)

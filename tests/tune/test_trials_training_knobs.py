@@ -32,8 +32,9 @@ class RefusesChannelsLast(DemoNet):
 
 
 # what the schema has that changes what is trained: the effective batch and how often the optimizer steps, the
-# update rule and its hyper-parameters, the batches' composition and normalization
-TRAINING_PATHS = ("grad_accumulation", "optimizer", "loader.balanced", "loader.max_tokens", "loader.mean", "loader.std")
+# update rule and its hyper-parameters, the batches' composition and normalization, how the ranks synchronise
+TRAINING_PATHS = ("grad_accumulation", "optimizer", "loader.balanced", "loader.max_tokens", "loader.mean", "loader.std",
+                  "comm.algorithm", "comm.local_sgd", "comm.decentralized", "comm.powersgd")
 
 
 def _training_knobs(strategy):

@@ -1,0 +1,135 @@
+"""Local SGD with hierarchical model averaging (``comm.algorithm: local_sgd``).
+
+Lin et al., 2020, "Don't Use Large Mini-Batches, Use Local SGD" (post-local SGD: synchronous SGD for a warm-up,
+then local steps with periodic averaging), in the hierarchical form of torch's ``post_localSGD_hook`` with a
+per-node subgroup plus ``PeriodicModelAverager``:
+
+- for ``warmup_steps`` real steps the communication hook averages every bucket over all ranks, as ``allreduce``;
+- then the hook averages gradients inside each node only (:attr:`aiak.comm.hooks.CommState.scope` ``node``; with
+  one rank per node nothing is sent at all), so the ranks of a node stay identical while nodes drift apart;
+- after the real step of index ``s`` (counted from 0), for ``s >= warmup_steps`` and ``(s - warmup_steps)`` a
+  multiple of ``period``, the weights are averaged across nodes: the step controller calls :meth:`after_real_step`,
+  which averages one flat float32 buffer of the trainable parameters **and the floating buffers** (BatchNorm's
+  running statistics, which torch's averager leaves as each rank has them) through the same hook machinery
+  (:func:`aiak.comm.hooks.average`), so the hierarchical algorithm, several connections and fp16/bf16 transport
+  apply to it.
+
+With fp16/bf16 transport the first average sends float32 values and every later one sends the change since the
+previous average (which every rank holds identically, kept in float32): a weight of magnitude 1 sent as fp16 would
+lose everything past its 11th bit, its change over a period loses the same fraction of a far smaller number. During
+the local phase DDP's broadcast of buffers from rank 0 at every forward is off (a collective per step, and it
+would overwrite the averaged statistics).
+
+Real steps are counted by the averager itself, so a step skipped for inf/NaN gradients counts (it was a step for
+the schedule); the count travels in the optimizer's ``state_dict()`` (the step controller's extras), so a resumed
+run averages on the same steps. ``period: 1`` never gets here: synchronising every step is ``allreduce``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from aiak.comm.compression import CAST_DTYPES
+from aiak.comm.hooks import CommState, average
+
+AVERAGE_KEY = "local_sgd"  # the key of the weights' average in the hook machinery (never a bucket index)
+
+
+class LocalSGD:
+    """The averager of one DDP model; attached to its optimizer's step controller by ``aiak.optimize``."""
+
+    def __init__(self, ddp: torch.nn.Module, state: CommState, period: int, warmup_steps: int):
+        if period < 2:
+            raise ValueError(f"local SGD needs period >= 2 (period 1 is allreduce), got {period}")
+        self.ddp, self.state = ddp, state
+        self.period, self.warmup_steps = period, warmup_steps
+        self.steps = 0            # real steps taken
+        self.averages = 0         # averages across nodes so far
+        self.anchor: Optional[torch.Tensor] = None  # the last average (fp16/bf16 transport only)
+        self.broadcast_buffers = getattr(ddp, "broadcast_buffers", False)
+        self._enter_phase()
+
+    # -- what is averaged ---------------------------------------------------------------------------------
+    def tensors(self) -> List[torch.Tensor]:
+        """The trainable parameters, then the floating buffers, in module order (the same on every rank)."""
+        module = self.ddp.module
+        return [p for p in module.parameters() if p.requires_grad] + \
+            [b for b in module.buffers() if b.is_floating_point()]
+
+    @property
+    def local(self) -> bool:
+        """Past the warm-up: gradients stay inside the node."""
+        return self.steps >= self.warmup_steps
+
+    def _enter_phase(self) -> None:
+        self.state.set_scope("node" if self.local else "world")
+        self.ddp.broadcast_buffers = self.broadcast_buffers and not self.local
+
+    # -- the step controller's calls ---------------------------------------------------------------------
+    def at_real_step(self) -> None:
+        pass
+
+    def after_real_step(self, updated: bool) -> None:
+        step, self.steps = self.steps, self.steps + 1
+        if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
+            self.average()
+        self._enter_phase()
+
+    def average(self) -> None:
+        """Average the weights and floating buffers across all ranks (ranks of a node hold the same weights, so
+        this is the average across nodes; their buffers are averaged too)."""
+        tensors = self.tensors()
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+            cast = CAST_DTYPES.get(self.state.compression) is not None
+            if cast and self.anchor is not None:  # send the change since the last average
+                delta = flat - self.anchor
+                average(self.state, delta, key=AVERAGE_KEY).wait()
+                flat = self.anchor.add_(delta)
+            else:
+                with _uncompressed(self.state):
+                    average(self.state, flat, key=AVERAGE_KEY).wait()
+            if cast:
+                self.anchor = flat if self.anchor is flat else flat.clone()
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self.averages += 1
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {"algorithm": "local_sgd", "steps": self.steps, "averages": self.averages,
+                "anchor": None if self.anchor is None else self.anchor.clone()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("algorithm") != "local_sgd":
+            raise ValueError(f"this checkpoint's comm algorithm is {state.get('algorithm')!r}, not local_sgd")
+        self.steps, self.averages = int(state["steps"]), int(state["averages"])
+        anchor = state.get("anchor")
+        self.anchor = None if anchor is None else anchor.to(self._device()).clone()
+        self._enter_phase()
+
+    def _device(self) -> torch.device:
+        first = next(iter(self.tensors()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    def describe(self) -> str:
+        return f"local SGD: period {self.period}, warm-up {self.warmup_steps} steps"
+
+
+class _uncompressed:
+    """The state's transport without compression for one average (the first, in float32)."""
+
+    def __init__(self, state: CommState):
+        self.state, self.saved = state, state.algorithm
+
+    def __enter__(self):
+        hierarchical, compression, connections, cpu_reduce = self.saved
+        if compression != "none":
+            self.state.set_algorithm(hierarchical, "none", connections, cpu_reduce)
+
+    def __exit__(self, *exc):
+        if self.state.algorithm != self.saved:
+            self.state.set_algorithm(*self.saved)

@@ -1,0 +1,206 @@
+"""PowerSGD (``comm.algorithm: powersgd``): torch's ``powerSGD_hook``, made safe for loss scaling and checkpoints.
+
+Vogels et al., 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization": each
+gradient matrix M (n x m) is sent as rank-r factors P = MQ and Q = M^T P (one power iteration, Q warm-started
+from the previous step), with error feedback; torch's ``powerSGD_hook`` and ``PowerSGDState`` do the arithmetic
+(three allreduces per bucket, one after the other: the uncompressed tensors, the Ps, the Qs). For
+``warmup_steps`` real steps it allreduces the gradients as they are.
+
+What aiak adds around torch's hook:
+
+- **a non-finite bucket leaves the state as it was.** torch's hook has no inf/NaN guard: one fp16 overflow puts
+  NaN into the bucket's residual and its warm-started Q, and every later step of that bucket is NaN. Here the
+  residual, P and Q of a bucket are kept before the hook runs; the averaged bucket's finiteness is checked
+  (:class:`~aiak.comm.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and a
+  non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
+- **residuals in the gradients' own units.** aiak's loss scaling is undone inside the graph, where gradients leave
+  the model (:mod:`aiak.amp.half_compute`), so the hook sees unscaled gradients and a residual means the same after
+  the loss scale changes.
+- **residuals tied to their bucket's layout.** DDP rebuilds its buckets after the first step, in the order the
+  gradients became ready (hence a warm-up of at least 2 steps: the state is tied to the rebuilt buckets). Each
+  bucket's layout (which parameters, in which order) is recorded at every step; a bucket whose layout changed
+  starts afresh (a new residual and a new random Q) instead of adding one parameter's residual to another's
+  gradient.
+- **checkpoints.** The state (step count, residuals, P and Q, the random generator, the layouts) travels in the
+  optimizer's ``state_dict()`` (the step controller's extras). A resumed run's DDP starts from its initial buckets
+  again (one bucket of every parameter, in another order); that first bucket is cut into the recorded buckets, each
+  run through the hook as the saved run ran it (same order, same offsets, so the same sums on the wire), so the
+  resumed run continues bit for bit.
+"""
+from typing import Any, Dict, Hashable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from aiak.comm.compression import FiniteFlag
+from aiak.comm.hooks import ParameterNumbers, bucket_layout
+
+_Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
+
+
+class PowerSGD:
+    """The communication state of one DDP model: torch's ``PowerSGDState`` plus the guard and the layouts."""
+
+    def __init__(self, module: torch.nn.Module, process_group, rank: int, warmup_steps: int, seed: int = 0):
+        self.torch_state = torch_powersgd.PowerSGDState(
+            process_group=process_group, matrix_approximation_rank=rank, start_powerSGD_iter=warmup_steps,
+            use_error_feedback=True, warm_start=True, random_seed=seed)
+        self.rank, self.warmup_steps = rank, warmup_steps
+        self.numbers = ParameterNumbers()  # numbered in module order: a layout means the same in a resumed run
+        for p in module.parameters():
+            self.numbers(p)
+        self.layouts: Dict[int, Hashable] = {}                         # bucket index -> layout of its state
+        self._pending: Dict[int, Tuple[_Kept, FiniteFlag]] = {}        # bucket -> state before, verdict after
+        self.skipped = 0                                               # buckets whose result was not finite
+        self._resuming = False                                         # a checkpoint loaded, its first step to come
+
+    # -- the hook ----------------------------------------------------------------------------------------
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        layout = bucket_layout(bucket, self.numbers)
+        recorded = self._recorded_parts(bucket.index(), layout) if self._resuming else None
+        if bucket.is_last():
+            self._resuming = False
+        if recorded is not None:
+            return self._as_recorded(bucket, layout, recorded)
+        if self.layouts.get(bucket.index(), layout) != layout:
+            self._forget(bucket.index())
+        self.layouts[bucket.index()] = layout
+        return self._through_torch(bucket)
+
+    def _through_torch(self, bucket) -> torch.futures.Future:
+        """torch's hook on ``bucket``, its state kept to be put back if the result is not finite."""
+        index = bucket.index()
+        self._settle(index)
+        kept = self._keep(index)
+        fut = torch_powersgd.powerSGD_hook(self.torch_state, bucket)
+
+        def verdict(done: torch.futures.Future) -> torch.Tensor:
+            averaged = done.value()
+            averaged = averaged[0] if isinstance(averaged, list) else averaged
+            self._pending[index] = (kept, FiniteFlag(averaged))
+            return averaged
+
+        return fut.then(verdict)
+
+    def _recorded_parts(self, index: int, layout: Hashable) -> Optional[List[int]]:
+        """The recorded buckets a bucket of the first step after a checkpoint was loaded consists of, when it is
+        not one of them itself (DDP's initial bucket): their indices, else ``None``."""
+        if not self.layouts or self.layouts.get(index) == layout:
+            return None
+        recorded = sorted(self.layouts)
+        if sorted(n for i in recorded for n, _ in self.layouts[i]) != sorted(n for n, _ in layout):
+            return None
+        return recorded
+
+    def _as_recorded(self, bucket, layout, parts: List[int]) -> torch.futures.Future:
+        """Run ``bucket`` as the recorded buckets ``parts``: each gathered into a buffer of its own in its recorded
+        order, through torch's hook, in index order; the results written back into ``bucket``'s gradients."""
+        grads = {number: g for (number, _), g in zip(layout, bucket.gradients())}
+        pieces = [_Bucket(i, [grads[n] for n, _ in self.layouts[i]], is_last=bucket.is_last() and i == parts[-1])
+                  for i in parts]
+        futures = [self._through_torch(piece) for piece in pieces]
+
+        def scatter(done: torch.futures.Future) -> torch.Tensor:
+            for piece, fut in zip(pieces, done.value()):
+                fut.value()  # raises what that piece raised
+                for i, n in enumerate(number for number, _ in self.layouts[piece.index()]):
+                    grads[n].copy_(piece.gradients()[i])
+            return bucket.buffer()
+
+        return torch.futures.collect_all(futures).then(scatter)
+
+    def _keep(self, index: int) -> _Kept:
+        """What the hook may change of bucket ``index``: the residual (replaced, never written into) and P, Q
+        (written into)."""
+        s = self.torch_state
+        p, q = s.p_memory_dict.get(index), s.q_memory_dict.get(index)
+        return s.error_dict.get(index), None if p is None else p.clone(), None if q is None else q.clone()
+
+    def _settle(self, index: Optional[int] = None) -> None:
+        """Read the verdicts on earlier calls (of bucket ``index``, or all): a non-finite one puts back its state."""
+        for i in [index] if index is not None else list(self._pending):
+            pending = self._pending.pop(i, None)
+            if pending is None or bool(pending[1]):
+                continue
+            self.skipped += 1
+            s = self.torch_state
+            for table, value in zip((s.error_dict, s.p_memory_dict, s.q_memory_dict), pending[0]):
+                if value is None:
+                    table.pop(i, None)
+                else:
+                    table[i] = value
+
+    def _forget(self, index: int) -> None:
+        s = self.torch_state
+        for table in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
+            table.pop(index, None)
+
+    # -- the step controller's calls ---------------------------------------------------------------------
+    def at_real_step(self) -> None:
+        pass
+
+    def after_real_step(self, updated: bool) -> None:
+        pass
+
+    def residuals(self) -> Dict[int, torch.Tensor]:
+        """Copies of the residuals the next step adds, by bucket index (tests and debugging)."""
+        self._settle()
+        return {i: r.clone() for i, r in self.torch_state.error_dict.items()}
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        self._settle()
+        s = self.torch_state
+        return {"algorithm": "powersgd", "iter": s.iter, "rng": s.rng.get_state(), "layouts": dict(self.layouts),
+                "error": {i: t.clone() for i, t in s.error_dict.items()},
+                "p": {i: t.clone() for i, t in s.p_memory_dict.items()},
+                "q": {i: t.clone() for i, t in s.q_memory_dict.items()}, "skipped": self.skipped}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("algorithm") != "powersgd":
+            raise ValueError(f"this checkpoint's comm algorithm is {state.get('algorithm')!r}, not powersgd")
+        self._pending.clear()
+        s = self.torch_state
+        s.iter = int(state["iter"])
+        s.rng.set_state(state["rng"])
+        self.layouts = dict(state["layouts"])
+        self.skipped = int(state.get("skipped", 0))
+        s.error_dict = {i: t.clone() for i, t in state["error"].items()}
+        s.p_memory_dict = {i: t.clone() for i, t in state["p"].items()}
+        s.q_memory_dict = {i: t.clone() for i, t in state["q"].items()}
+        self._resuming = True
+
+    def describe(self) -> str:
+        return f"PowerSGD: rank {self.rank}, warm-up {self.warmup_steps} steps"
+
+
+class _Bucket:
+    """A bucket of the recorded layout, as torch's hook reads one (:meth:`PowerSGD._as_recorded`): a flat buffer of
+    the given gradients, back to back, and its gradients as views of it."""
+
+    def __init__(self, index: int, gradients: List[torch.Tensor], is_last: bool):
+        self._index, self._is_last = index, is_last
+        self._buffer = torch.cat([g.reshape(-1) for g in gradients])
+        self._views, offset = [], 0
+        for g in gradients:
+            self._views.append(self._buffer[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> List[torch.Tensor]:
+        return self._views
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
+def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: :meth:`PowerSGD.hook` (DDP takes a state and a function)."""
+    # (annotations are real objects here, no ``from __future__ import annotations``: DDP checks them)
+    return state.hook(bucket)

@@ -1,0 +1,391 @@
+"""One rank of a ``comm.algorithm`` test (local SGD, decentralized SGD, PowerSGD), launched by conftest.launch.
+
+``python algorithm_worker.py <scenario> <outdir>``: runs the scenario and ``torch.save``s its result to
+``<outdir>/rank<r>.pt``; test_algorithms.py makes the assertions. Each scenario trains aiak's algorithm and an
+independent reference on the same weights and batches: torch's own hooks and averagers, or a plain
+``torch.distributed`` transcription of the arithmetic.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def mlp(seed=0, bn=False):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(12, 32)] + ([nn.BatchNorm1d(32)] if bn else []) + [nn.Tanh(), nn.Linear(32, 24), nn.Tanh(),
+                                                                           nn.Linear(24, 5)]
+    return nn.Sequential(*layers)
+
+
+def batch(rank, step, n=8):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(n, 12, generator=g), torch.randn(n, 5, generator=g)
+
+
+def weights(model):
+    module = model.module if isinstance(model, DDP) else model
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def optimized(model, opt, comm, **strategy):
+    import aiak
+
+    return aiak.optimize(model, opt, strategy={"comm": {"bucket_mb": 25, **comm}, **strategy})[:2]
+
+
+def train(ddp, opt, rank, steps, start=0, accumulation=1, inject=None, record=None):
+    """``steps`` real steps of MSE on this rank's batches; ``inject(step, x)`` may spoil an input."""
+    for step in range(start, start + steps):
+        for micro in range(accumulation):
+            x, y = batch(rank, step * accumulation + micro)
+            if inject is not None:
+                x = inject(step, x)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if record is not None and micro == accumulation - 1:
+                record.append([p.grad.detach().clone() for p in ddp.parameters()])
+            opt.step()
+            opt.zero_grad()
+    return ddp
+
+
+def intra_node_group():
+    """This rank's node as a group (torchrun's LOCAL_WORLD_SIZE / GROUP_RANK); every rank creates every group."""
+    world, local = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    mine = None
+    for node in range(world // local):
+        g = dist.new_group(list(range(node * local, node * local + local)))
+        if dist.get_rank() // local == node:
+            mine = g
+    return mine
+
+
+# -- local SGD ---------------------------------------------------------------------------------------
+def torch_local_sgd(rank, steps, warmup, period, bn=False, lr=0.05):
+    """torch's post-local SGD: DDP + post_localSGD_hook (subgroup = this node) + PeriodicModelAverager."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    ddp = DDP(mlp(bn=bn), bucket_cap_mb=25)
+    ddp.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=intra_node_group(),
+                                             start_localSGD_iter=warmup), post_localSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+    buffers = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        averager.average_parameters(ddp.parameters())  # before zero_grad: it averages the parameters with a .grad
+        opt.zero_grad()
+        buffers.append({k: v.clone() for k, v in ddp.module.named_buffers() if v.is_floating_point()})
+    return weights(ddp), buffers
+
+
+def aiak_local_sgd(rank, steps, warmup, period, bn=False, lr=0.05, **comm):
+    model = mlp(bn=bn)
+    ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=lr),
+                         {"algorithm": "local_sgd", "local_sgd": {"period": period, "warmup_steps": warmup}, **comm})
+    averager = ddp.aiak_comm_algorithm
+    seen = []  # (step, every rank's floating buffers just before an average, after it)
+    average = averager.average
+
+    def spied():
+        before = [b.detach().clone() for b in ddp.module.buffers() if b.is_floating_point()]
+        gathered = [[torch.empty_like(b) for _ in range(dist.get_world_size())] for b in before]
+        for b, out in zip(before, gathered):
+            dist.all_gather(out, b)
+        average()
+        after = [b.detach().clone() for b in ddp.module.buffers() if b.is_floating_point()]
+        seen.append((averager.steps - 1, gathered, after))
+
+    averager.average = spied
+    train(ddp, opt, rank, steps)
+    return {"weights": weights(ddp), "averages": averager.averages, "seen": seen,
+            "describe": ddp.aiak_comm_algorithm.describe(), "broadcast_buffers": ddp.broadcast_buffers}
+
+
+def scenario_local_sgd(rank):
+    out = {}
+    # period 1 is allreduce: bit for bit a plain torch DDP
+    model = mlp()
+    ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                         {"algorithm": "local_sgd", "local_sgd": {"period": 1, "warmup_steps": 0},
+                          "hierarchical": False})
+    out["period1"] = weights(train(ddp, opt, rank, 6))
+    out["period1_algorithm"] = getattr(ddp, "aiak_comm_algorithm", None)
+    plain = DDP(mlp(), bucket_cap_mb=25)
+    out["ddp"] = weights(train(plain, torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9), rank, 6))
+    plain = DDP(mlp(), bucket_cap_mb=25)
+    out["ddp20"] = weights(train(plain, torch.optim.SGD(plain.parameters(), lr=0.05), rank, 20))
+    # plain SGD, 20 steps, against torch's post-local SGD
+    out["torch"], _ = torch_local_sgd(rank, 20, warmup=3, period=4)
+    out["aiak_flat"] = aiak_local_sgd(rank, 20, warmup=3, period=4, hierarchical=False)
+    out["aiak_hierarchical"] = aiak_local_sgd(rank, 20, warmup=3, period=4, hierarchical=True)
+    out["aiak_fp16"] = aiak_local_sgd(rank, 20, warmup=3, period=4, hierarchical=True, compression="fp16")
+    # BatchNorm: aiak averages the running statistics, torch's averager leaves them per rank
+    out["torch_bn"], out["torch_bn_buffers"] = torch_local_sgd(rank, 12, warmup=2, period=3, bn=True)
+    out["aiak_bn"] = aiak_local_sgd(rank, 12, warmup=2, period=3, bn=True, hierarchical=False)
+    return out
+
+
+def scenario_local_sgd_collectives(rank):
+    """4 nodes x 1 rank: past the warm-up a step that does not average sends nothing."""
+    from aiak.comm import hooks
+
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    model = mlp()
+    ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                         {"algorithm": "local_sgd", "local_sgd": {"period": 4, "warmup_steps": 2}})
+    per_step = []
+    dist.all_reduce = counting
+    try:
+        for step in range(10):
+            before = len(calls)
+            train(ddp, opt, rank, 1, start=step)
+            per_step.append(len(calls) - before)
+    finally:
+        dist.all_reduce = original
+    assert hooks.dist.all_reduce is original
+    out = {"per_step": per_step, "numel": sum(p.numel() for p in ddp.parameters())}
+    out["torch"], _ = torch_local_sgd(rank, 20, warmup=3, period=4)
+    out["aiak"] = aiak_local_sgd(rank, 20, warmup=3, period=4)
+    return out
+
+
+# -- decentralized -----------------------------------------------------------------------------------
+def transcribed_decentralized(rank, steps, peers, lr=0.05):
+    """The arithmetic of decentralized SGD in plain torch.distributed: average the weights the forward used
+    with the peers', then apply the own gradient (no DDP, no gradient allreduce)."""
+    model = mlp()
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    world, half = dist.get_world_size(), dist.get_world_size() // 2
+    for step in range(steps):
+        sent = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        x, y = batch(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        if peers == "all":
+            dist.all_reduce(sent)
+            sent /= world
+        else:
+            peer = half + (rank + step) % half if rank < half else (rank - half - step) % half
+            theirs = torch.empty_like(sent)
+            reqs = [dist.isend(sent, peer), dist.irecv(theirs, peer)]
+            for r in reqs:
+                r.wait()
+            sent = (sent + theirs) / 2
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(sent, model.parameters())
+        opt.step()
+        opt.zero_grad()
+    return weights(model)
+
+
+class Computing(nn.Module):
+    """Stands for a forward that takes a while (0.1 s, the GIL released), so the exchange has room to run."""
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.1)
+        return x
+
+
+def scenario_decentralized(rank):
+    import time
+
+    out = {}
+    for peers in ("shift_one", "all"):
+        model = mlp()
+        ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                             {"algorithm": "decentralized", "decentralized": {"peers": peers}})
+        out[peers] = {"aiak": weights(train(ddp, opt, rank, 10)), "reference": transcribed_decentralized(rank, 10, peers),
+                      "exchanges": ddp.aiak_comm_algorithm.exchanges, "describe": ddp.aiak_comm_algorithm.describe()}
+        # overlap: when each exchange began on the comm worker, when each backward finished
+        model = nn.Sequential(Computing(), mlp())
+        ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                             {"algorithm": "decentralized", "decentralized": {"peers": peers}})
+        exchange, started, backward_done = ddp.aiak_comm_algorithm, [], []
+        average = exchange._average
+
+        def timed(x, peer):
+            started.append(time.perf_counter())
+            average(x, peer)
+
+        exchange._average = timed
+        model[1][0].weight.register_hook(lambda g: backward_done.append(time.perf_counter()))  # the last gradient
+        train(ddp, opt, rank, 3)
+        out[peers].update(started=started, backward_done=backward_done)
+    return out
+
+
+# -- PowerSGD ----------------------------------------------------------------------------------------
+def torch_powersgd(rank, steps, rank_r, warmup, record, scaler=None, inject=None):
+    """DDP + torch's powerSGD_hook registered directly (optionally with a GradScaler)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    ddp = DDP(mlp(), bucket_cap_mb=25)
+    ddp.register_comm_hook(ps.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r,
+                                            start_powerSGD_iter=warmup, use_error_feedback=True, warm_start=True,
+                                            random_seed=0), ps.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = batch(rank, step)
+        if inject is not None:
+            x = inject(step, x)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        record.append([p.grad.detach().clone() for p in ddp.parameters()])
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    return ddp
+
+
+def scenario_powersgd(rank):
+    out = {}
+    # equal gradients with torch's hook registered directly
+    model = mlp()
+    ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                         {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}})
+    out["aiak_grads"], out["torch_grads"] = [], []
+    train(ddp, opt, rank, 8, record=out["aiak_grads"])
+    torch_powersgd(rank, 8, 2, 2, out["torch_grads"])
+    out["describe"] = ddp.aiak_comm_algorithm.describe()
+
+    # one inf input on rank 1 at step 4, under fp16 loss scaling
+    def inject(step, x):
+        if step == 4 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        return x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on this CPU is emulated, and says so
+        model = mlp()
+        ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                             {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}},
+                             precision={"level": "O1", "dtype": "fp16"})
+        import aiak
+
+        stepped, grads = [], []
+        for step in range(10):
+            train(ddp, opt, rank, 1, start=step, inject=inject, record=grads)
+            stepped.append(aiak.stepped(opt))
+        out["guarded"] = {"stepped": stepped, "grads": grads, "weights": weights(ddp),
+                          "skipped": ddp.aiak_comm_algorithm.skipped,
+                          "residuals": ddp.aiak_comm_algorithm.residuals()}
+        raw = []
+        torch_powersgd(rank, 10, 2, 2, raw, scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), inject=inject)
+        out["raw_grads"] = raw
+
+    # a checkpoint taken after 4 steps and loaded into fresh objects continues bit for bit
+    out["checkpoint"] = resumed(rank, {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}},
+                                total=8, cut=4)
+    return out
+
+
+# -- resume, each algorithm under O2 and accumulation -------------------------------------------------
+def resumed(rank, comm, total, cut, **strategy):
+    """Straight through ``total`` real steps, against ``cut`` steps + a checkpoint loaded into a fresh model,
+    optimizer and aiak.optimize + the rest; and the same with the comm algorithm's state left out of the
+    checkpoint (what a resume without it would give)."""
+    accumulation = strategy.get("grad_accumulation", 1)
+
+    def fresh():
+        model = mlp(bn=True)
+        return optimized(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), comm, **strategy)
+
+    ddp, opt = fresh()
+    straight = weights(train(ddp, opt, rank, total, accumulation=accumulation))
+    ddp, opt = fresh()
+    train(ddp, opt, rank, cut, accumulation=accumulation)
+    blob = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()}, blob)
+    out = {"straight": straight}
+    for name in ("resumed", "without_algorithm_state"):
+        ddp, opt = fresh()
+        saved = torch.load(io.BytesIO(blob.getvalue()), weights_only=False)
+        if name == "without_algorithm_state":
+            saved["optimizer"]["aiak"].pop("comm_algorithm")
+        else:
+            out["extras"] = saved["optimizer"]["aiak"]
+        ddp.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        out[name] = weights(train(ddp, opt, rank, total - cut, start=cut, accumulation=accumulation))
+    return out
+
+
+def scenario_resume(rank):
+    strategy = {"precision": {"level": "O2", "dtype": "bf16"}, "grad_accumulation": 2}
+    comms = {"local_sgd": {"algorithm": "local_sgd", "local_sgd": {"period": 2, "warmup_steps": 1}},
+             "decentralized": {"algorithm": "decentralized"},
+             "powersgd": {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}}}
+    return {name: resumed(rank, comm, total=7, cut=3, **strategy) for name, comm in comms.items()}
+
+
+
+def scenario_refusals(rank):
+    """3 ranks on one node: what cannot run here is refused, all or nothing; what makes no difference says so."""
+    import aiak
+
+    out = {}
+
+    def attempt(name, comm, with_optimizer=True, model=None):
+        model = model if model is not None else mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05) if with_optimizer else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                wrapped = aiak.optimize(model, opt, strategy={"comm": comm})[0]
+                out[name] = {"type": type(wrapped).__name__, "describe": aiak.last_decision().effect("comm")}
+            except Exception as e:  # noqa: BLE001 - the message is what the test reads
+                out[name] = {"error": f"{type(e).__name__}: {e}", "model_type": type(model).__name__,
+                             "patched": hasattr(opt, "_aiak_steps") if opt is not None else None}
+        out[name]["warnings"] = [str(w.message) for w in caught]
+
+    attempt("local_sgd_one_node", {"algorithm": "local_sgd"})
+    attempt("shift_one_odd", {"algorithm": "decentralized"})
+    attempt("all_odd", {"algorithm": "decentralized", "decentralized": {"peers": "all"}})
+    attempt("no_optimizer", {"algorithm": "powersgd"}, with_optimizer=False)
+    attempt("prewrapped", {"algorithm": "powersgd"}, model=DDP(mlp()))
+    return out
+
+def main():
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        result = globals()[f"scenario_{scenario}"](rank)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()  # rank 0 hosts the store: keep it up until every rank is done
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+

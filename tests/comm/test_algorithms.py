@@ -1,0 +1,173 @@
+"""``comm.algorithm``: local SGD, decentralized SGD and PowerSGD on real gloo ranks, each against an independent
+reference (torch's own hooks and averagers, or a plain torch.distributed transcription of the arithmetic), plus
+exact resume under O2 and accumulation. The ranks run tests/comm/algorithm_worker.py."""
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("algorithm_worker.py")
+
+
+@pytest.fixture(scope="module")
+def run(launch_ranks):
+    cache = {}
+
+    def scenario(name, **kw):
+        if name not in cache:
+            cache[name] = launch_ranks(name, worker=WORKER, timeout=240, **kw)
+        return cache[name]
+
+    return scenario
+
+
+def _max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _equal(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- local SGD ---------------------------------------------------------------------------------------
+def test_local_sgd_with_period_1_is_ddp_bit_for_bit(run):
+    for r in run("local_sgd"):
+        assert r["period1_algorithm"] is None  # it runs as allreduce
+        assert _equal(r["period1"], r["ddp"])
+
+
+@pytest.mark.parametrize("variant, tolerance", [("aiak_flat", 0.0), ("aiak_hierarchical", 1e-6),
+                                                ("aiak_fp16", 5e-5)])
+def test_local_sgd_matches_torchs_post_local_sgd_and_periodic_averager(run, variant, tolerance):
+    """Plain SGD, 2 nodes x 2 ranks, 20 steps, warm-up 3, period 4, against DDP + post_localSGD_hook(subgroup=the
+    node) + PeriodicModelAverager. Flat transport is the same arithmetic (bit for bit); hierarchical averages in
+    another order; fp16 transport sends the change since the last average in fp16."""
+    ranks = run("local_sgd")
+    for r in ranks:
+        mine = r[variant]
+        assert _max_diff(mine["weights"], r["torch"]) <= tolerance
+        assert mine["averages"] == 5  # after steps 3, 7, 11, 15, 19
+        assert not mine["broadcast_buffers"]  # DDP's per-forward buffer broadcast is off in the local phase
+        assert _max_diff(mine["weights"], r["ddp20"]) > 1e-5  # and it is not DDP: the nodes drifted between averages
+    # the ranks of every node, and after the last average all ranks, hold the same weights
+    assert all(_equal(r["aiak_flat"]["weights"], ranks[0]["aiak_flat"]["weights"]) for r in ranks)
+
+
+def test_local_sgd_averages_batchnorm_statistics_where_torchs_averager_leaves_them_per_rank(run):
+    ranks = run("local_sgd")
+    for r in ranks:
+        params = {k: v for k, v in r["torch_bn"].items() if "running" not in k and "num_batches" not in k}
+        assert _max_diff({k: r["aiak_bn"]["weights"][k] for k in params}, params) <= 1e-6  # the same training
+        assert [step for step, _, _ in r["aiak_bn"]["seen"]] == [2, 5, 8, 11]
+        for _, gathered, after in r["aiak_bn"]["seen"]:
+            for ranks_values, averaged in zip(gathered, after):
+                assert not torch.equal(ranks_values[0], ranks_values[1])  # they differed before
+                assert torch.allclose(averaged, torch.stack(ranks_values).mean(0), rtol=0, atol=1e-6)
+    # aiak's running statistics agree on every rank at the end (step 11 averaged); torch's differ
+    key = "1.running_mean"
+    assert all(torch.equal(r["aiak_bn"]["weights"][key], ranks[0]["aiak_bn"]["weights"][key]) for r in ranks)
+    assert (ranks[0]["torch_bn"][key] - ranks[2]["torch_bn"][key]).abs().max() > 1e-3
+
+
+def test_local_sgd_on_one_rank_per_node_sends_nothing_between_averages(run):
+    """4 nodes x 1 rank, warm-up 2, period 4: one allreduce per warm-up step, then one per average (steps 2 and 6:
+    the weights), none on the other steps; and the same training as torch's reference with 1-rank subgroups."""
+    for r in run("local_sgd_collectives", nodes=[0, 1, 2, 3]):
+        assert r["per_step"] == [1, 1, 1, 0, 0, 0, 1, 0, 0, 0]
+        assert _max_diff(r["aiak"]["weights"], r["torch"]) == 0.0
+        assert r["aiak"]["averages"] == 5
+
+
+# -- decentralized -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("peers", ["shift_one", "all"])
+def test_decentralized_equals_a_plain_torch_distributed_transcription(run, peers):
+    ranks = run("decentralized")
+    for r in ranks:
+        mine = r[peers]
+        assert _equal(mine["aiak"], mine["reference"])  # 10 steps, SGD with momentum, bit for bit
+        assert mine["exchanges"] == 10
+        assert mine["describe"] == f"decentralized SGD: peers {peers}"
+    # replicas agree only on average: the ranks' weights differ
+    assert not _equal(ranks[0][peers]["aiak"], ranks[1][peers]["aiak"])
+
+
+def test_decentralized_exchange_runs_while_the_backward_computes(run):
+    """Every step's exchange began on the comm worker before that step's backward had finished (issued at the
+    forward's start, a forward of 0.1 s; the step waits for it)."""
+    for r in run("decentralized"):
+        for peers in ("shift_one", "all"):
+            started, done = r[peers]["started"], r[peers]["backward_done"]
+            assert len(started) == len(done) == 3
+            assert all(s < d for s, d in zip(started, done))
+
+
+def test_shift_one_pairs_every_rank_with_every_rank_of_the_other_half():
+    from aiak.comm.decentralized import shift_one_peer
+
+    for world in (2, 4, 6, 8):
+        half = world // 2
+        for exchange in range(2 * world):
+            peers = [shift_one_peer(r, world, exchange) for r in range(world)]
+            assert all(peers[peers[r]] == r and (r < half) != (peers[r] < half) for r in range(world))
+        for r in range(world):
+            assert {shift_one_peer(r, world, t) for t in range(half)} == \
+                (set(range(half, world)) if r < half else set(range(half)))
+
+
+# -- PowerSGD ----------------------------------------------------------------------------------------
+def test_powersgd_gives_the_gradients_of_torchs_hook_registered_directly(run):
+    for r in run("powersgd"):
+        assert len(r["aiak_grads"]) == len(r["torch_grads"]) == 8  # 2 warm-up steps, 6 compressed
+        for mine, theirs in zip(r["aiak_grads"], r["torch_grads"]):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        assert r["describe"] == "PowerSGD: rank 2, warm-up 2 steps"
+
+
+def test_powersgd_skips_one_inf_step_and_stays_finite_where_torchs_hook_stays_poisoned(run):
+    """fp16 loss scaling, an inf input on rank 1 at step 4 (PowerSGD active since step 2)."""
+    for r in run("powersgd"):
+        guarded = r["guarded"]
+        assert guarded["stepped"] == [True] * 4 + [False] + [True] * 5
+        assert guarded["skipped"] == 1
+        finite = [all(bool(g.isfinite().all()) for g in grads) for grads in guarded["grads"]]
+        assert finite == [True] * 4 + [False] + [True] * 5
+        assert all(bool(t.isfinite().all()) for t in guarded["residuals"].values())
+        assert all(bool(v.isfinite().all()) for v in guarded["weights"].values())
+        raw = [all(bool(g.isfinite().all()) for g in grads) for grads in r["raw_grads"]]
+        assert raw == [True] * 4 + [False] * 6  # torch's hook alone: the residual is NaN for good
+
+
+def test_powersgd_checkpoint_round_trip_continues_bit_for_bit(run):
+    for r in run("powersgd"):
+        c = r["checkpoint"]
+        assert _equal(c["resumed"], c["straight"])
+        assert c["extras"]["comm_algorithm"]["iter"] == 4
+        assert not _equal(c["without_algorithm_state"], c["straight"])
+
+
+# -- resume under O2 + accumulation ------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", ["local_sgd", "decentralized", "powersgd"])
+def test_o2_accumulation_resume_is_bit_identical(run, algorithm):
+    """O2 bf16, grad_accumulation 2, a BatchNorm MLP, 7 real steps straight against 3 + checkpoint + 4 on fresh
+    objects; without the algorithm's state in the checkpoint the resumed run differs."""
+    for r in run("resume"):
+        c = r[algorithm]
+        assert _equal(c["resumed"], c["straight"])
+        assert c["extras"]["comm_algorithm"]["algorithm"] == algorithm
+        assert not _equal(c["without_algorithm_state"], c["straight"])
+
+
+# -- what cannot run, and what makes no difference ---------------------------------------------------
+def test_what_cannot_run_is_refused_whole_and_what_changes_nothing_says_so(launch_ranks):
+    """3 ranks on one node."""
+    r = launch_ranks("refusals", worker=WORKER, world=3, nodes=[0, 0, 0], timeout=120)[0]
+    one_node = r["local_sgd_one_node"]
+    assert one_node["type"] == "DistributedDataParallel" and one_node["describe"] == "DDP, flat"
+    assert any("local_sgd averages across nodes, and this run has one node" in w for w in one_node["warnings"])
+    assert "shift_one pairs ranks, and this run has 3 (odd); use peers: all" in r["shift_one_odd"]["error"]
+    assert r["all_odd"]["describe"] == "DDP, decentralized SGD: peers all"
+    assert "pass the optimizer to aiak.optimize" in r["no_optimizer"]["error"]
+    assert "needs aiak to wrap the model in DDP" in r["prewrapped"]["error"]
+    for name in ("shift_one_odd", "no_optimizer", "prewrapped"):  # all or nothing: nothing was left applied
+        assert r[name]["patched"] in (False, None)
+        assert r[name]["model_type"] == ("DistributedDataParallel" if name == "prewrapped" else "Sequential")
