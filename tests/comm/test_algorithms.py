@@ -150,10 +150,16 @@ def test_powersgd_checkpoint_round_trip_continues_bit_for_bit(run):
 def test_o2_accumulation_resume_is_bit_identical(run, algorithm):
     """O2 bf16, grad_accumulation 2, a BatchNorm MLP, 7 real steps straight against 3 + checkpoint + 4 on fresh
     objects; without the algorithm's state in the checkpoint the resumed run differs."""
+    counted = {"local_sgd": ("steps", 3), "decentralized": ("exchanges", 3), "powersgd": ("iter", 3)}
     for r in run("resume"):
         c = r[algorithm]
         assert _equal(c["resumed"], c["straight"])
-        assert c["extras"]["comm_algorithm"]["algorithm"] == algorithm
+        state = c["extras"]["comm_algorithm"]
+        assert state["algorithm"] == algorithm
+        key, real_steps = counted[algorithm]
+        assert state[key] == real_steps  # real steps, not the 6 micro-steps behind them
+        if algorithm == "local_sgd":
+            assert state["averages"] == 1  # after real step 1 (warm-up 1, period 2)
         assert not _equal(c["without_algorithm_state"], c["straight"])
 
 
