@@ -441,11 +441,73 @@ def _ddp_rows(device) -> list:
     return rows
 
 
+def _algorithm_rows(device) -> list:
+    """comm.algorithm's CUDA paths on one NCCL rank: decentralized SGD's exchange (issued from the forward on the
+    comm worker's stream; with one rank the average is the weights themselves, so training equals plain SGD bit for
+    bit only if the copy-back waited for the exchange), and PowerSGD against torch's hook registered directly."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from aiak.comm import CommState, comm_hook
+    from aiak.comm.decentralized import Decentralized
+    from aiak.comm.powersgd import PowerSGD, powersgd_hook
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1000)).to(device)
+
+    batches = [torch.randn(64, 1024, device=device) for _ in range(4)]
+    ids = [device.index] if device.type == "cuda" else None  # (cpu: to try the rows without a GPU)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def train(net, after_backward=None, record=None):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        times = []
+        for batch in batches:
+            sync()
+            start = time.perf_counter()
+            net(batch).square().mean().backward()
+            if record is not None:
+                record.append([p.grad.clone() for p in net.parameters()])
+            if after_backward is not None:
+                after_backward()
+            opt.step()
+            opt.zero_grad()
+            sync()
+            times.append(time.perf_counter() - start)
+        return [p.detach().clone() for p in net.parameters()], statistics.median(times[1:]) * 1e3
+
+    expected, _ = train(model())
+    ddp = DDP(model(), device_ids=ids)
+    state = CommState()
+    ddp.register_comm_hook(state, comm_hook)
+    exchange = Decentralized(ddp, state, "all", dist.new_group([0]))
+    got, ms = train(ddp, exchange.at_real_step)
+    same = all(torch.equal(a, b) for a, b in zip(got, expected))
+    rows = [_row("comm: decentralized SGD (peers all) on cuda/nccl, one rank", same,
+                 "weights equal plain SGD's bit for bit | ms/step", f"{same} | {ms:.2f}")]
+    theirs, mine = [], []
+    ddp = DDP(model(), device_ids=ids)
+    ddp.register_comm_hook(ps.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                            random_seed=0), ps.powerSGD_hook)
+    train(ddp, record=theirs)
+    ddp = DDP(model(), device_ids=ids)
+    ddp.register_comm_hook(PowerSGD(ddp.module, None, 4, 2), powersgd_hook)
+    _, ms = train(ddp, record=mine)
+    same = all(torch.equal(a, b) for x, y in zip(mine, theirs) for a, b in zip(x, y))
+    rows.append(_row("comm: PowerSGD (rank 4) on cuda/nccl, one rank", same,
+                     "gradients equal torch's hook's bit for bit | ms/step", f"{same} | {ms:.2f}"))
+    return rows
+
+
 def gpu_checks() -> list:
     """CUDA checks for benchmarks/gpu_check.py, on a one-rank NCCL world (FileStore in a temp dir): the int8
     codec, the hook pipeline's stream dependencies (flat, hierarchical and CPU-Reduce's host copies; int8, fp16 and
-    none), int8 NaN recovery, the autotuner on NCCL, NCCL socket candidates timed in child processes, and DDP + hook
-    gradients. Each row states its goal."""
+    none), int8 NaN recovery, the autotuner on NCCL, NCCL socket candidates timed in child processes, DDP + hook
+    gradients, and the comm algorithms' CUDA paths. Each row states its goal."""
     import tempfile
 
     import torch
@@ -473,6 +535,7 @@ def gpu_checks() -> list:
             rows += _guarded("autotune", _autotune_rows, device)
             rows += _guarded("NCCL sockets", _socket_rows, device)
             rows += _guarded("DDP hook", _ddp_rows, device)
+            rows += _guarded("comm algorithms", _algorithm_rows, device)
         finally:
             dist.destroy_process_group()
     return rows
