@@ -170,6 +170,11 @@ def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler
     """The optimizer's and the loader's steps of :func:`apply_strategy`, for a model optimized before."""
     summary = Summary()
     bare = model.module if is_ddp(model) else model
+    algorithm = getattr(model, "aiak_comm_algorithm", None)
+    if algorithm is not None and optimizer is not None:
+        raise ValueError(f"this model synchronises with {algorithm.describe()} at the steps of the optimizer it was "
+                         "first optimized with; a second optimizer would synchronise it twice per step: pass all "
+                         "parameter groups in one optimizer, or use comm.algorithm allreduce")
     for knob in MODEL_KNOBS:
         summary.add(knob, getattr(s, knob), "kept as the first optimize() call of this model applied it")
     user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)

@@ -369,6 +369,15 @@ def scenario_refusals(rank):
     attempt("all_odd", {"algorithm": "decentralized", "decentralized": {"peers": "all"}})
     attempt("no_optimizer", {"algorithm": "powersgd"}, with_optimizer=False)
     attempt("prewrapped", {"algorithm": "powersgd"}, model=DDP(mlp()))
+    model = mlp()  # a second optimizer for a model that synchronises at the first one's steps
+    ddp = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                        strategy={"comm": {"algorithm": "decentralized", "decentralized": {"peers": "all"}}})[0]
+    try:
+        aiak.optimize(ddp, torch.optim.SGD(model.parameters(), lr=0.05),
+                      strategy={"comm": {"algorithm": "decentralized", "decentralized": {"peers": "all"}}})
+        out["second_optimizer"] = "accepted"
+    except ValueError as e:
+        out["second_optimizer"] = str(e)
     return out
 
 def main():

@@ -174,6 +174,7 @@ def test_what_cannot_run_is_refused_whole_and_what_changes_nothing_says_so(launc
     assert r["all_odd"]["describe"] == "DDP, decentralized SGD: peers all"
     assert "pass the optimizer to aiak.optimize" in r["no_optimizer"]["error"]
     assert "needs aiak to wrap the model in DDP" in r["prewrapped"]["error"]
+    assert "a second optimizer would synchronise it twice per step" in r["second_optimizer"]
     for name in ("shift_one_odd", "no_optimizer", "prewrapped"):  # all or nothing: nothing was left applied
         assert r[name]["patched"] in (False, None)
         assert r[name]["model_type"] == ("DistributedDataParallel" if name == "prewrapped" else "Sequential")
