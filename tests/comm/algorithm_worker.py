@@ -299,6 +299,17 @@ def scenario_powersgd(rank):
         torch_powersgd(rank, 10, 2, 2, raw, scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), inject=inject)
         out["raw_grads"] = raw
 
+    # many buckets at once: one bucket's three allreduces at a time, the same order on every rank
+    torch.manual_seed(0)
+    wide = nn.Sequential(*[nn.Linear(12 if i == 0 else 256, 256) for i in range(6)], nn.Linear(256, 5))
+    wide_opt = torch.optim.SGD(wide.parameters(), lr=0.01)
+    import aiak
+
+    wide, wide_opt = aiak.optimize(wide, wide_opt, strategy={"comm": {
+        "bucket_mb": 0.3, "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2}}})[:2]
+    out["buckets"] = []
+    train(wide, wide_opt, rank, 6, record=out["buckets"])
+
     # a checkpoint taken after 4 steps and loaded into fresh objects continues bit for bit
     out["checkpoint"] = resumed(rank, {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}},
                                 total=8, cut=4)

@@ -137,6 +137,16 @@ def test_powersgd_skips_one_inf_step_and_stays_finite_where_torchs_hook_stays_po
         assert raw == [True] * 4 + [False] * 6  # torch's hook alone: the residual is NaN for good
 
 
+def test_powersgd_with_many_buckets_keeps_one_order_of_collectives_on_every_rank(run):
+    """7 layers in 0.3 MB buckets: torch's hook alone issued the P and Q allreduces of buckets in flight in
+    different orders on different ranks (gloo: mismatched sizes, or sums of the wrong tensors)."""
+    ranks = run("powersgd")
+    for step in range(6):
+        for r in ranks:
+            assert all(bool(g.isfinite().all()) for g in r["buckets"][step])
+            assert all(torch.equal(a, b) for a, b in zip(r["buckets"][step], ranks[0]["buckets"][step]))
+
+
 def test_powersgd_checkpoint_round_trip_continues_bit_for_bit(run):
     for r in run("powersgd"):
         c = r["checkpoint"]
