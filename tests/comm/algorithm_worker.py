@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import io
 import os
-import sys
-import traceback
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -391,21 +388,8 @@ def scenario_refusals(rank):
         out["second_optimizer"] = str(e)
     return out
 
-def main():
-    scenario, outdir = sys.argv[1], sys.argv[2]
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        result = globals()[f"scenario_{scenario}"](rank)
-        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        dist.barrier()  # rank 0 hosts the store: keep it up until every rank is done
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
-    main()
+    import dist_worker  # beside this file: the launcher's one rank runner
 
+    dist_worker.main(globals())

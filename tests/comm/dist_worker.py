@@ -534,12 +534,13 @@ def scenario_cpu_reduce(rank):
     return out
 
 
-def main():
+def main(scenarios=None):
+    """Run ``scenario_<argv[1]>`` of ``scenarios`` (a module's globals; default this module's) on this rank."""
     scenario, outdir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        result = globals()[f"scenario_{scenario}"](rank)
+        result = (scenarios or globals())[f"scenario_{scenario}"](rank)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()  # rank 0 hosts the store: keep it up until every rank is done
     except BaseException:
