@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from aiak.comm.hooks import CommState, Future, run_in_worker
+from aiak.comm.hooks import CommState, Future, copy_into, flat_copy, run_in_worker
 
 PEERS = ("shift_one", "all")
 
@@ -72,8 +72,7 @@ class Decentralized:
             self._inflight = self._issue()
 
     def _issue(self) -> Future:
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params()])
+        flat = flat_copy(self.params())
         peer, self.exchanges = self.peer(self.exchanges), self.exchanges + 1
         return run_in_worker(self.state, flat, lambda x: self._average(x, peer))
 
@@ -93,12 +92,7 @@ class Decentralized:
     def at_real_step(self) -> None:
         """The average of this step's exchange becomes the weights (issued now if no training forward did)."""
         fut, self._inflight = self._inflight or self._issue(), None
-        flat = fut.wait()
-        with torch.no_grad():
-            offset = 0
-            for p in self.params():
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_into(self.params(), fut.wait())
 
     def after_real_step(self, updated: bool) -> None:
         pass

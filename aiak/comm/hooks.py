@@ -612,6 +612,20 @@ def _run_job(state: CommState, work: Callable[[torch.Tensor], None], tensor: tor
             fut.set_exception(e)
 
 
+def flat_copy(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` back to back in one new float32 vector (weights to average, :func:`copy_into` puts them back)."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def copy_into(tensors: List[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``flat`` (from :func:`flat_copy`) into ``tensors``, in place (their storage and ``.data`` stay theirs)."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.Tensor], None]) -> Future:
     """``work(tensor)`` (collectives on ``tensor``, in place) on ``state``'s worker, after the work the caller's
     stream has queued on ``tensor``; resolves to ``tensor``. Returns at once: the caller computes meanwhile

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from aiak.comm.compression import CAST_DTYPES
-from aiak.comm.hooks import CommState, average
+from aiak.comm.hooks import CommState, average, copy_into, flat_copy
 
 AVERAGE_KEY = "local_sgd"  # the key of the weights' average in the hook machinery (never a bucket index)
 
@@ -81,7 +81,7 @@ class LocalSGD:
         this is the average across nodes; their buffers are averaged too)."""
         tensors = self.tensors()
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+            flat = flat_copy(tensors)
             cast = CAST_DTYPES.get(self.state.compression) is not None
             if cast and self.anchor is not None:  # send the change since the last average
                 delta = flat - self.anchor
@@ -92,10 +92,7 @@ class LocalSGD:
                     average(self.state, flat, key=AVERAGE_KEY).wait()
             if cast:
                 self.anchor = flat if self.anchor is flat else flat.clone()
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            copy_into(tensors, flat)
         self.averages += 1
 
     # -- checkpoints -------------------------------------------------------------------------------------
