@@ -52,15 +52,24 @@ class DecentralizedConfig:
 @dataclass
 class PowerSGDConfig:
     """``comm.powersgd``: rank ``rank`` approximations after ``warmup_steps`` real steps of plain allreduce
-    (at least 2: DDP rebuilds its buckets after the first step, and the error feedback is tied to them)."""
+    (at least 2: DDP rebuilds its buckets after the first step, and the error feedback is tied to them).
+
+    ``bucket_mb``: DDP's bucket size under PowerSGD (``comm.bucket_mb`` is allreduce's). A bucket costs three
+    allreduces one after the other, of a few kilobytes each: on a far link each is a round trip, so ``auto`` puts
+    every gradient in one bucket (DDP still sends its small first bucket of about 1 MB on its own). A number gives
+    buckets of that many MB: more overlap of the backward with the communication, where round trips are cheap
+    (a fast network) and the low-rank arithmetic is slow."""
 
     rank: int = 4
     warmup_steps: int = 100
+    bucket_mb: Union[str, float] = field(default="auto", metadata=choices("auto", also="a number of MB > 0"))
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
         if self.rank < 1:
             problems.append(f"{where(path + 'rank')} must be >= 1, got {self.rank}")
+        if self.bucket_mb != "auto" and self.bucket_mb <= 0:
+            problems.append(f"{where(path + 'bucket_mb')} must be 'auto' or a number of MB > 0, got {self.bucket_mb}")
         if self.warmup_steps < 2:
             problems.append(f"{where(path + 'warmup_steps')} must be >= 2 (DDP rebuilds its buckets after the first "
                             f"step, and PowerSGD's residuals are tied to them), got {self.warmup_steps}")

@@ -165,6 +165,8 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     exchange_group = dist.new_group(list(range(topology.world_size)), backend=dist.get_backend(process_group)) \
         if algorithm == "decentralized" else None  # collective: every rank creates it here
     bucket_mb, tuner = opts.bucket_mb, None
+    if algorithm == "powersgd":
+        bucket_mb = _powersgd_bucket_mb(model, opts.powersgd.bucket_mb)
     if opts.autotune:
         bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group, counts)
 
@@ -192,6 +194,15 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                 "autotuning (step mode)" if tuner else describe_comm(ddp),
                 ", deadlock guard on" if opts.deadlock_guard else "")
     return ddp
+
+
+def _powersgd_bucket_mb(model: torch.nn.Module, setting) -> float:
+    """DDP's bucket size under PowerSGD: ``setting`` in MB, or for ``auto`` one bucket larger than every gradient
+    together (:class:`~aiak.comm.config.PowerSGDConfig`)."""
+    if setting != "auto":
+        return float(setting)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return gradient_bytes / 2**20 + 1.0
 
 
 def describe_comm(ddp) -> str:

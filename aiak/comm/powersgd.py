@@ -25,7 +25,8 @@ What aiak adds around torch's hook:
   first; with several buckets in flight the ranks then issued them in different orders (gloo: "Received data size
   doesn't match expected size", measured on a 25M-parameter MLP on 4 ranks; plain DDP with torch's hook fails the
   same way). Each bucket waits for the previous bucket's result before it starts: the collectives keep one order on
-  every rank, at the price of overlap between buckets.
+  every rank, at the price of overlap between buckets. Hence ``powersgd.bucket_mb: auto`` (the default): one
+  bucket of every gradient, three round trips a step (:class:`~aiak.comm.config.PowerSGDConfig`).
 - **checkpoints.** The state (step count, residuals, P and Q, the random generator, the layouts) travels in the
   optimizer's ``state_dict()`` (the step controller's extras). A resumed run's DDP starts from its initial buckets
   again (one bucket of every parameter, in another order); that first bucket is cut into the recorded buckets, each

@@ -303,9 +303,17 @@ def scenario_powersgd(rank):
     import aiak
 
     wide, wide_opt = aiak.optimize(wide, wide_opt, strategy={"comm": {
-        "bucket_mb": 0.3, "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2}}})[:2]
+        "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2, "bucket_mb": 0.3}}})[:2]
     out["buckets"] = []
     train(wide, wide_opt, rank, 6, record=out["buckets"])
+    out["bucket_count"] = {"0.3": len(wide.aiak_comm_algorithm.layouts)}
+    # bucket_mb auto: every gradient in one bucket (beside DDP's small first one), whatever comm.bucket_mb says
+    torch.manual_seed(0)
+    wide = nn.Sequential(*[nn.Linear(12 if i == 0 else 256, 256) for i in range(6)], nn.Linear(256, 5))
+    wide, wide_opt = aiak.optimize(wide, torch.optim.SGD(wide.parameters(), lr=0.01), strategy={"comm": {
+        "bucket_mb": 0.3, "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2}}})[:2]
+    train(wide, wide_opt, rank, 4)
+    out["bucket_count"]["auto"] = len(wide.aiak_comm_algorithm.layouts)
 
     # a checkpoint taken after 4 steps and loaded into fresh objects continues bit for bit
     out["checkpoint"] = resumed(rank, {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}},

@@ -25,6 +25,10 @@ def test_every_mistake_of_the_algorithm_sections_is_reported_at_once():
     assert "comm.powersgd.warmup_steps must be >= 2 (DDP rebuilds its buckets" in text
     assert "comm.powersgd.rank must be >= 1, got 0" in text
     assert "comm.local_sgd.period must be >= 1, got 0" in _problems({"local_sgd": {"period": 0}})
+    assert "comm.powersgd.bucket_mb must be 'auto' or a number of MB > 0, got 0" in \
+        _problems({"powersgd": {"bucket_mb": 0}})
+    assert "comm.powersgd.bucket_mb must be one of ['auto', 'a number of MB > 0'], got 'whole'" in \
+        _problems({"powersgd": {"bucket_mb": "whole"}})
 
 
 @pytest.mark.parametrize("algorithm, comm, says", [

@@ -147,6 +147,15 @@ def test_powersgd_with_many_buckets_keeps_one_order_of_collectives_on_every_rank
             assert all(torch.equal(a, b) for a, b in zip(r["buckets"][step], ranks[0]["buckets"][step]))
 
 
+def test_powersgd_bucket_mb_auto_puts_the_gradients_in_one_bucket_and_a_number_cuts_them(run):
+    """Each bucket costs three allreduces in sequence: ``auto`` sends every gradient in one bucket beside DDP's
+    first (1 MB), ignoring ``comm.bucket_mb`` (allreduce's, 0.3 there); ``powersgd.bucket_mb: 0.3`` cuts the
+    1.3 MB of gradients into DDP's first bucket and 0.3 MB ones."""
+    for r in run("powersgd"):
+        assert r["bucket_count"]["auto"] <= 2
+        assert r["bucket_count"]["0.3"] >= 3
+
+
 def test_powersgd_checkpoint_round_trip_continues_bit_for_bit(run):
     for r in run("powersgd"):
         c = r["checkpoint"]
