@@ -62,8 +62,8 @@ printed (``FAILED: ...``, and in the table and the goal line). (Seen here: on th
 several DDP buckets, powersgd aborted in gloo, "Received data size doesn't match expected size"; the small
 workloads' models fit one bucket and ran.)
 
-Runtime on 2 CPU cores: about 21 min (2x2) and 24 min (4x1) under ``latency``; ``--quick --loopback`` about a
-minute.
+Runtime on 2 CPU cores: about 27 min (2x2, with 6 rounds of the step-time row) and 20 min (4x1, without it) under
+``latency``; ``--quick --loopback`` under two minutes.
 
 Needs root (creates namespaces ``aiak<pid>n<i>`` and ``aiak<pid>r``, deleted afterwards, also on failure or
 Ctrl-C); traffic only goes to loopback and to the addresses of those namespaces (10.231.<i>.1/2). Every wait is

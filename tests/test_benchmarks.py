@@ -74,3 +74,31 @@ def test_o2_compute_quick_compares_old_and_new_o2(tmp_path):
     for r in results.values():
         assert r["speedup"]["rounds"] >= 6 and r["max_dw"] <= 2e-3
         assert set(r["memory"]) == {"old", "new"}
+
+
+def test_comm_algorithms_quick_trains_every_algorithm_and_times_the_step_row(tmp_path):
+    """The time-to-accuracy benchmark on loopback ranks (no root): every contender trains through its own
+    ``comm.algorithm`` (the description each DDP gives of itself), learns, and reports; the goals are judged
+    n/a off the slow link they are set for."""
+    report = tmp_path / "algorithms.json"
+    out = subprocess.run([sys.executable, "benchmarks/comm_algorithms.py", "--quick", "--loopback", "--workloads",
+                          "mlp", "--step-params-m", "1", "--json", str(report)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(report.read_text())
+    runs = result["workloads"]["mlp"]["runs"]
+    described = {label: r[0]["comm"] for label, r in runs.items()}
+    assert described["DDP"] == "flat" and described["hierarchical+int8"] == "hierarchical+int8"
+    assert described["local_sgd"].startswith("local SGD: period 8")
+    assert described["decentralized"] == "decentralized SGD: peers shift_one"
+    assert described["powersgd"].startswith("PowerSGD: rank 4")
+    for label, (run,) in runs.items():
+        assert run["error"] is None and not run["diverged"] and run["steps"] == 200, label
+        assert run["final_loss"] < 0.2 * run["curve"][0][1], label  # trained: the held-out loss fell 5x
+    assert runs["DDP"][0]["steps_to_target"] is not None
+    step = result["step"]
+    assert set(step["samples"]) == {"DDP", "hierarchical+int8", "powersgd"}
+    assert all(len(s) == 2 and min(s) > 0 for s in step["samples"].values())
+    goals = {g["goal"]: g["verdict"] for g in result["goals"]}
+    assert sum(g.startswith("convergence, ") for g in goals) == 4
+    assert all("n/a" in v for g, v in goals.items() if not g.startswith("convergence, "))

@@ -56,7 +56,7 @@ class PowerSGDConfig:
 
     ``bucket_mb``: DDP's bucket size under PowerSGD (``comm.bucket_mb`` is allreduce's). A bucket costs three
     allreduces one after the other, of a few kilobytes each: on a far link each is a round trip, so ``auto`` puts
-    every gradient in one bucket (DDP still sends its small first bucket of about 1 MB on its own). A number gives
+    every gradient in one bucket (DDP, given a bucket size, makes its first bucket that size too). A number gives
     buckets of that many MB: more overlap of the backward with the communication, where round trips are cheap
     (a fast network) and the low-rank arithmetic is slow."""
 
