@@ -239,6 +239,9 @@ def _algorithm_here(opts: CommConfig, topology, process_group) -> str:
     if algorithm in ("decentralized", "powersgd") and opts.connections not in ("auto", 1):
         warn(f"aiak.comm: comm.connections: {opts.connections} applies to the allreduce algorithms' cross-node stage; "
              f"{algorithm} sends over one connection per peer")
+    if algorithm == "powersgd" and opts.bucket_mb != CommConfig.bucket_mb:
+        warn(f"aiak.comm: comm.bucket_mb: {opts.bucket_mb:g} is the allreduce algorithms' bucket size; powersgd's is "
+             f"comm.powersgd.bucket_mb ({opts.powersgd.bucket_mb}): set that one instead")
     if algorithm == "decentralized" and opts.decentralized.peers == "shift_one" and topology.world_size % 2:
         raise ValueError(f"aiak.comm: comm.decentralized.peers shift_one pairs ranks, and this run has "
                          f"{topology.world_size} (odd); use peers: all, or an even number of ranks")

@@ -310,8 +310,11 @@ def scenario_powersgd(rank):
     # bucket_mb auto: every gradient in one bucket (beside DDP's small first one), whatever comm.bucket_mb says
     torch.manual_seed(0)
     wide = nn.Sequential(*[nn.Linear(12 if i == 0 else 256, 256) for i in range(6)], nn.Linear(256, 5))
-    wide, wide_opt = aiak.optimize(wide, torch.optim.SGD(wide.parameters(), lr=0.01), strategy={"comm": {
-        "bucket_mb": 0.3, "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2}}})[:2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wide, wide_opt = aiak.optimize(wide, torch.optim.SGD(wide.parameters(), lr=0.01), strategy={"comm": {
+            "bucket_mb": 0.3, "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2}}})[:2]
+    out["bucket_warnings"] = [str(w.message) for w in caught]
     train(wide, wide_opt, rank, 4)
     out["bucket_count"]["auto"] = len(wide.aiak_comm_algorithm.layouts)
 
