@@ -92,7 +92,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netlab import PROFILES, Lab, calibrate, describe_calibration  # noqa: E402  (the rig, beside this file)
+from netlab import PROFILES, Lab, calibrate, describe_calibration, stop  # noqa: E402  (the rig, next to this)
 
 # Per workload: the target held-out loss (calibrated on DDP, see the module), SGD's learning rate, max steps
 # (full run; --quick uses quick_steps), steps between held-out evaluations.
@@ -301,10 +301,7 @@ def launch(plan_file: Path, out: Path, layout: str, lab, timeout: float, port: i
                 raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s (--timeout)")
             time.sleep(0.2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        stop(procs)
 
 
 def _last_words(tail) -> str:
@@ -705,8 +702,8 @@ def _step_table(goals: list, step: dict, profile: str, loopback: bool, rig: str)
     labels = {role: label for label, role in step["roles"].items()}
     failed = step.get("failed", {})
     print(f"\nstep time, {step['params'] / 1e6:.1f}M-parameter MLP (3 layers of {step['width']}), batch "
-          f"{step['batch']} per rank, buckets of 25 MB (powersgd: one), {rig} (seconds of the slowest rank; median and min-max over "
-          f"{rounds} alternating rounds)")
+          f"{step['batch']} per rank, buckets of 25 MB (powersgd: one), {rig} (seconds of the slowest rank; median "
+          f"and min-max over {rounds} alternating rounds)")
     print(f"{'contender':<30} {'s/step':>8} {'min-max':>15} {'vs DDP':>8} {'vs int8':>8}   comm")
     ddp, int8 = samples.get(labels.get("ddp")), samples.get(labels.get("int8"))
     for label, times in samples.items():

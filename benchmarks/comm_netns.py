@@ -42,7 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netlab import PROFILES, Lab, calibrate, describe_calibration  # noqa: E402  (the rig, beside this file)
+from netlab import PROFILES, Lab, calibrate, describe_calibration, stop  # noqa: E402  (the rig, next to this)
 ALGORITHMS = [("flat", False, "none", 1), ("hierarchical", True, "none", 1), ("hierarchical+fp16", True, "fp16", 1),
               ("hierarchical+int8", True, "int8", 1), ("flat+fp16", False, "fp16", 1), ("flat+int8", False, "int8", 1),
               ("hierarchical+fp16 intra too", True, "fp16", 1),  # compress_intra=True
@@ -76,10 +76,7 @@ def launch(lab: Lab, local_size: int, args, out: Path) -> None:
             if rc != 0:
                 raise RuntimeError(f"a rank exited with {rc}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        stop(procs)
 
 
 # -- the ranks ----------------------------------------------------------------------------------

@@ -187,6 +187,14 @@ class Lab:
         return done.stdout
 
 
+def stop(procs: List[subprocess.Popen]) -> None:
+    """Kill every process of ``procs`` still running (the ranks of a benchmark, on every path out of it)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     box: List[str] = []
     reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
