@@ -101,4 +101,12 @@ def test_comm_algorithms_quick_trains_every_algorithm_and_times_the_step_row(tmp
     assert all(len(s) == 2 and min(s) > 0 for s in step["samples"].values())
     goals = {g["goal"]: g["verdict"] for g in result["goals"]}
     assert sum(g.startswith("convergence, ") for g in goals) == 4
+    assert [step for step, *_ in runs["DDP"][0]["curve"][:3]] == [0, 5, 10]  # evaluated every 5 steps
+    ddp_final = runs["DDP"][0]["final_loss"]
+    for label, (run,) in runs.items():  # one seed: DDP's range is its one final loss
+        if label != "DDP":
+            verdict = goals[f"convergence, {label} (mlp): final held-out loss within DDP's seed range and steps to "
+                            "target <= 1.1x DDP's"]
+            assert ("final loss above DDP's range" in verdict) == (run["final_loss"] > ddp_final), verdict
+            assert ("final loss below DDP's range" in verdict) == (run["final_loss"] < ddp_final), verdict
     assert all("n/a" in v for g, v in goals.items() if not g.startswith("convergence, "))
