@@ -20,8 +20,8 @@ ALGORITHM_TRADES = {
                      "changes each step, or all), overlapped with the forward and backward: latency hidden and one "
                      "peer's traffic for replicas that agree only on average (Lian et al., 2017, D-PSGD)",
     "powersgd": "gradients sent as rank-r factors with error feedback after warm-up: traffic cut to "
-                "r*(rows+cols) per matrix for a low-rank approximation, three allreduces per bucket in sequence "
-                "(Vogels et al., 2019, PowerSGD)",
+                "r*(rows+cols) per matrix for a low-rank approximation, two sums per bucket in sequence, "
+                "hierarchical across nodes (Vogels et al., 2019, PowerSGD)",
 }
 
 
@@ -54,8 +54,8 @@ class PowerSGDConfig:
     """``comm.powersgd``: rank ``rank`` approximations after ``warmup_steps`` real steps of plain allreduce
     (at least 2: DDP rebuilds its buckets after the first step, and the error feedback is tied to them).
 
-    ``bucket_mb``: DDP's bucket size under PowerSGD (``comm.bucket_mb`` is allreduce's). A bucket costs three
-    allreduces one after the other, of a few kilobytes each: on a far link each is a round trip, so ``auto`` puts
+    ``bucket_mb``: DDP's bucket size under PowerSGD (``comm.bucket_mb`` is allreduce's). A bucket costs two
+    sums one after the other, of a few kilobytes each: on a far link each is a round trip, so ``auto`` puts
     every gradient in one bucket (DDP, given a bucket size, makes its first bucket that size too). A number gives
     buckets of that many MB: more overlap of the backward with the communication, where round trips are cheap
     (a fast network) and the low-rank arithmetic is slow."""
@@ -154,12 +154,10 @@ class CommConfig:
         if self.cpu_reduce is True:
             problems.append(f"{at}: {algorithm} does not run with {path}cpu_reduce true (a form of the allreduce "
                             "algorithm); set cpu_reduce to auto or false")
+        if algorithm == "decentralized" and self.hierarchical is True:
+            problems.append(f"{at}: decentralized exchanges weights between ranks directly; {path}hierarchical true "
+                            "applies to the allreduce algorithms: set it to auto or false")
         if algorithm in ("decentralized", "powersgd"):
-            if self.hierarchical is True:
-                what = "exchanges weights between ranks directly" if algorithm == "decentralized" else \
-                    "runs its low-rank allreduces over all ranks"
-                problems.append(f"{at}: {algorithm} {what}; {path}hierarchical true applies to the allreduce "
-                                "algorithm: set it to auto or false")
             if self.compression != "none":
                 what = "exchanges weights in full precision" if algorithm == "decentralized" else \
                     "is a compression of its own"

@@ -173,7 +173,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group)
     ddp.aiak_comm_algorithm = None
     if algorithm == "powersgd":
-        ddp.aiak_comm_algorithm = PowerSGD(model, process_group, opts.powersgd.rank, opts.powersgd.warmup_steps)
+        ddp.aiak_comm_algorithm = PowerSGD(model, state, opts.powersgd.rank, opts.powersgd.warmup_steps)
         ddp.register_comm_hook(ddp.aiak_comm_algorithm, powersgd_hook)
     elif not opts.autotune and not opts.deadlock_guard and algorithm == "allreduce" \
             and state.algorithm == (False, "none", 1, False):

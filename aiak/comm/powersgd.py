@@ -1,16 +1,30 @@
-"""PowerSGD (``comm.algorithm: powersgd``): torch's ``powerSGD_hook``, made safe for loss scaling and checkpoints.
+"""PowerSGD (``comm.algorithm: powersgd``): torch's PowerSGD arithmetic in two collectives a bucket, hierarchical
+where the run has nodes, safe for loss scaling and checkpoints.
 
 Vogels et al., 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization": each
 gradient matrix M (n x m) is sent as rank-r factors P = MQ and Q = M^T P (one power iteration, Q warm-started
-from the previous step), with error feedback; torch's ``powerSGD_hook`` and ``PowerSGDState`` do the arithmetic
-(three allreduces per bucket, one after the other: the uncompressed tensors, the Ps, the Qs). For
-``warmup_steps`` real steps it allreduces the gradients as they are.
+from the previous step), with error feedback. The state is torch's ``PowerSGDState`` (residuals, P and Q per
+bucket, its random generator and step count) and the arithmetic is that of torch's ``powerSGD_hook``, step for
+step (same warm start, same orthogonalization, same random Qs); what differs is how the sums travel. For
+``warmup_steps`` real steps the gradients are averaged as they are.
 
-What aiak adds around torch's hook:
+What aiak changes around torch's arithmetic:
 
+- **two collectives a bucket, not three.** torch's hook allreduces the uncompressed tensors (biases, small
+  matrices), then the Ps, then the Qs, each after the last (pytorch issue 74148). The uncompressed tensors need
+  nothing from the Ps, so here they travel in one buffer with them: two round trips a bucket.
+- **hierarchical sums.** On a run of several nodes of several ranks each (``comm.hierarchical``: ``auto`` or
+  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.hooks.sum_now`): inside the
+  node, then one rank per node across, then inside again; on a far link two messages cross it per sum instead of
+  the 2(n-1) of a flat ring over n ranks. The sums are the same up to the order of addition (float rounding).
+- **on aiak's comm worker.** Each bucket's work (factors, sums, decompression) is one job of the comm worker
+  (:func:`aiak.comm.hooks.run_in_worker`): jobs run one after another, so every rank issues the collectives in
+  one order (torch's hook, with several buckets in flight, issued them in different orders on different ranks:
+  gloo "Received data size doesn't match expected size", measured on a 25M-parameter MLP on 4 ranks), while the
+  backward goes on producing the next buckets.
 - **a non-finite bucket leaves the state as it was.** torch's hook has no inf/NaN guard: one fp16 overflow puts
   NaN into the bucket's residual and its warm-started Q, and every later step of that bucket is NaN. Here the
-  residual, P and Q of a bucket are kept before the hook runs; the averaged bucket's finiteness is checked
+  residual, P and Q of a bucket are kept before the bucket runs; the averaged bucket's finiteness is checked
   (:class:`~aiak.comm.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and a
   non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
 - **residuals in the gradients' own units.** aiak's loss scaling is undone inside the graph, where gradients leave
@@ -20,37 +34,35 @@ What aiak adds around torch's hook:
   gradients became ready (hence a warm-up of at least 2 steps: the state is tied to the rebuilt buckets). Each
   bucket's layout (which parameters, in which order) is recorded at every step; a bucket whose layout changed
   starts afresh (a new residual and a new random Q) instead of adding one parameter's residual to another's
-  gradient.
-- **one bucket at a time.** torch's hook issues a bucket's second and third allreduces from callbacks of the
-  first; with several buckets in flight the ranks then issued them in different orders (gloo: "Received data size
-  doesn't match expected size", measured on a 25M-parameter MLP on 4 ranks; plain DDP with torch's hook fails the
-  same way). Each bucket waits for the previous bucket's result before it starts: the collectives keep one order on
-  every rank, at the price of overlap between buckets. Hence ``powersgd.bucket_mb: auto`` (the default): one
-  bucket of every gradient, three round trips a step (:class:`~aiak.comm.config.PowerSGDConfig`).
+  gradient. ``powersgd.bucket_mb: auto`` (the default) puts every gradient in one bucket: two round trips a step
+  (:class:`~aiak.comm.config.PowerSGDConfig`).
 - **checkpoints.** The state (step count, residuals, P and Q, the random generator, the layouts) travels in the
   optimizer's ``state_dict()`` (the step controller's extras). A resumed run's DDP starts from its initial buckets
   again (one bucket of every parameter, in another order); that first bucket is cut into the recorded buckets, each
-  run through the hook as the saved run ran it (same order, same offsets, so the same sums on the wire), so the
-  resumed run continues bit for bit.
+  run as the saved run ran it (same order, same offsets, so the same sums on the wire), so the resumed run
+  continues bit for bit.
 """
+import functools
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize, _should_compress
 
 from aiak.comm.compression import FiniteFlag
-from aiak.comm.hooks import ParameterNumbers, bucket_layout
+from aiak.comm.hooks import CommState, ParameterNumbers, bucket_layout, run_in_worker, sum_now
 
 _Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
 
 
 class PowerSGD:
-    """The communication state of one DDP model: torch's ``PowerSGDState`` plus the guard and the layouts."""
+    """The communication state of one DDP model: torch's ``PowerSGDState`` plus the guard and the layouts; its
+    sums go through ``comm`` (the model's :class:`~aiak.comm.hooks.CommState`: topology and worker)."""
 
-    def __init__(self, module: torch.nn.Module, process_group, rank: int, warmup_steps: int, seed: int = 0):
-        self.torch_state = torch_powersgd.PowerSGDState(
-            process_group=process_group, matrix_approximation_rank=rank, start_powerSGD_iter=warmup_steps,
+    def __init__(self, module: torch.nn.Module, comm: CommState, rank: int, warmup_steps: int, seed: int = 0):
+        self.comm = comm
+        self.torch_state = PowerSGDState(
+            process_group=comm.process_group, matrix_approximation_rank=rank, start_powerSGD_iter=warmup_steps,
             use_error_feedback=True, warm_start=True, random_seed=seed)
         self.rank, self.warmup_steps = rank, warmup_steps
         self.numbers = ParameterNumbers()  # numbered in module order: a layout means the same in a resumed run
@@ -60,7 +72,6 @@ class PowerSGD:
         self._pending: Dict[int, Tuple[_Kept, FiniteFlag]] = {}        # bucket -> state before, verdict after
         self.skipped = 0                                               # buckets whose result was not finite
         self._resuming = False                                         # a checkpoint loaded, its first step to come
-        self._previous: Optional[torch.futures.Future] = None          # the last bucket's result
 
     # -- the hook ----------------------------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -73,25 +84,82 @@ class PowerSGD:
         if self.layouts.get(bucket.index(), layout) != layout:
             self._forget(bucket.index())
         self.layouts[bucket.index()] = layout
-        return self._through_torch(bucket)
+        return self._run(bucket)
 
-    def _through_torch(self, bucket) -> torch.futures.Future:
-        """torch's hook on ``bucket``, its state kept to be put back if the result is not finite."""
-        index = bucket.index()
-        if self._previous is not None:  # one bucket's three allreduces at a time (see the module docstring)
-            self._previous.wait()
+    def _run(self, bucket) -> torch.futures.Future:
+        """``bucket`` averaged on the comm worker (plainly in the warm-up, as factors after it), its state kept to
+        be put back if the result is not finite."""
+        index, s = bucket.index(), self.torch_state
         self._settle(index)
         kept = self._keep(index)
-        fut = torch_powersgd.powerSGD_hook(self.torch_state, bucket)
+        if s.iter < s.start_powerSGD_iter:
+            work = self._average
+        else:
+            work = functools.partial(self._compress, index, bucket.gradients())
+        if bucket.is_last():
+            s.iter += 1
 
         def verdict(done: torch.futures.Future) -> torch.Tensor:
             averaged = done.value()
-            averaged = averaged[0] if isinstance(averaged, list) else averaged
             self._pending[index] = (kept, FiniteFlag(averaged))
             return averaged
 
-        self._previous = fut.then(verdict)
-        return self._previous
+        return run_in_worker(self.comm, bucket.buffer(), work).then(verdict)
+
+    def _average(self, buffer: torch.Tensor) -> None:
+        buffer.div_(self.comm.world_size)
+        sum_now(self.comm, buffer, "PowerSGD warm-up: allreduce")
+
+    def _compress(self, index: int, gradients: List[torch.Tensor], buffer: torch.Tensor) -> None:
+        """Bucket ``index`` (``buffer``, holding ``gradients``) replaced by the average over the ranks of its
+        rank-r approximation, with error feedback: torch's ``powerSGD_hook`` (warm start on), its uncompressed
+        tensors summed together with the Ps."""
+        s, world = self.torch_state, self.comm.world_size
+        if index in s.error_dict:
+            buffer.add_(s.error_dict[index])
+        else:
+            s.error_dict[index] = torch.zeros_like(buffer)
+        with_feedback = buffer.clone()
+        matrices, others = [], []
+        for g in gradients:
+            matrix = g.view(g.shape[0], -1) if g.dim() > 0 else g.view(1, 1)
+            r = min(*matrix.shape, s.matrix_approximation_rank)
+            (matrices if g.dim() > 1 and _should_compress(*matrix.shape, r, s.min_compression_rate)[0]
+             else others).append(matrix)
+        ranks = [min(*m.shape, s.matrix_approximation_rank) for m in matrices]
+        fresh = index not in s.p_memory_dict
+        if fresh:
+            s.p_memory_dict[index] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(matrices, ranks)))
+            s.q_memory_dict[index] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)))
+        ps = _views(s.p_memory_dict[index], [(m.shape[0], r) for m, r in zip(matrices, ranks)])
+        qs = _views(s.q_memory_dict[index], [(m.shape[1], r) for m, r in zip(matrices, ranks)])
+        if fresh:  # torch's random start: one seed drawn from the state's generator, a normal Q per matrix
+            generator = torch.Generator().manual_seed(s.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, generator=generator, dtype=buffer.dtype))
+        for q in qs:
+            _orthogonalize(q, s.orthogonalization_epsilon)
+        for m, q, p in zip(matrices, qs, ps):
+            torch.bmm(m.unsqueeze(0), q, out=p)
+
+        # one sum: the uncompressed tensors, then the Ps (the Ps are not divided: they are orthogonalized next)
+        wire = torch.cat([t.reshape(-1) for t in others] + [s.p_memory_dict[index]])
+        sum_now(self.comm, wire, "PowerSGD: uncompressed tensors and Ps")
+        offset = 0
+        for t in others:
+            t.copy_(wire[offset:offset + t.numel()].view_as(t)).div_(world)
+            offset += t.numel()
+        s.p_memory_dict[index].copy_(wire[offset:])
+        for p in ps:
+            _orthogonalize(p, s.orthogonalization_epsilon)
+        for m, p, q in zip(matrices, ps, qs):
+            torch.bmm(m.unsqueeze(0).transpose(1, 2), p, out=q)
+
+        sum_now(self.comm, s.q_memory_dict[index], "PowerSGD: Qs")
+        s.q_memory_dict[index].div_(world)
+        for m, p, q in zip(matrices, ps, qs):
+            torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))
+        s.error_dict[index] = with_feedback - buffer  # a new tensor: the kept residual stays as it was
 
     def _recorded_parts(self, index: int, layout: Hashable) -> Optional[List[int]]:
         """The recorded buckets a bucket of the first step after a checkpoint was loaded consists of, when it is
@@ -105,11 +173,11 @@ class PowerSGD:
 
     def _as_recorded(self, bucket, layout, parts: List[int]) -> torch.futures.Future:
         """Run ``bucket`` as the recorded buckets ``parts``: each gathered into a buffer of its own in its recorded
-        order, through torch's hook, in index order; the results written back into ``bucket``'s gradients."""
+        order, run in index order; the results written back into ``bucket``'s gradients."""
         grads = {number: g for (number, _), g in zip(layout, bucket.gradients())}
         pieces = [_Bucket(i, [grads[n] for n, _ in self.layouts[i]], is_last=bucket.is_last() and i == parts[-1])
                   for i in parts]
-        futures = [self._through_torch(piece) for piece in pieces]
+        futures = [self._run(piece) for piece in pieces]
 
         def scatter(done: torch.futures.Future) -> torch.Tensor:
             for piece, fut in zip(pieces, done.value()):
@@ -182,7 +250,8 @@ class PowerSGD:
         self._resuming = True
 
     def describe(self) -> str:
-        return f"PowerSGD: rank {self.rank}, warm-up {self.warmup_steps} steps"
+        topology = "hierarchical" if self.comm.hierarchical else "flat"
+        return f"PowerSGD: rank {self.rank}, warm-up {self.warmup_steps} steps, {topology} sums"
 
 
 class _Bucket:
@@ -208,6 +277,15 @@ class _Bucket:
 
     def is_last(self) -> bool:
         return self._is_last
+
+
+def _views(memory: torch.Tensor, shapes: List[Tuple[int, int]]) -> List[torch.Tensor]:
+    """``memory`` cut into consecutive ``(1, rows, r)`` views, one per shape (torch's layout of Ps and Qs)."""
+    views, offset = [], 0
+    for rows, r in shapes:
+        views.append(memory[offset:offset + rows * r].view(1, rows, r))
+        offset += rows * r
+    return views
 
 
 def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

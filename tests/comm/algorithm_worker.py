@@ -234,8 +234,9 @@ def scenario_decentralized(rank):
 
 
 # -- PowerSGD ----------------------------------------------------------------------------------------
-def torch_powersgd(rank, steps, rank_r, warmup, record, scaler=None, inject=None):
-    """DDP + torch's powerSGD_hook registered directly (optionally with a GradScaler)."""
+def torch_powersgd(rank, steps, rank_r, warmup, record, scaler=None, inject=None, calls=None, per_step=None):
+    """DDP + torch's powerSGD_hook registered directly (optionally with a GradScaler); ``per_step`` gets the
+    entries ``calls`` (:func:`counting_allreduces`) gained at each step."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     ddp = DDP(mlp(), bucket_cap_mb=25)
@@ -250,6 +251,9 @@ def torch_powersgd(rank, steps, rank_r, warmup, record, scaler=None, inject=None
         loss = nn.functional.mse_loss(ddp(x), y)
         (scaler.scale(loss) if scaler else loss).backward()
         record.append([p.grad.detach().clone() for p in ddp.parameters()])
+        if per_step is not None:
+            per_step.append(list(calls))
+            del calls[:]
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -259,16 +263,44 @@ def torch_powersgd(rank, steps, rank_r, warmup, record, scaler=None, inject=None
     return ddp
 
 
+def counting_allreduces(calls):
+    """``dist.all_reduce`` replaced by one that records the size of each call's group into ``calls``; returns
+    the original, to put back."""
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(dist.get_world_size(kwargs.get("group")))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    return original
+
+
 def scenario_powersgd(rank):
-    out = {}
-    # equal gradients with torch's hook registered directly
-    model = mlp()
-    ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                         {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}})
-    out["aiak_grads"], out["torch_grads"] = [], []
-    train(ddp, opt, rank, 8, record=out["aiak_grads"])
-    torch_powersgd(rank, 8, 2, 2, out["torch_grads"])
-    out["describe"] = ddp.aiak_comm_algorithm.describe()
+    out = {"aiak_grads": {}, "allreduces": {}, "describe": {}}
+    # the gradients of torch's hook registered directly, summed hierarchically (2 nodes x 2: auto) and flat;
+    # the allreduces of each compressed step (the size of each one's group)
+    for topology, comm in (("hierarchical", {}), ("flat", {"hierarchical": False}), ("torch", None)):
+        grads, calls, per_step = [], [], []
+        original = counting_allreduces(calls)
+        try:
+            if comm is None:
+                torch_powersgd(rank, 8, 2, 2, grads, calls=calls, per_step=per_step)
+                out["torch_grads"] = grads
+            else:
+                model = mlp()
+                ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                     {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}, **comm})
+                del calls[:]
+                for step in range(8):
+                    train(ddp, opt, rank, 1, start=step, record=grads)
+                    per_step.append(list(calls))
+                    del calls[:]
+                out["aiak_grads"][topology] = grads
+                out["describe"][topology] = ddp.aiak_comm_algorithm.describe()
+        finally:
+            dist.all_reduce = original
+        out["allreduces"][topology] = per_step
 
     # one inf input on rank 1 at step 4, under fp16 loss scaling
     def inject(step, x):

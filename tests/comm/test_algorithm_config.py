@@ -35,7 +35,6 @@ def test_every_mistake_of_the_algorithm_sections_is_reported_at_once():
     ("powersgd", {"autotune": True}, "does not run with comm.autotune true"),
     ("local_sgd", {"cpu_reduce": True}, "does not run with comm.cpu_reduce true"),
     ("decentralized", {"hierarchical": True}, "decentralized exchanges weights between ranks directly"),
-    ("powersgd", {"hierarchical": True}, "powersgd runs its low-rank allreduces over all ranks"),
     ("decentralized", {"compression": "fp16"}, "decentralized exchanges weights in full precision; set "
                                                "comm.compression to none"),
     ("powersgd", {"compression": "int8"}, "powersgd is a compression of its own"),
@@ -49,7 +48,8 @@ def test_settings_an_algorithm_cannot_run_with_are_refused_with_what_to_change(a
 @pytest.mark.parametrize("comm", [{"algorithm": "local_sgd", "hierarchical": True, "compression": "fp16"},
                                   {"algorithm": "local_sgd", "compression": "bf16", "connections": 4},
                                   {"algorithm": "decentralized", "decentralized": {"peers": "all"}},
-                                  {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}}])
+                                  {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}},
+                                  {"algorithm": "powersgd", "hierarchical": True}])
 def test_what_composes_is_accepted(comm):
     assert Strategy.from_dict({"comm": comm}).comm.algorithm == comm["algorithm"]
 

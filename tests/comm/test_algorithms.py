@@ -116,11 +116,25 @@ def test_shift_one_pairs_every_rank_with_every_rank_of_the_other_half():
 
 # -- PowerSGD ----------------------------------------------------------------------------------------
 def test_powersgd_gives_the_gradients_of_torchs_hook_registered_directly(run):
+    """2 warm-up steps then 6 compressed, 2 nodes x 2 ranks: aiak's sums (hierarchical, or flat) add in another
+    order than torch's allreduce, nothing else differs."""
     for r in run("powersgd"):
-        assert len(r["aiak_grads"]) == len(r["torch_grads"]) == 8  # 2 warm-up steps, 6 compressed
-        for mine, theirs in zip(r["aiak_grads"], r["torch_grads"]):
-            assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
-        assert r["describe"] == "PowerSGD: rank 2, warm-up 2 steps"
+        for topology in ("hierarchical", "flat"):
+            assert len(r["aiak_grads"][topology]) == len(r["torch_grads"]) == 8
+            for mine, theirs in zip(r["aiak_grads"][topology], r["torch_grads"]):
+                for a, b in zip(mine, theirs):  # float rounding (measured: up to 4e-6 of the largest value)
+                    assert (a - b).abs().max() <= 2e-5 * b.abs().max()
+            assert r["describe"][topology] == f"PowerSGD: rank 2, warm-up 2 steps, {topology} sums"
+
+
+def test_powersgd_sends_two_sums_a_step_and_across_nodes_between_one_rank_per_node(run):
+    """The uncompressed tensors travel with the Ps: two allreduces per compressed step where torch's hook makes
+    three; hierarchical, each is an allreduce of the 2 nodes' leaders (the rest stays inside the node)."""
+    for r in run("powersgd"):
+        calls = r["allreduces"]  # per step, the size of each allreduce's group
+        assert calls["torch"] == [[4]] * 2 + [[4, 4, 4]] * 6
+        assert calls["flat"] == [[4]] * 2 + [[4, 4]] * 6
+        assert calls["hierarchical"] == [[2]] * 2 + [[2, 2]] * 6
 
 
 def test_powersgd_skips_one_inf_step_and_stays_finite_where_torchs_hook_stays_poisoned(run):
