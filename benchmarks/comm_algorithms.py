@@ -13,7 +13,8 @@ The contenders, each through ``aiak.optimize(model, opt, strategy={"comm": ...})
     hierarchy: ``flat+int8``, named so in the tables);
   * ``local_sgd``: period 8, warm-up 10% of the max steps (``hierarchical: auto``);
   * ``decentralized``: ``peers: shift_one``;
-  * ``powersgd``: rank 4, warm-up 10% of the max steps (at least 2).
+  * ``powersgd``: rank 4, warm-up 10% of the max steps (at least 2), ``hierarchical: auto`` (its sums hierarchical
+    on 2x2).
 ``DDP``, ``hierarchical+int8`` and ``powersgd`` are the synchronous contenders (every rank applies the same
 averaged gradient every step); ``local_sgd`` and ``decentralized`` let the replicas drift apart between
 averages.
@@ -28,11 +29,15 @@ Each rank draws its own batch of 32 every step (seeded by seed, rank and step: t
 contender); SGD with momentum 0.9. The held-out loss (a fixed set of 4096 / 1000 examples) is evaluated every
 ``eval_every`` (5) steps on **rank 0's model** (for ``local_sgd`` and ``decentralized``, whose replicas differ between
 averages, that is rank 0's replica as it is at that step, not an average of the replicas), while the other ranks
-wait; the evaluation and that wait are not timed. A run records the first evaluation at or below the workload's
-target loss (steps and wall time to target: the sum over the timed stretches between evaluations of the slowest
-rank's time), then trains on to the max steps, so that every contender's final held-out loss is taken after the
-same number of steps (``--stop-at-target`` stops at the target instead: quicker, but then every final loss is
-about the target). A run whose held-out loss turns non-finite stops and is reported as diverged.
+wait; the evaluation and that wait are not timed. A run reaches the workload's target loss at the first
+evaluation from which the held-out loss stays at or below it: that evaluation and the next two (:data:`HOLDS`;
+those the run has, at its end). One dip below does not count: the cnn's held-out loss jumps between evaluations
+5 steps apart (its SGD noise; DDP seed 0 read 0.125 at step 125 and 0.201 at step 145), so the first crossing
+moved by tens of steps with the grid; the JSON keeps it (``first_at_target``). Steps and wall time to target (the
+sum over the timed stretches between evaluations of the slowest rank's time) are those of that evaluation. The run
+trains on to the max steps, so that every contender's final held-out loss is taken after the same number of steps
+(``--stop-at-target`` stops once the target holds instead: quicker, but then every final loss is about the
+target). A run whose held-out loss turns non-finite stops and is reported as diverged.
 
 The targets (:data:`WORKLOADS`) were calibrated by running DDP alone (``--loopback --only DDP --seeds 3``; the
 held-out curves are in the JSON, ``curve``; DDP's arithmetic is the same on loopback as on the rig): DDP reaches
@@ -105,6 +110,7 @@ WORKLOADS = {
 BATCH = 32                 # per rank and step
 WARM_RUN_STEPS = 12        # the warm-up run of every contender (its algorithm's warm-up: 2 steps)
 SYNCHRONOUS = ("ddp", "int8", "powersgd")
+HOLDS = 3                  # the target counts as reached where 3 evaluations in a row are at or below it
 GOAL_STEPS = 1.1           # steps to target <= 1.1x DDP's
 GOAL_LOCAL_SGD = 0.6       # local_sgd's wall time to target <= 0.6x hierarchical+int8's (2x2)
 GOAL_POWERSGD = 0.5        # powersgd's step time on the 25M MLP <= 0.5x hierarchical+int8's
@@ -121,7 +127,7 @@ def contenders(layout: str, warmup: int) -> list:
         ("decentralized", "decentralized",
          {"algorithm": "decentralized", "hierarchical": False, "decentralized": {"peers": "shift_one"}}),
         ("powersgd", "powersgd",
-         {"algorithm": "powersgd", "hierarchical": False, "powersgd": {"rank": 4, "warmup_steps": max(2, warmup)}}),
+         {"algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": max(2, warmup)}}),
     ]
 
 
@@ -443,11 +449,11 @@ def train(task, comm: dict, *, seed: int, steps: int, eval_every: int, target: f
             if held == math.inf:
                 run["diverged"] = True
                 break
-            if run["steps_to_target"] is None and held <= target:
-                run["steps_to_target"], run["wall_to_target"] = step, timed
-                if stop_at_target:
-                    break
+            if stop_at_target and len(run["curve"]) > HOLDS and all(h <= target for _, h, _ in run["curve"][-HOLDS:]):
+                break
             start = time.perf_counter()
+        run["steps_to_target"], run["wall_to_target"] = reached_target(run["curve"][1:], target)
+        run["first_at_target"] = next((s for s, h, _ in run["curve"][1:] if h <= target), None)
         run["timed_s"] = timed
         run["step_s"] = timed / max(1, run["steps"])
         del ddp, opt, model
@@ -457,6 +463,16 @@ def train(task, comm: dict, *, seed: int, steps: int, eval_every: int, target: f
     gc.collect()
     dist.barrier()
     return run
+
+
+def reached_target(curve: list, target: float) -> tuple:
+    """(step, wall s) of the evaluation from which the held-out loss stays at or below ``target``: it and the next
+    ``HOLDS - 1`` evaluations (those the run has, at its end); ``(None, None)`` if there is none. ``curve``:
+    ``[step, held-out loss, wall s]`` per evaluation."""
+    for i, (step, _, wall) in enumerate(curve):
+        if all(h <= target for _, h, _ in curve[i:i + HOLDS]):
+            return step, wall
+    return None, None
 
 
 def step_rows(plan: dict, say, save) -> dict:

@@ -91,11 +91,14 @@ def test_comm_algorithms_quick_trains_every_algorithm_and_times_the_step_row(tmp
     assert described["DDP"] == "flat" and described["hierarchical+int8"] == "hierarchical+int8"
     assert described["local_sgd"].startswith("local SGD: period 8")
     assert described["decentralized"] == "decentralized SGD: peers shift_one"
-    assert described["powersgd"].startswith("PowerSGD: rank 4")
+    assert described["powersgd"] == "PowerSGD: rank 4, warm-up 20 steps, hierarchical sums"
     for label, (run,) in runs.items():
         assert run["error"] is None and not run["diverged"] and run["steps"] == 200, label
         assert run["final_loss"] < 0.2 * run["curve"][0][1], label  # trained: the held-out loss fell 5x
-    assert runs["DDP"][0]["steps_to_target"] is not None
+    ddp_run = runs["DDP"][0]
+    assert ddp_run["steps_to_target"] is not None and ddp_run["first_at_target"] <= ddp_run["steps_to_target"]
+    held = [h for step, h, _ in ddp_run["curve"] if step >= ddp_run["steps_to_target"]][:3]
+    assert len(held) == 3 and max(held) <= result["workloads"]["mlp"]["target"]  # the target holds from there
     step = result["step"]
     assert set(step["samples"]) == {"DDP", "hierarchical+int8", "powersgd"}
     assert all(len(s) == 2 and min(s) > 0 for s in step["samples"].values())
@@ -110,3 +113,16 @@ def test_comm_algorithms_quick_trains_every_algorithm_and_times_the_step_row(tmp
             assert ("final loss above DDP's range" in verdict) == (run["final_loss"] > ddp_final), verdict
             assert ("final loss below DDP's range" in verdict) == (run["final_loss"] < ddp_final), verdict
     assert all("n/a" in v for g, v in goals.items() if not g.startswith("convergence, "))
+
+
+def test_comm_algorithms_target_counts_where_it_holds_not_at_a_dip():
+    """Steps to target: the first evaluation from which 3 in a row are at or below the target; a streak the run's
+    end cuts short counts."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from comm_algorithms import reached_target
+
+    dip = [[5, 0.2, 1.0], [10, 0.1, 2.0], [15, 0.3, 3.0], [20, 0.1, 4.0], [25, 0.11, 5.0], [30, 0.1, 6.0]]
+    assert reached_target(dip, 0.12) == (20, 4.0)        # not 10: it came back above at 15
+    assert reached_target(dip[:5], 0.12) == (20, 4.0)    # two evaluations left at the end: they hold
+    assert reached_target(dip[:3], 0.12) == (None, None)
+    assert reached_target(dip, 0.05) == (None, None)
