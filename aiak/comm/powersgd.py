@@ -70,6 +70,7 @@ class PowerSGD:
             self.numbers(p)
         self.layouts: Dict[int, Hashable] = {}                         # bucket index -> layout of its state
         self._pending: Dict[int, Tuple[_Kept, FiniteFlag]] = {}        # bucket -> state before, verdict after
+        self._spare: Dict[int, torch.Tensor] = {}                      # bucket -> a residual no longer needed
         self.skipped = 0                                               # buckets whose result was not finite
         self._resuming = False                                         # a checkpoint loaded, its first step to come
 
@@ -119,7 +120,10 @@ class PowerSGD:
             buffer.add_(s.error_dict[index])
         else:
             s.error_dict[index] = torch.zeros_like(buffer)
-        with_feedback = buffer.clone()
+        with_feedback = self._spare.pop(index, None)  # reused: a fresh 4-bytes-a-value tensor per step costs
+        if with_feedback is None or with_feedback.shape != buffer.shape:  # as much as the arithmetic (page faults)
+            with_feedback = torch.empty_like(buffer)
+        with_feedback.copy_(buffer)
         matrices, others = [], []
         for g in gradients:
             matrix = g.view(g.shape[0], -1) if g.dim() > 0 else g.view(1, 1)
@@ -159,7 +163,7 @@ class PowerSGD:
         s.q_memory_dict[index].div_(world)
         for m, p, q in zip(matrices, ps, qs):
             torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))
-        s.error_dict[index] = with_feedback - buffer  # a new tensor: the kept residual stays as it was
+        s.error_dict[index] = with_feedback.sub_(buffer)  # not the kept residual's memory: that stays as it was
 
     def _recorded_parts(self, index: int, layout: Hashable) -> Optional[List[int]]:
         """The recorded buckets a bucket of the first step after a checkpoint was loaded consists of, when it is
@@ -197,12 +201,18 @@ class PowerSGD:
 
     def _settle(self, index: Optional[int] = None) -> None:
         """Read the verdicts on earlier calls (of bucket ``index``, or all): a non-finite one puts back its state."""
+        s = self.torch_state
         for i in [index] if index is not None else list(self._pending):
             pending = self._pending.pop(i, None)
-            if pending is None or bool(pending[1]):
+            if pending is None:
+                continue
+            if bool(pending[1]):  # the residual it replaced is free memory for the bucket's next residual
+                if pending[0][0] is not None and pending[0][0] is not s.error_dict.get(i):
+                    self._spare[i] = pending[0][0]
                 continue
             self.skipped += 1
-            s = self.torch_state
+            if s.error_dict.get(i) is not None and s.error_dict[i] is not pending[0][0]:
+                self._spare[i] = s.error_dict[i]
             for table, value in zip((s.error_dict, s.p_memory_dict, s.q_memory_dict), pending[0]):
                 if value is None:
                     table.pop(i, None)
