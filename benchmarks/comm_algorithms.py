@@ -11,7 +11,9 @@ The contenders, each through ``aiak.optimize(model, opt, strategy={"comm": ...})
   * ``DDP``: ``algorithm: allreduce``, ``hierarchical: false``, ``compression: none`` (DDP's own allreduce);
   * ``hierarchical+int8``: ``allreduce``, ``hierarchical: true``, ``compression: int8`` (on 4x1 there is no
     hierarchy: ``flat+int8``, named so in the tables);
-  * ``local_sgd``: period 8, warm-up 10% of the max steps (``hierarchical: auto``);
+  * ``local_sgd``: period 8, warm-up 10% of the max steps (``hierarchical: auto``), ``compression: fp16`` (the
+    warm-up's gradients and then the change of the weights since the last average cross the link as fp16; int8,
+    the synchronous contender's, is for gradients only);
   * ``decentralized``: ``peers: shift_one``;
   * ``powersgd``: rank 4, warm-up 10% of the max steps (at least 2), ``hierarchical: auto`` (its sums hierarchical
     on 2x2).
@@ -123,7 +125,8 @@ def contenders(layout: str, warmup: int) -> list:
         ("ddp", "DDP", {"algorithm": "allreduce", "hierarchical": False, "compression": "none"}),
         ("int8", "hierarchical+int8" if hierarchical else "flat+int8 (4x1: no hierarchy)",
          {"algorithm": "allreduce", "hierarchical": hierarchical, "compression": "int8"}),
-        ("local_sgd", "local_sgd", {"algorithm": "local_sgd", "local_sgd": {"period": 8, "warmup_steps": warmup}}),
+        ("local_sgd", "local_sgd", {"algorithm": "local_sgd", "compression": "fp16",
+                                    "local_sgd": {"period": 8, "warmup_steps": warmup}}),
         ("decentralized", "decentralized",
          {"algorithm": "decentralized", "hierarchical": False, "decentralized": {"peers": "shift_one"}}),
         ("powersgd", "powersgd",

@@ -89,7 +89,8 @@ def test_comm_algorithms_quick_trains_every_algorithm_and_times_the_step_row(tmp
     runs = result["workloads"]["mlp"]["runs"]
     described = {label: r[0]["comm"] for label, r in runs.items()}
     assert described["DDP"] == "flat" and described["hierarchical+int8"] == "hierarchical+int8"
-    assert described["local_sgd"].startswith("local SGD: period 8")
+    assert described["local_sgd"] == \
+        "local SGD: period 8, warm-up 20 steps, hierarchical+fp16 in warm-up and averages"
     assert described["decentralized"] == "decentralized SGD: peers shift_one"
     assert described["powersgd"] == "PowerSGD: rank 4, warm-up 20 steps, hierarchical sums"
     for label, (run,) in runs.items():
