@@ -69,8 +69,9 @@ printed (``FAILED: ...``, and in the table and the goal line). (Seen here: on th
 several DDP buckets, powersgd aborted in gloo, "Received data size doesn't match expected size"; the small
 workloads' models fit one bucket and ran.)
 
-Runtime on 2 CPU cores: about 27 min (2x2, with 6 rounds of the step-time row) and 20 min (4x1, without it) under
-``latency``; ``--quick --loopback`` under two minutes.
+Runtime on 2 CPU cores under ``latency``: about 16 min (2x2, with 6 rounds of the step-time row; 12 min without,
+``--step-params-m 0``; the row alone, ``--workloads`` with no name, 4 min) and 18 min (4x1, without it);
+``--quick --loopback`` under two minutes.
 
 Needs root (creates namespaces ``aiak<pid>n<i>`` and ``aiak<pid>r``, deleted afterwards, also on failure or
 Ctrl-C); traffic only goes to loopback and to the addresses of those namespaces (10.231.<i>.1/2). Every wait is

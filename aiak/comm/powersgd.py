@@ -22,6 +22,10 @@ What aiak changes around torch's arithmetic:
   one order (torch's hook, with several buckets in flight, issued them in different orders on different ranks:
   gloo "Received data size doesn't match expected size", measured on a 25M-parameter MLP on 4 ranks), while the
   backward goes on producing the next buckets.
+- **no allocation a step.** torch's hook allocates two tensors the size of the bucket every step (the gradients
+  with their residual, and the new residual); at 25M values that took 59 ms and 73 ms on one CPU core against
+  10 ms and 9 ms written into memory already there (fresh pages fault in). Here the new residual is written into
+  the one the step before replaced, once the guard has let that go.
 - **a non-finite bucket leaves the state as it was.** torch's hook has no inf/NaN guard: one fp16 overflow puts
   NaN into the bucket's residual and its warm-started Q, and every later step of that bucket is NaN. Here the
   residual, P and Q of a bucket are kept before the bucket runs; the averaged bucket's finiteness is checked
