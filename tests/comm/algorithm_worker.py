@@ -292,11 +292,15 @@ def scenario_powersgd(rank):
                 ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                      {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}, **comm})
                 del calls[:]
+                residuals = []  # the residual tensor (object) after each step
                 for step in range(8):
                     train(ddp, opt, rank, 1, start=step, record=grads)
                     per_step.append(list(calls))
                     del calls[:]
+                    residuals.append(ddp.aiak_comm_algorithm.torch_state.error_dict.get(0))
                 out["aiak_grads"][topology] = grads
+                out.setdefault("residual_reused", {})[topology] = \
+                    [residuals[t + 2] is residuals[t] for t in range(2, 6)]
                 out["describe"][topology] = ddp.aiak_comm_algorithm.describe()
         finally:
             dist.all_reduce = original

@@ -127,6 +127,13 @@ def test_powersgd_gives_the_gradients_of_torchs_hook_registered_directly(run):
             assert r["describe"][topology] == f"PowerSGD: rank 2, warm-up 2 steps, {topology} sums"
 
 
+def test_powersgd_writes_each_residual_into_the_one_two_steps_before(run):
+    """No allocation of a bucket-sized tensor a step: from the second compressed step on, the new residual goes
+    into the memory of the one it replaced a step before (freed once that step's result was known finite)."""
+    for r in run("powersgd"):
+        assert r["residual_reused"] == {"hierarchical": [True] * 4, "flat": [True] * 4}
+
+
 def test_powersgd_sends_two_sums_a_step_and_across_nodes_between_one_rank_per_node(run):
     """The uncompressed tensors travel with the Ps: two allreduces per compressed step where torch's hook makes
     three; hierarchical, each is an allreduce of the 2 nodes' leaders (the rest stays inside the node)."""
