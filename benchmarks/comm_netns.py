@@ -492,7 +492,7 @@ def _algorithm_rows(device) -> list:
                                             random_seed=0), ps.powerSGD_hook)
     train(ddp, record=theirs)
     ddp = DDP(model(), device_ids=ids)
-    ddp.register_comm_hook(PowerSGD(ddp.module, None, 4, 2), powersgd_hook)
+    ddp.register_comm_hook(PowerSGD(ddp.module, CommState(), 4, 2), powersgd_hook)
     _, ms = train(ddp, record=mine)
     same = all(torch.equal(a, b) for x, y in zip(mine, theirs) for a, b in zip(x, y))
     rows.append(_row("comm: PowerSGD (rank 4) on cuda/nccl, one rank", same,
