@@ -11,8 +11,8 @@ step (same warm start, same orthogonalization, same random Qs); what differs is 
 What aiak changes around torch's arithmetic:
 
 - **two collectives a bucket, not three.** torch's hook allreduces the uncompressed tensors (biases, small
-  matrices), then the Ps, then the Qs, each after the last (pytorch issue 74148). The uncompressed tensors need
-  nothing from the Ps, so here they travel in one buffer with them: two round trips a bucket.
+  matrices), then the Ps, then the Qs, each after the last. The uncompressed tensors need nothing from the Ps, so
+  here they travel in one buffer with them: two round trips a bucket.
 - **hierarchical sums.** On a run of several nodes of several ranks each (``comm.hierarchical``: ``auto`` or
   ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.hooks.sum_now`): inside the
   node, then one rank per node across, then inside again; on a far link two messages cross it per sum instead of
