@@ -453,7 +453,7 @@ def train(task, comm: dict, *, seed: int, steps: int, eval_every: int, target: f
             if held == math.inf:
                 run["diverged"] = True
                 break
-            if stop_at_target and len(run["curve"]) > HOLDS and all(h <= target for _, h, _ in run["curve"][-HOLDS:]):
+            if stop_at_target and len(run["curve"]) > HOLDS and _at_or_below(run["curve"][-HOLDS:], target):
                 break
             start = time.perf_counter()
         run["steps_to_target"], run["wall_to_target"] = reached_target(run["curve"][1:], target)
@@ -474,9 +474,13 @@ def reached_target(curve: list, target: float) -> tuple:
     ``HOLDS - 1`` evaluations (those the run has, at its end); ``(None, None)`` if there is none. ``curve``:
     ``[step, held-out loss, wall s]`` per evaluation."""
     for i, (step, _, wall) in enumerate(curve):
-        if all(h <= target for _, h, _ in curve[i:i + HOLDS]):
+        if _at_or_below(curve[i:i + HOLDS], target):
             return step, wall
     return None, None
+
+
+def _at_or_below(evaluations: list, target: float) -> bool:
+    return all(held <= target for _, held, _ in evaluations)
 
 
 def step_rows(plan: dict, say, save) -> dict:

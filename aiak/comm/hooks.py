@@ -639,14 +639,14 @@ def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.
     return fut
 
 
-def sum_now(state: CommState, x: torch.Tensor, stage: str = "allreduce") -> None:
-    """Sum the 1-D ``x`` in place over every rank, uncompressed, with ``state``'s topology (hierarchical or flat,
-    one connection), waiting for the result: for a job of :func:`run_in_worker` that computes between its
-    collectives (PowerSGD's factors, :mod:`aiak.comm.powersgd`)."""
+def sum_now(state: CommState, x: torch.Tensor) -> None:
+    """Sum the 1-D ``x`` in place over every rank, uncompressed, with ``state``'s topology (the hierarchical or the
+    flat algorithm, one connection), waiting for the result: for a job of :func:`run_in_worker` that computes
+    between its collectives (PowerSGD's factors, :mod:`aiak.comm.powersgd`)."""
     if state.hierarchical:
         _Hierarchical(state, "none", 1, False, x, key=None, layout=None).run()
     else:
-        _allreduce(x, state.process_group, x.dtype, stage).wait()
+        _flat(state, "none", 1, x, key=None, layout=None)
 
 
 # -- the hook ----------------------------------------------------------------------------------------

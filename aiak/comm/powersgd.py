@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize, _should_compress
 
 from aiak.comm.compression import FiniteFlag
-from aiak.comm.hooks import CommState, ParameterNumbers, bucket_layout, run_in_worker, sum_now
+from aiak.comm.hooks import CommState, ParameterNumbers, bucket_layout, copy_into, run_in_worker, sum_now
 
 _Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
 
@@ -113,17 +113,15 @@ class PowerSGD:
 
     def _average(self, buffer: torch.Tensor) -> None:
         buffer.div_(self.comm.world_size)
-        sum_now(self.comm, buffer, "PowerSGD warm-up: allreduce")
+        sum_now(self.comm, buffer)
 
     def _compress(self, index: int, gradients: List[torch.Tensor], buffer: torch.Tensor) -> None:
         """Bucket ``index`` (``buffer``, holding ``gradients``) replaced by the average over the ranks of its
         rank-r approximation, with error feedback: torch's ``powerSGD_hook`` (warm start on), its uncompressed
         tensors summed together with the Ps."""
         s, world = self.torch_state, self.comm.world_size
-        if index in s.error_dict:
+        if index in s.error_dict:  # (none yet: nothing to add, and the residual is made below)
             buffer.add_(s.error_dict[index])
-        else:
-            s.error_dict[index] = torch.zeros_like(buffer)
         with_feedback = self._spare.pop(index, None)  # reused: a fresh 4-bytes-a-value tensor per step costs
         if with_feedback is None or with_feedback.shape != buffer.shape:  # as much as the arithmetic (page faults)
             with_feedback = torch.empty_like(buffer)
@@ -152,18 +150,16 @@ class PowerSGD:
 
         # one sum: the uncompressed tensors, then the Ps (the Ps are not divided: they are orthogonalized next)
         wire = torch.cat([t.reshape(-1) for t in others] + [s.p_memory_dict[index]])
-        sum_now(self.comm, wire, "PowerSGD: uncompressed tensors and Ps")
-        offset = 0
-        for t in others:
-            t.copy_(wire[offset:offset + t.numel()].view_as(t)).div_(world)
-            offset += t.numel()
-        s.p_memory_dict[index].copy_(wire[offset:])
+        sum_now(self.comm, wire)
+        uncompressed = sum(t.numel() for t in others)
+        copy_into(others, wire[:uncompressed].div_(world))
+        s.p_memory_dict[index].copy_(wire[uncompressed:])
         for p in ps:
             _orthogonalize(p, s.orthogonalization_epsilon)
         for m, p, q in zip(matrices, ps, qs):
             torch.bmm(m.unsqueeze(0).transpose(1, 2), p, out=q)
 
-        sum_now(self.comm, s.q_memory_dict[index], "PowerSGD: Qs")
+        sum_now(self.comm, s.q_memory_dict[index])
         s.q_memory_dict[index].div_(world)
         for m, p, q in zip(matrices, ps, qs):
             torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))

@@ -169,9 +169,9 @@ def test_powersgd_with_many_buckets_keeps_one_order_of_collectives_on_every_rank
 
 
 def test_powersgd_bucket_mb_auto_puts_the_gradients_in_one_bucket_and_a_number_cuts_them(run):
-    """Each bucket costs three allreduces in sequence: ``auto`` sends every gradient in one bucket, and a
-    ``comm.bucket_mb`` (allreduce's, 0.3 there) is ignored with a warning naming the key to set; ``powersgd.bucket_mb: 0.3`` cuts the 1.3 MB of gradients into
-    buckets of about 0.3 MB (whole tensors of 0.25 MB each)."""
+    """Each bucket costs two sums in sequence: ``auto`` sends every gradient in one bucket, and a ``comm.bucket_mb``
+    (allreduce's, 0.3 there) is ignored with a warning naming the key to set; ``powersgd.bucket_mb: 0.3`` cuts the
+    1.3 MB of gradients into buckets of about 0.3 MB (whole tensors of 0.25 MB each)."""
     ranks = run("powersgd")
     for r in ranks:
         assert r["bucket_count"]["auto"] == 1
