@@ -487,11 +487,13 @@ def _algorithm_rows(device) -> list:
     rows = [_row("comm: decentralized SGD (peers all) on cuda/nccl, one rank", same,
                  "weights equal plain SGD's bit for bit | ms/step", f"{same} | {ms:.2f}")]
     theirs, mine = [], []
-    ddp = DDP(model(), device_ids=ids)
+    # one bucket each: torch's hook with two buckets in flight can wait forever (each bucket's callback waits on
+    # its next allreduce, from the threads that would run the other's; seen here, on one gloo rank)
+    ddp = DDP(model(), device_ids=ids, bucket_cap_mb=64)
     ddp.register_comm_hook(ps.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                             random_seed=0), ps.powerSGD_hook)
     train(ddp, record=theirs)
-    ddp = DDP(model(), device_ids=ids)
+    ddp = DDP(model(), device_ids=ids, bucket_cap_mb=64)
     ddp.register_comm_hook(PowerSGD(ddp.module, CommState(), 4, 2), powersgd_hook)
     _, ms = train(ddp, record=mine)
     same = all(torch.equal(a, b) for x, y in zip(mine, theirs) for a, b in zip(x, y))

@@ -1,5 +1,6 @@
 """Benchmarks stay runnable: every script imports, and the quick ones run end to end on CPU."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,21 @@ def test_comm_algorithms_target_counts_where_it_holds_not_at_a_dip():
     assert reached_target(dip[:3], 0.12) == (None, None)
     assert reached_target(dip, 0.05) == (None, None)
 
+
+def test_gpu_checks_comm_algorithm_rows_run_on_cpu():
+    """benchmarks/gpu_check.py's rows for the comm algorithms, on a one-rank gloo world on CPU (the same code
+    the GPU runs, on another device): each row runs and holds its check (one rank: the sums change nothing, so
+    aiak's PowerSGD gives torch's hook's gradients bit for bit)."""
+    code = ("import json, sys, tempfile, torch, torch.distributed as dist; sys.path.insert(0, 'benchmarks'); "
+            "import comm_netns\n"
+            "with tempfile.TemporaryDirectory() as tmp:\n"
+            "    dist.init_process_group('gloo', init_method=f'file://{tmp}/store', rank=0, world_size=1)\n"
+            "    rows = comm_netns._algorithm_rows(torch.device('cpu'))\n"
+            "    dist.destroy_process_group()\n"
+            "print(json.dumps({r['check']: r['ok'] for r in rows}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rows == {"comm: decentralized SGD (peers all) on cuda/nccl, one rank": True,
+                    "comm: PowerSGD (rank 4) on cuda/nccl, one rank": True}
