@@ -10,32 +10,34 @@ parameter in fp32, and gradients summed over accumulation micro-steps are summed
 
 How a module computes in half (:class:`HalfCompute`, one object per model, hooked on its modules):
 
-* Every module whose subtree owns floating parameters or buffers (normalization layers and what is inside them
-  excepted) gets a forward pre-hook and an always-called forward hook, bound methods of the model's one
-  :class:`HalfCompute`. No closure over a module, a tensor or a bound ``forward``: ``copy.deepcopy`` (EMA,
-  ``AveragedModel``) and ``torch.save`` of the whole model give an independent model that computes the same way
-  with its own weights.
-* The first such module entered (in a thread) opens a *region*: for O2 it swaps each floating parameter and
-  buffer of its subtree, in ``_parameters`` / ``_buffers``, for a half copy (``p.to(bf16)``, an op of the
-  autograd graph), runs with autocast off, and puts the originals back on the way out; a buffer the forward
-  changed in place (a running statistic outside a norm layer) is written back. Modules inside the region find
-  their tensors swapped already and do nothing. So ``model(x)``, a LightningModule's ``self.net(x)``,
-  ``model.backbone(x)`` and a submodule called alone all compute in half; a parameter read by a parent
-  (tied weights) is the same half copy; a module called T times casts once.
-* For O1, the region runs the forward under ``torch.autocast`` (what to cast is autocast's choice).
+* Every module whose subtree owns floating parameters or buffers (outside the modules kept in fp32 and outside
+  parametrizations) gets a forward pre-hook, an always-called forward hook and a ``state_dict`` hook, bound
+  methods of the model's one :class:`HalfCompute`, and a :class:`_CallGuard` as its instance ``_call_impl``. No
+  closure over a module, a tensor or a bound ``forward``: ``copy.deepcopy`` (EMA, ``AveragedModel``) and
+  ``torch.save`` of the whole model give an independent model that computes the same way with its own weights.
+* The first such module entered (in a thread) opens a *region*. For O2 it swaps each floating parameter of its
+  subtree, in ``_parameters``, for a half copy (``p.to(bf16)``, an op of the autograd graph where the parameter
+  trains; a detached copy under ``no_grad``, ``inference_mode`` or for a frozen parameter), shows each floating
+  buffer through a :class:`~aiak.amp.region_buffers.RegionBuffer` (the user's fp32 tensor, half where it meets
+  half tensors: counters and running values stay exact), runs with autocast off, and puts the originals back on
+  the way out. A parameter copy the forward edited in place (a frozen EMA codebook, a hook that rescales a
+  weight) is written into the parameter; a buffer the forward reassigned is stored back in its own dtype.
+  Modules inside the region find their tensors swapped already and do nothing. So ``model(x)``, a
+  LightningModule's ``self.net(x)``, ``model.backbone(x)`` and a submodule called alone all compute in half; a
+  parameter read by a parent (tied weights) is the same half copy; a module called T times casts once.
+* For O1, the region runs the forward under ``torch.autocast`` (what to cast is autocast's choice) and swaps
+  nothing.
 * At a region's boundary floating inputs are cast to the half dtype (O2) and floating outputs to fp32, as
   apex's O2 does at the model's entry and exit.
-* Normalization layers (``is_norm_layer``) keep fp32 parameters and buffers; torch's BatchNorm, LayerNorm and
-  GroupNorm take half inputs natively, other ``*Norm*`` classes get their inputs in fp32 and return the
-  region's dtype.
+* Whatever ends the call (a return, an exception, ``KeyboardInterrupt``, ``SystemExit``), the originals are back
+  when it leaves: the forward hook for a return or an ``Exception``, the guard for the rest. ``state_dict()``
+  taken inside a region (in a forward hook) gives the user's tensors.
+* Modules kept in fp32 (:mod:`aiak.amp.fp32_modules`: normalization layers, ``precision.keep_fp32``, a module
+  whose op has no half kernel here) keep fp32 tensors and compute in fp32 from fp32 inputs.
 
-Loss scaling for fp16 (:class:`~aiak.amp.loss_scaler.LossScaler`) is applied where the region is: the gradient
-flowing into a region's outputs is multiplied by the scale, and divided by it again where it leaves the region
-(the cast of each parameter, an unscaling alias for a normalization layer's fp32 parameters and for O1's, and the
-region's inputs). So every gradient that reaches an fp32 parameter is
-already unscaled, whatever the loss did: a penalty computed on the parameters outside the model, or a loss
-from two regions (``head(backbone(x))`` called as two), is exact, and no loss path needs a hook. An overflow
-inside a region leaves inf/NaN on the gradients, which the step controller finds and skips.
+fp16 loss scaling is applied at the root of each backward pass, not inside the regions
+(:mod:`aiak.amp.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
+and skips.
 
 Activation checkpointing recomputes a region's forward inside the backward pass: there the region takes the
 role it had in the forward (a block whose inputs are already in the half dtype, or under autocast, is inside
@@ -49,60 +51,28 @@ from typing import Any, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from torch.nn.utils import parametrize
+
+from aiak.amp import root_scaling
+from aiak.amp.fp32_modules import HALF_DTYPES, hook_fp32_module, is_kept_fp32, keep_after_failure
+from aiak.amp.region_buffers import RegionBuffer, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
-from aiak.util.norm_layers import is_norm_layer
-
-# These accept a half input with fp32 weights natively (CPU and CUDA) and return the input's dtype.
-NATIVE_MIXED_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-# -- gradient scaling inside the graph -----------------------------------------------------------------
+# -- the compute copy of a parameter whose gradient may be sparse --------------------------------------
 
 class _CastForCompute(torch.autograd.Function):
-    """A parameter's compute copy under loss scaling, or one whose gradient may be sparse: ``p.to(dtype)``
-    forward (``dtype`` None: an alias, for O1); backward returns the gradient in fp32, divided by the loss scale
-    read at backward time (``scaler`` None: not divided). A sparse gradient stays sparse (the backward of a
-    plain ``p.to(dtype)`` refuses one: "to(options) doesn't support converting to a different layout")."""
+    """``p.to(dtype)`` whose backward returns the gradient in fp32 and keeps a sparse gradient sparse (the
+    backward of a plain ``p.to(dtype)`` refuses one: "to(options) doesn't support converting to a different
+    layout")."""
 
     @staticmethod
-    def forward(ctx, p: torch.Tensor, dtype: Optional[torch.dtype], scaler) -> torch.Tensor:
-        ctx.scaler = scaler
-        return p.to(dtype) if dtype is not None else p.view_as(p)
+    def forward(ctx, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return p.to(dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.float()
-        if ctx.scaler is not None:
-            grad = grad * (1.0 / ctx.scaler.grad_scale())
-        return grad, None, None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the incoming gradient by the loss scale (``inverse``: divides).
-
-    The forward returns ``x.detach()``: the same memory and version counter as ``x``, and not a view in
-    autograd's sense, so an in-place op on a region's output (``loss *= w``, which Hugging Face's Trainer does)
-    behaves as it would on the plain model's output.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scaler, inverse: bool) -> torch.Tensor:
-        ctx.scaler, ctx.inverse = scaler, inverse
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        scale = ctx.scaler.grad_scale()
-        return (grad / scale if ctx.inverse else grad * scale), None, None
-
-
-def scaling_node_scaler(node) -> Optional[Any]:
-    """The loss scaler of ``node`` if it is the backward of a region's output scaling (:class:`_ScaleGrad`, not
-    the inverse one on a region's inputs), else None."""
-    if isinstance(node, _ScaleGrad._backward_cls) and not getattr(node, "inverse", True):
-        return node.scaler
-    return None
+        return grad.float(), None
 
 
 # -- the regions ----------------------------------------------------------------------------------------
@@ -114,7 +84,8 @@ class _Frame:
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, int]] = []  # (owner dict, name, original, copy, version)
+        # (owner dict, name, original, what the forward sees, its version or None)
+        self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, Optional[int]]] = []
         self.modules: List[int] = []      # ids of the modules whose tensors this call swapped
         self.autocast: Any = None
         self.boundary = False
@@ -133,6 +104,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def region_open() -> bool:
+    """A half-precision region is open in this thread."""
+    return bool(_threads.frames)
+
+
 class HalfCompute:
     """The hooks that make one model compute in ``dtype`` (see the module docstring). ``level``: ``O1``
     (autocast) or ``O2`` (half copies of the parameters); ``scaler``: a LossScaler for fp16, else None."""
@@ -147,17 +123,21 @@ class HalfCompute:
         """Hook every module of ``model`` that computes with floating tensors; returns how many were hooked."""
         _run_eagerly_under_torch_compile()
         hooked = 0
-        for module in _modules_outside_norms(model):
-            if _owns_floating(module):
-                module.register_forward_pre_hook(self.enter, with_kwargs=True, prepend=True)
-                module.register_forward_hook(self.leave, always_call=True)
-                hooked += 1
+        for module in _region_openers(model):
+            module.register_forward_pre_hook(self.enter, with_kwargs=True, prepend=True)
+            module.register_forward_hook(self.leave, always_call=True)
+            module._register_state_dict_hook(_state_dict_of_originals)
+            vars(module)["_call_impl"] = _CallGuard(module, self)
+            hooked += 1
+        if self.scaler is not None:
+            root_scaling.watch()
+            for p in model.parameters():
+                if p.is_floating_point():
+                    root_scaling.register(p, self.scaler)
         if self.level == "O2":
-            keep = NormInFp32(self.dtype)
-            for module in model.modules():
-                if is_norm_layer(module) and not isinstance(module, NATIVE_MIXED_NORMS):
-                    module.register_forward_pre_hook(keep.enter, with_kwargs=True)
-                    module.register_forward_hook(keep.leave)
+            for module, kept in _modules_of(model):
+                if kept and is_kept_fp32(module):
+                    hook_fp32_module(module, self.dtype)
         return hooked
 
     # -- the hooks --------------------------------------------------------------------------------
@@ -168,10 +148,11 @@ class HalfCompute:
         if id(module) in state.swapped:
             return None  # inside a region that already swapped this module's tensors
         frame.boundary = len(state.frames) == 1 and not self._recomputing_inside(args, kwargs)
-        if self.level == "O2" or self.scaler is not None:
+        if self.level == "O2":
             self._swap(frame, module)
         if frame.boundary:
-            args, kwargs = self._inputs(args), self._inputs(kwargs)
+            if self.level == "O2":
+                args, kwargs = map_tensors(args, self._input), map_tensors(kwargs, self._input)
             if self.level == "O1":
                 frame.autocast = torch.autocast(self.device_type, dtype=self.dtype)
             elif torch.is_autocast_enabled(self.device_type):  # the script's autocast: O2 does its own casting
@@ -186,17 +167,9 @@ class HalfCompute:
         if not state.frames or state.frames[-1].module is not module:
             return None  # this call's enter() never ran (an earlier pre-hook raised)
         frame = state.frames.pop()
-        for owner, name, original, copy, version in frame.swapped:
-            if owner.get(name) is copy:
-                owner[name] = original
-                if copy._version != version and not isinstance(original, nn.Parameter):
-                    with torch.no_grad():
-                        original.copy_(copy)  # a buffer the forward updated in place
-        state.swapped.difference_update(frame.modules)
-        if frame.autocast is not None:
-            frame.autocast.__exit__(None, None, None)
+        _close(frame)
         if frame.boundary and output is not None:
-            return map_tensors(output, self._output)
+            return map_tensors(output, _to_fp32)
         return None
 
     # -- what a region does -----------------------------------------------------------------------
@@ -210,67 +183,116 @@ class HalfCompute:
         return any(t.dtype == self.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point())
 
     def _swap(self, frame: _Frame, module: nn.Module) -> None:
-        """Swap the tensors of every module of ``module``'s subtree: floating parameters for their compute copies
-        (O2: half, except in normalization layers; under loss scaling, a copy that unscales its gradient) and,
-        for O2, floating buffers outside normalization layers for half copies."""
+        """O2: in every module of ``module``'s subtree outside the modules kept in fp32, swap each floating
+        parameter for its half copy (an op of the autograd graph where it trains) and show each floating buffer
+        through a :class:`~aiak.amp.region_buffers.RegionBuffer`."""
         state = _threads
         grad = torch.is_grad_enabled()
+        versioned = not torch.is_inference_mode_enabled()  # inference tensors have no version counter
         copies = {}  # id(tensor) -> its copy: a tensor shared by two modules (tied weights) is cast once
-        for m, in_norm in _modules_of(module):
+        for m, kept in _modules_of(module):
             if id(m) in state.swapped:
                 continue
             state.swapped.add(id(m))
             frame.modules.append(id(m))
-            half = self.dtype if self.level == "O2" and not in_norm else None
+            if kept:
+                continue
             sparse = getattr(m, "sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
             for name, p in m._parameters.items():
-                if p is not None and p.is_floating_point():
+                if p is not None and p.is_floating_point() and p.dtype != self.dtype:
                     copy = copies.get(id(p))
                     if copy is None:
-                        copy = copies[id(p)] = self._param_copy(p, half, grad, sparse)
-                    if copy is not p:
-                        frame.swapped.append((m._parameters, name, p, copy, copy._version))
-                        m._parameters[name] = copy
-            if half is None:
-                continue
+                        copy = copies[id(p)] = self._param_copy(p, grad, sparse)
+                    frame.swapped.append((m._parameters, name, p, copy, copy._version if versioned else None))
+                    m._parameters[name] = copy
             for name, b in m._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != half:
-                    copy = copies.get(id(b))
-                    if copy is None:
-                        copy = copies[id(b)] = b.detach().to(half)
-                    frame.swapped.append((m._buffers, name, b, copy, copy._version))
-                    m._buffers[name] = copy
+                if b is not None and b.is_floating_point() and b.dtype not in HALF_DTYPES:
+                    seen = copies.get(id(b))
+                    if seen is None:
+                        seen = copies[id(b)] = RegionBuffer.wrap(b, self.dtype)
+                    frame.swapped.append((m._buffers, name, b, seen, None))
+                    m._buffers[name] = seen
 
-    def _param_copy(self, p: torch.Tensor, half: Optional[torch.dtype], grad: bool,
-                    sparse: bool = False) -> torch.Tensor:
-        half = half if half is not None and p.dtype != half else None
+    def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
         if not (grad and p.requires_grad):
-            return p.detach().to(half) if half is not None else p
-        if self.scaler is not None or (sparse and half is not None):
-            return _CastForCompute.apply(p, half, self.scaler)
-        return p.to(half) if half is not None else p
-
-    def _inputs(self, obj):
-        return map_tensors(obj, self._input) if self.level == "O2" or self.scaler is not None else obj
+            return p.detach().to(self.dtype)
+        if self.scaler is not None:
+            root_scaling.register(p, self.scaler)  # a parameter added after install (a new head, say)
+        if sparse:
+            return _CastForCompute.apply(p, self.dtype)
+        return p.to(self.dtype)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point():
-            return t
-        if self.scaler is not None and t.requires_grad:
-            t = _ScaleGrad.apply(t, self.scaler, True)  # a gradient leaving the region is unscaled
-        return t.to(self.dtype) if self.level == "O2" else t
-
-    def _output(self, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point():
-            return t
-        if t.dtype != torch.float32:
-            t = t.float()
-        if self.scaler is not None and t.requires_grad:
-            t = _ScaleGrad.apply(t, self.scaler, False)
-        return t
+        return t.to(self.dtype) if t.is_floating_point() else t
 
     def __repr__(self) -> str:
         return f"HalfCompute({self.level}, {self.dtype}, scaler={self.scaler!r})"
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+
+
+def _close(frame: _Frame) -> None:
+    """Put back what ``frame`` swapped: each original in its slot; a parameter copy the forward edited in place
+    written into the parameter; a buffer the forward reassigned stored in the buffer's own dtype."""
+    for owner, name, original, seen, version in frame.swapped:
+        current = owner.get(name)
+        if current is seen:
+            owner[name] = original
+            if version is not None and seen._version != version:
+                with torch.no_grad():
+                    original.copy_(seen)  # a parameter the forward (or a hook) edited in place
+        elif owner is not None and name in owner and isinstance(seen, RegionBuffer):
+            owner[name] = unwrap(current, original)[0]  # a buffer the forward reassigned
+    _threads.swapped.difference_update(frame.modules)
+    if frame.autocast is not None:
+        frame.autocast.__exit__(None, None, None)
+        frame.autocast = None
+
+
+def close_to(depth: int) -> None:
+    """Close every frame of this thread above ``depth`` (a forward left by an exception the hooks did not see)."""
+    state = _threads
+    while len(state.frames) > depth:
+        _close(state.frames.pop())
+
+
+class _CallGuard:
+    """A hooked module's ``_call_impl`` (looked up on the instance by ``Module.__call__``): torch's own, inside a
+    ``try`` that puts the originals back whatever ends the call. torch runs ``always_call`` forward hooks for an
+    ``Exception`` only; a ``KeyboardInterrupt`` or ``SystemExit`` in a forward would leave the half copies in the
+    model. A call that fails for want of a half kernel (``torch.fft`` on a CPU) is run again with the module kept
+    in fp32 (:func:`aiak.amp.fp32_modules.keep_after_failure`)."""
+
+    __slots__ = ("module", "compute")
+
+    def __init__(self, module: nn.Module, compute: HalfCompute):
+        self.module, self.compute = module, compute
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        depth = len(_threads.frames)
+        try:
+            return type(module)._call_impl(module, *args, **kwargs)
+        except BaseException as error:
+            close_to(depth)
+            if self.compute.level == "O2" and keep_after_failure(module, error):
+                _keep_fp32_now(module, self.compute.dtype)
+                return module(*args, **kwargs)
+            raise
+
+
+def _state_dict_of_originals(module: nn.Module, destination, prefix: str, local_metadata) -> None:
+    """``state_dict()`` taken while a region is open (in a forward hook, say): the user's tensors, not the
+    compute copies."""
+    if not _threads.frames:
+        return
+    for frame in _threads.frames:
+        for owner, name, original, seen, _ in frame.swapped:
+            if (owner is module._parameters or owner is module._buffers) and prefix + name in destination:
+                value = destination[prefix + name]
+                destination[prefix + name] = original if value is seen else original.detach()
 
 
 _eager_hooks = False
@@ -287,54 +309,65 @@ def _run_eagerly_under_torch_compile() -> None:
         HalfCompute.leave = torch.compiler.disable(HalfCompute.leave, reason="aiak's half-precision region")
 
 
-class NormInFp32:
-    """A normalization layer torch has no mixed kernel for: fp32 inputs in, the region's dtype out."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def enter(self, module, args, kwargs):
-        if not _threads.frames:
-            return None
-        to_fp32 = lambda t: t.float() if t.dtype in HALF_DTYPES else t  # noqa: E731
-        return map_tensors(args, to_fp32), map_tensors(kwargs, to_fp32)
-
-    def leave(self, module, args, output):
-        if not _threads.frames:
-            return None
-        return map_tensors(output, lambda t: t.to(self.dtype) if t.dtype == torch.float32 else t)
-
-
 # -- which modules ----------------------------------------------------------------------------------
 
-def _modules_outside_norms(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` and its submodules, each once, outside normalization layers."""
-    return (module for module, in_norm in _modules_of(model) if not in_norm)
-
-
 def _modules_of(model: nn.Module) -> Iterator[Tuple[nn.Module, bool]]:
-    """``(module, inside a normalization layer?)`` for ``model`` and each of its submodules, once each."""
+    """``(module, kept in fp32?)`` for ``model`` and each of its submodules, once each (a module inside one kept
+    in fp32 is kept too)."""
     seen: Set[int] = set()
     stack = [(model, False)]
     while stack:
-        module, in_norm = stack.pop()
+        module, kept = stack.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
-        in_norm = in_norm or is_norm_layer(module)
-        yield module, in_norm
-        stack.extend((m, in_norm) for m in module._modules.values() if m is not None)
+        kept = kept or is_kept_fp32(module)
+        yield module, kept
+        stack.extend((m, kept) for m in module._modules.values() if m is not None)
+
+
+def _region_openers(model: nn.Module) -> List[nn.Module]:
+    """The modules that open a region when called outside one: those that compute with a floating tensor of
+    their subtree, outside the modules kept in fp32 and outside parametrizations (a parametrized weight read
+    outside a forward is computed in fp32, as plain PyTorch does; inside a region it is computed from the
+    region's copies)."""
+    skip: Set[int] = set()
+    openers = []
+    for module, kept in _modules_of(model):
+        if kept or id(module) in skip or isinstance(module, parametrize.ParametrizationList):
+            skip.update(id(m) for m in module.modules())
+            continue
+        if _owns_floating(module):
+            openers.append(module)
+    return openers
 
 
 def _owns_floating(module: nn.Module) -> bool:
-    """The module or a submodule outside norm layers owns a floating parameter or buffer."""
-    for m in _modules_outside_norms(module):
+    """The module or a submodule outside those kept in fp32 owns a floating parameter or buffer."""
+    for m, kept in _modules_of(module):
+        if kept:
+            continue
         for t in list(m._parameters.values()) + list(m._buffers.values()):
             if t is not None and t.is_floating_point():
                 return True
     return False
+
+
+def _keep_fp32_now(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module`` has just been marked kept in fp32 in the middle of a region: its tensors back to the user's in
+    every open frame, its region hooks off (it opens no region any more), the fp32 hooks on."""
+    inside = {id(m._parameters) for m in module.modules()} | {id(m._buffers) for m in module.modules()}
+    for frame in _threads.frames:
+        for owner, name, original, seen, _ in frame.swapped:
+            if id(owner) in inside and owner.get(name) is seen:
+                owner[name] = original
+        frame.swapped = [entry for entry in frame.swapped if id(entry[0]) not in inside]
+    for m in module.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key in [k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), HalfCompute)]:
+                del hooks[key]
+        vars(m).pop("_call_impl", None)
+    hook_fp32_module(module, dtype)
 
 
 def half_compute_of(model: nn.Module) -> Optional[HalfCompute]:

@@ -4,13 +4,12 @@ torchvision's and timm's reference scripts run ``--amp`` as ``scaler.scale(loss)
 ``scaler.unscale_(optimizer)`` before clipping, ``scaler.step(optimizer)``, ``scaler.update()``. aiak's
 parameters stay fp32 under O1/O2, so that scaler unscales and steps them as it would without aiak. Two
 scalers must not multiply, though (aiak's 65536 times the script's 65536 overflows fp16 at once, and each
-would back off without the other knowing): so when an enabled ``GradScaler`` scales a loss computed from an
-aiak model's outputs, that model's own loss scaler stands aside for good (its scale is 1 inside the graph,
-from this very backward on; one warning), and the script's scaler is the only one, with its own dynamic scale
-and overflow skips. Which models a loss comes from is read from its autograd graph: the walk from the loss
-stops at the gradient-scaling nodes of aiak's half-precision regions (:mod:`aiak.amp.half_compute`), which
-sit on the models' outputs, so it does not enter the models. Other aiak models in the process keep their
-scaling.
+would back off without the other knowing): so when an enabled ``GradScaler`` scales a loss computed with an
+aiak model's fp16 parameters, that model's own loss scaler stands aside for good (from this very backward on,
+:mod:`aiak.amp.root_scaling` leaves a pass that reaches only stood-aside models unscaled; one warning), and the
+script's scaler is the only one, with its own dynamic scale and overflow skips. Which models a loss comes from
+is read from its autograd graph (the parameters it reaches), so a loss through two aiak models, ``B(A(x))``,
+sets both aside. Other aiak models in the process keep their scaling.
 
 ``GradScaler.unscale_`` divides the gradients once per ``optimizer.step()`` call; under aiak's
 ``grad_accumulation`` those are partial sums until the window's last call, which would be divided again at
@@ -22,11 +21,10 @@ when a strategy first asks for fp16 loss scaling; every call runs torch's own me
 from __future__ import annotations
 
 import functools
-from typing import List
 
 import torch
 
-from aiak.amp.half_compute import scaling_node_scaler
+from aiak.amp.root_scaling import scalers_reached
 from aiak.util.warn import warn_once
 
 _installed = False
@@ -43,31 +41,11 @@ def watch() -> None:
     cls.unscale_ = _refusing_unscale(cls.unscale_)
 
 
-def scalers_under(outputs) -> List:
-    """The loss scalers of the aiak regions whose outputs ``outputs`` (a tensor or an iterable of them) were
-    computed from: found on the regions' gradient-scaling nodes, where the walk stops."""
-    found, seen = [], set()
-    stack = [t.grad_fn for t in ([outputs] if torch.is_tensor(outputs) else outputs)
-             if torch.is_tensor(t) and t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        scaler = scaling_node_scaler(node)
-        if scaler is not None:
-            if all(scaler is not f for f in found):
-                found.append(scaler)
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
 def _noting_scale(original):
     @functools.wraps(original)
     def scale(self, outputs):
         if self.is_enabled():
-            for scaler in scalers_under(outputs):
+            for scaler in scalers_reached(_roots(outputs)):
                 if not scaler.stood_aside:
                     scaler.stood_aside = True
                     warn_once("script-grad-scaler", "aiak: the script's torch.amp.GradScaler scales the loss, so "
@@ -94,3 +72,13 @@ def _refusing_unscale(original):
         return original(self, optimizer)
 
     return unscale_
+
+
+def _roots(outputs) -> list:
+    """The tensors ``GradScaler.scale`` was given (a tensor or an iterable of them)."""
+    if torch.is_tensor(outputs):
+        return [outputs]
+    try:
+        return [t for t in outputs if torch.is_tensor(t)]
+    except TypeError:
+        return []

@@ -135,12 +135,15 @@ class FrozenAndTable(nn.Module):
         self.head = nn.Linear(4, 3)
 
     def forward(self, x):
-        return self.head(self.frozen(x) * self.table)
+        h = self.frozen(x) * self.table
+        self.product_dtype = h.dtype
+        return self.head(h)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_frozen_weights_and_buffers_are_computed_in_half_and_never_rounded(dtype):
-    """A frozen layer and an fp32 buffer outside norm layers: half inside the forward, the user's exact fp32
+    """A frozen layer and an fp32 buffer outside norm layers: half where the forward computes with them (the
+    buffer is the user's fp32 tensor, seen in half where it meets a half activation), the user's exact fp32
     tensors everywhere else (state_dict, after a step, after load_state_dict, after an in-place edit)."""
     torch.manual_seed(0)
     model = FrozenAndTable()
@@ -159,7 +162,8 @@ def test_frozen_weights_and_buffers_are_computed_in_half_and_never_rounded(dtype
 
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     nn.functional.cross_entropy(model(x), y).backward()
-    assert seen == [(HALF[dtype], HALF[dtype])]  # computed in half
+    assert seen == [(HALF[dtype], torch.float32)]  # the frozen layer computed in half; the buffer is the user's
+    assert model.product_dtype == HALF[dtype]        # ... and meets the half activation in half
     opt.step()
     sd = model.state_dict()
     for key in ("table", "frozen.weight", "frozen.bias"):  # untouched by the step: still exact
