@@ -16,12 +16,15 @@ class Precision:
     numerics; the parameters stay the user's fp32 tensors).
 
     ``loss_scale`` is ``dynamic``, a positive number (static scale) or ``none`` (no scaling; refused for
-    fp16 at O1/O2, where small gradients underflow).
+    fp16 at O1/O2, where small gradients underflow). ``keep_fp32``: module class names or module paths that O2
+    computes in fp32, with their inputs cast for them (:mod:`aiak.amp.fp32_modules`); each must name a module of
+    the model.
     """
 
     level: str = field(default="O0", metadata=choices(*PRECISION_LEVELS))
     dtype: str = field(default="bf16", metadata=choices(*PRECISION_DTYPES))
     loss_scale: Union[str, float] = field(default="dynamic", metadata=choices("dynamic", "none", also="<positive number>"))
+    keep_fp32: List[str] = field(default_factory=list)
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []

@@ -25,6 +25,7 @@ from torch import nn
 from aiak.util.config import StrategyError
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.norm_layers import is_norm_layer
+from aiak.util.text import did_you_mean
 from aiak.util.warn import warn_once
 
 KEPT = "_aiak_keep_fp32"        # the module attribute that marks a module kept in fp32 (copies carry it)
@@ -53,8 +54,9 @@ def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.
             missing.append(name)
     if missing:
         classes = sorted({type(m).__name__ for m in paths.values()})
-        raise StrategyError([f"{key}: {name!r} is neither a module class of this model nor a module path; "
-                             f"classes here: {classes}" for name in missing])
+        raise StrategyError([f"{key}: {name!r} is neither a module class of this model nor a module path"
+                             f"{did_you_mean(name, classes + list(paths))}; classes here: {classes}"
+                             for name in missing])
     for module in found:
         setattr(module, KEPT, True)
     return found

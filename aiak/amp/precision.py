@@ -24,9 +24,11 @@ from torch import nn
 from aiak.amp import script_scaler
 from aiak.amp.config import Precision
 from aiak.amp.emulation import warn_if_emulated
+from aiak.amp.fp32_modules import keep_declared
 from aiak.amp.half_compute import HalfCompute
 from aiak.amp.loss_scaler import LossScaler
 from aiak.util.devices import model_device
+from aiak.util.warn import warn_once
 
 logger = logging.getLogger("aiak")
 
@@ -83,6 +85,12 @@ def apply_precision(model: nn.Module, config: Precision, device_type: str, *,
     scaler = make_scaler(config) if scaled else None
     if scaler is not None:
         script_scaler.watch()
+    if config.keep_fp32:
+        if config.level == "O2":
+            keep_declared(model, config.keep_fp32)
+        else:
+            warn_once("keep-fp32-o1", "aiak: precision.keep_fp32 applies to O2; under O1 autocast chooses the "
+                      "precision of each op (use level: O2 to keep modules in fp32)")
     emulated = warn_if_emulated(config.dtype, model_device(model, device))
     compute = HalfCompute(config.level, dtype, device_type, scaler)
     return PrecisionState(config, scaler, compute, compute.install(model), emulated)

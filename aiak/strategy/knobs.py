@@ -59,6 +59,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("precision.level",       MODEL,     False,   False,  True),
     Knob("precision.dtype",       MODEL,     False,   False,  True),
     Knob("precision.loss_scale",  MODEL,     False,   False,  True),
+    Knob("precision.keep_fp32",   MODEL,     False,   False,  True),
     Knob("fused_ops",             MODEL,     False,   False,  True),
     Knob("grad_accumulation",     OPTIMIZER, True,    False,  True),
     Knob("optimizer",             OPTIMIZER, True,    False,  True),
