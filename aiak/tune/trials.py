@@ -9,7 +9,9 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    wrapping, which do not change the step's compute). The user's objects are never touched.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; its
    gradients go through the numerics gate (:mod:`aiak.tune.gate`) against plain fp32's, their error judged
-   against the sampling noise of that gradient. Plain estimates the noise first, from the same weights, only
+   against the sampling noise of that gradient. Then it evaluates as a script does between epochs
+   (``model.eval()``, a forward under ``torch.inference_mode()``, ``model.train()``): a candidate whose
+   evaluation fails where plain PyTorch's runs is rejected, with the error in its record. Plain estimates the noise first, from the same weights, only
    when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
    when only one batch was borrowed).
 5. Rounds: every candidate takes one step per round, the order rotating every round; its steps form one
@@ -290,6 +292,19 @@ class _TrialRun:
                       after_backward if want_grads else None)
         return grads.get("read")
 
+    def evaluate(self, batch: Any) -> str:
+        """What a script does between epochs: ``model.eval()``, a forward under ``torch.inference_mode()``,
+        ``model.train()`` again. Returns the error it raised, or ``""``."""
+        try:
+            self.model.eval()
+            with torch.inference_mode():
+                _call(self.model, self.prepare(batch))
+        except Exception as e:  # noqa: BLE001 - reported as the candidate's reason
+            return describe_error(e)
+        finally:
+            self.model.train()
+        return ""
+
     def timed_step(self, batches: List[Any]) -> Callable[[], None]:
         """The step the rounds time: one step on the next batch, batch 1 first (batch 0 was the gate's), round
         and round; every candidate takes its k-th timed step on the same batch."""
@@ -401,6 +416,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device) -> None:
     gated = any(not c.failed and not c.candidate.neutral and c is not plain for c in contenders)
     grads: Dict[int, Dict[str, torch.Tensor]] = {}
     seconds: Dict[int, float] = {}
+    evaluation: Dict[int, str] = {}  # the error of each one's evaluation forward, "" when it ran
     noise_samples: List[Tuple[Dict[str, torch.Tensor], int]] = []
     for c in sorted(contenders, key=lambda c: c is not plain):  # plain first: the reference
         if c.failed:
@@ -420,10 +436,16 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device) -> None:
                 seconds[id(c)] = clock.seconds(t0, clock.mark())
                 if device.type == "cuda":
                     c.record.peak_mem_mb = torch.cuda.max_memory_allocated(device) / 2**20
+                evaluation[id(c)] = c.evaluate(batches[0])
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
             c.fail(describe_error(e))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if plain is not None and not evaluation.get(id(plain)):  # the script evaluates as the trials do
+        for c in contenders:
+            if not c.failed and evaluation.get(id(c)):
+                c.fail(f"evaluation (model.eval(), a forward under torch.inference_mode()) failed: "
+                       f"{evaluation[id(c)]}")
     reference = grads.get(id(plain)) if plain is not None else None
     noise = _sampling_noise(reference, noise_samples, batches[0])
     results: Dict[int, gate.GateResult] = {}

@@ -1,0 +1,44 @@
+"""The trials evaluate each candidate as a script does between epochs (``model.eval()``, a forward under
+``torch.inference_mode()``, ``model.train()``), so a candidate that trains but cannot evaluate is rejected before
+the run depends on it, with the reason in the decision record."""
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import aiak
+from aiak.cli.demo import DemoNet, synthetic_dataset
+
+
+class EvaluatesInFp32Only(nn.Module):
+    """A head whose evaluation path refuses half-precision features (as an op without a half kernel would)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        if torch.is_inference_mode_enabled() and x.dtype != torch.float32:
+            raise RuntimeError(f"evaluation needs fp32 features, got {x.dtype}")
+        return self.head(x)
+
+
+def test_a_candidate_whose_evaluation_fails_is_rejected_with_the_reason():
+    torch.manual_seed(0)
+    model = DemoNet(width=8)
+    model.head = EvaluatesInFp32Only(model.head)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(synthetic_dataset(128, image_size=16, seed=0), batch_size=32)
+    strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"},
+                "tune": {"candidates": 4, "steps": 3}}
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
+    trials = aiak.last_decision().to_dict()["trials"]
+    half = [t for t in trials if t["strategy"].get("precision.level") in ("O1", "O2")]
+    assert half, trials  # the pick (O1 bf16) is a candidate on every CPU
+    for t in half:
+        assert not t["accepted"] and "evaluation" in t["why"] and "needs fp32 features" in t["why"], t
+    plain = next(t for t in trials if t["strategy"] == {} or t.get("why", "").startswith("plain"))
+    assert plain["accepted"]
+    assert aiak.last_decision().to_dict()["strategy"]["precision"]["level"] == "O0"
+    model.eval()
+    with torch.inference_mode():
+        model(next(iter(loader))[0])  # the run evaluates
