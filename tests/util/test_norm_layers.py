@@ -51,12 +51,39 @@ def test_o2_computes_a_custom_norm_layer_in_fp32():
 
 
 def test_a_head_named_after_a_norm_is_not_mistaken_for_one_by_lamb():
-    """A module that only holds others owns no parameter directly: nothing of it is excluded by its name."""
+    """A module that holds others is not a norm layer by its name: only what its own rules exclude is."""
     class NormHead(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 4)
 
     head = NormHead()
-    assert is_norm_layer(head) and excluded_parameters(head) == {id(head.fc.bias)}
+    assert not is_norm_layer(head) and excluded_parameters(head) == {id(head.fc.bias)}
     assert not is_norm_layer(nn.Linear(2, 2)) and norm_kind(nn.Conv2d(1, 1, 1)) is None
+
+
+def _blocks_named_after_norms():
+    import timm
+    import torchvision
+    from timm.layers import ConvNormAct
+
+    return {"timm ConvNormAct": ConvNormAct(3, 8, 3),
+            "torchvision Conv2dNormActivation": torchvision.ops.Conv2dNormActivation(3, 8, 3),
+            "timm NormFreeNet": timm.create_model("nf_resnet26", num_classes=4)}
+
+
+@pytest.mark.parametrize("name", list(_blocks_named_after_norms()))
+def test_a_block_named_after_a_norm_computes_its_convolutions_in_half_under_o2(name):
+    """Blocks whose class names say ``Norm`` but hold convolutions: not norm layers, so O2 computes their
+    convolutions in bf16 (taken for norm layers, they ran wholly in fp32, and timm's NormFreeNet got no O2 at
+    all)."""
+    block = _blocks_named_after_norms()[name]
+    assert not is_norm_layer(block)
+    convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
+    seen = []
+    for conv in convs:
+        conv.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    block, _, _ = aiak.optimize(block, strategy={"precision": {"level": "O2", "dtype": "bf16"}})
+    with torch.no_grad():
+        block(torch.randn(2, 3, 32, 32))
+    assert seen and all(dtype == torch.bfloat16 for dtype in seen), seen
