@@ -116,7 +116,8 @@ class _Divide:
         self.inverse = 1.0 / factor
 
     def __call__(self, grads: Sequence[Optional[torch.Tensor]]):
-        return tuple(g * self.inverse if g is not None else None for g in grads)
+        grad = grads[0]  # an AccumulateGrad node has one input
+        return grads if grad is None else (grad * self.inverse,)
 
 
 def _run_backward(t_outputs, *args: Any, **kwargs: Any):

@@ -110,10 +110,34 @@ def test_torchvision_default_is_plain_pytorch_bit_for_bit(run):
     tuned = run(torchvision_style, aiak=DEFAULT)
     assert_equal_states(plain["model"], tuned["model"])
     assert_equal_states(plain["model_ema"], tuned["model_ema"])
-    for key in ("lr", "grad_norm", "optimizer_steps", "ema_updates"):
+    for key in ("lr", "grad_norm", "optimizer_steps", "ema_updates", "eval", "eval_ema"):
         assert tuned[key] == plain[key], key
     assert plain["optimizer_steps"] == 12 and plain["ema_updates"] == 6  # 3 epochs of 4 steps, EMA every 2nd
     assert tuned["warnings"] == []
+
+
+@pytest.mark.parametrize("strategy", ["auto", {"precision": {"level": "O2", "dtype": "bf16"}, "tune": False}],
+                         ids=["auto", "O2 bf16"])
+def test_torchvision_evaluates_and_checkpoints_as_plain_does(run, strategy):
+    """The reference loop evaluates the model and its EMA after every epoch (``model.eval()``, batches under
+    ``torch.inference_mode()``) and saves a checkpoint: with ``strategy="auto"`` (bf16 where the machine computes
+    it natively) and with O2 bf16 named, every evaluation runs and gives fp32 outputs and a finite loss, and every
+    checkpoint holds plain's keys in plain's dtypes and loads into a plain torchvision model. (O2 bf16 used to
+    fail at the first evaluation, after a whole epoch of training: "Inference tensors do not track version
+    counter".)"""
+    plain = run(torchvision_style, checkpoints=True)
+    tuned = run(torchvision_style, checkpoints=True, aiak=strategy)
+    assert len(tuned["eval"]) == len(tuned["eval_ema"]) == 3
+    for result in tuned["eval"] + tuned["eval_ema"]:
+        assert result["output_dtype"] == "torch.float32" and result["loss"] == result["loss"] < 10, result
+    for epoch in range(3):
+        saved, expected = (torch.load(os.path.join(r["output_dir"], f"model_{epoch}.pth"), weights_only=True)
+                           for r in (tuned, plain))
+        for key in ("model", "model_ema"):
+            assert {k: v.dtype for k, v in saved[key].items()} == {k: v.dtype for k, v in expected[key].items()}
+        fresh = torchvision_style.create_model(torchvision_style.parse({}), num_classes=saved["model"][
+            "classifier.3.weight"].shape[0])
+        fresh.load_state_dict(saved["model"])
 
 
 def test_torchvision_half_batches_under_grad_accumulation_match_the_full_batch(run):

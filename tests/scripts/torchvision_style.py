@@ -144,6 +144,19 @@ def train_one_epoch(model, criterion, optimizer, data_loader, epoch, args, model
         record["optimizer_steps"] += 1
 
 
+def evaluate(model, criterion, data_loader) -> dict:
+    """The reference's evaluation: ``model.eval()``, every batch under ``torch.inference_mode()``."""
+    model.eval()
+    total, correct, loss_sum = 0, 0, 0.0
+    with torch.inference_mode():
+        for image, target in data_loader:
+            output = model(image)
+            loss_sum += criterion(output, target).item() * target.numel()
+            correct += int((output.argmax(dim=1) == target).sum())
+            total += target.numel()
+    return {"loss": loss_sum / total, "acc1": correct / total, "output_dtype": str(output.dtype)}
+
+
 def main(args) -> dict:
     """Train; returns ``model`` and ``model_ema`` (state dicts, cloned), ``lr`` and ``grad_norm`` (one per optimizer
     step), ``optimizer_steps``, ``ema_updates`` and, under torchrun, ``ddp`` (what the script's DDP line built)."""
@@ -156,6 +169,10 @@ def main(args) -> dict:
     dataset, train_sampler = load_data(args)
     data_loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=train_sampler,
                                               num_workers=args.workers, drop_last=True)
+    test_transform = transforms.Compose([transforms.Resize(36), transforms.CenterCrop(32), transforms.ToTensor()])
+    data_loader_test = torch.utils.data.DataLoader(
+        torchvision.datasets.ImageFolder(args.data_path, test_transform), batch_size=args.batch_size,
+        sampler=torch.utils.data.SequentialSampler(range(len(dataset))), num_workers=args.workers)
 
     model = create_model(args, num_classes=len(dataset.classes))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -195,12 +212,15 @@ def main(args) -> dict:
             model_ema.load_state_dict(checkpoint["model_ema"])
         torch.set_rng_state(checkpoint["rng_state"])
 
-    record = {"lr": [], "grad_norm": [], "optimizer_steps": 0, "ema_updates": 0}
+    record = {"lr": [], "grad_norm": [], "optimizer_steps": 0, "ema_updates": 0, "eval": [], "eval_ema": []}
     for epoch in range(args.start_epoch, args.epochs):
         if args.distributed:
             train_sampler.set_epoch(epoch)
         train_one_epoch(model, criterion, optimizer, data_loader, epoch, args, model_ema, record)
         lr_scheduler.step()
+        record["eval"].append(evaluate(model, criterion, data_loader_test))
+        if model_ema is not None:
+            record["eval_ema"].append(evaluate(model_ema, criterion, data_loader_test))
         if args.output_dir and args.rank == 0:
             checkpoint = {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
                           "lr_scheduler": lr_scheduler.state_dict(), "epoch": epoch,
