@@ -45,6 +45,7 @@ a region), so the recomputed tensors match the saved ones.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Iterator, List, Optional, Set, Tuple
 
@@ -258,6 +259,9 @@ def close_to(depth: int) -> None:
         _close(state.frames.pop())
 
 
+_WRAPPED_CALL = nn.Module._wrapped_call_impl.__code__  # Module.__call__, which looks _call_impl up on the instance
+
+
 class _CallGuard:
     """A hooked module's ``_call_impl`` (looked up on the instance by ``Module.__call__``): torch's own, inside a
     ``try`` that puts the originals back whatever ends the call. torch runs ``always_call`` forward hooks for an
@@ -272,6 +276,9 @@ class _CallGuard:
 
     def __call__(self, *args, **kwargs):
         module = self.module
+        caller = sys._getframe(1)
+        if caller.f_code is _WRAPPED_CALL:  # a copy sharing this module's __dict__ (a DataParallel replica)
+            module = caller.f_locals.get("self", module)
         depth = len(_threads.frames)
         try:
             return type(module)._call_impl(module, *args, **kwargs)
