@@ -123,6 +123,53 @@ def _row(check, ok, metric, value):
     return {"check": check, "ok": bool(ok), "metric": metric, "value": value}
 
 
+def root_scaling_row(dev) -> dict:
+    """fp16 loss scaling at the backward's root (:mod:`aiak.amp.root_scaling`) on ``dev``, where a CUDA backward
+    runs on a device thread: an auxiliary loss kept on the module, a block under reentrant checkpointing (a
+    backward inside the backward) and a gradient penalty's ``autograd.grad``, all in one loss; O2 fp16 against the
+    same model in fp32. Goal: every parameter's gradient within cosine 0.99 and 5% of its norm, and the input's."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    import aiak
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.side, self.head = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 4)
+            self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+
+        def forward(self, x):
+            h = checkpoint(self.block, self.stem(x), use_reentrant=True)
+            self.aux_loss = self.side(h).pow(2).mean()
+            return self.head(h)
+
+    torch.manual_seed(0)
+    ref = Net().to(dev)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    strategy={"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 1024}})
+    x, z = torch.randn(8, 16, device=dev), torch.randn(8, 32, device=dev)
+    inputs = []
+    for m in (model, ref):
+        inp, feature = x.clone().requires_grad_(), z.clone().requires_grad_()
+        out = m(inp)
+        g, = torch.autograd.grad(m.head(feature).sum(), feature, create_graph=True)  # (reentrant checkpointing
+        # refuses autograd.grad through it, so the penalty is on the head's own input)
+        (out.logsumexp(1).mean() + 0.1 * m.aux_loss + ((g.norm(dim=1) - 1) ** 2).mean()).backward()
+        inputs.append(inp.grad)
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())] + [tuple(inputs)]
+    cos = min(float(nn.functional.cosine_similarity(a.flatten().float(), b.flatten(), 0)) for a, b in pairs)
+    off = max(abs(float(a.norm() / b.norm()) - 1) for a, b in pairs)
+    return _row("amp: fp16 root scaling (aux, checkpoint, penalty)", cos >= 0.99 and off <= 0.05,
+                "min cosine, max norm off (goal .99, 5%)", f"{cos:.4f}, {off:.2%}")
+
+
 def gpu_checks() -> list:
     """CUDA checks of aiak.amp, one row each with its goal: run by ``benchmarks/gpu_check.py`` on a GPU."""
     import copy
@@ -195,6 +242,8 @@ def gpu_checks() -> list:
                      for m, r in zip(model.parameters(), ref.parameters())]).norm()
     rows.append(_row("amp: clip_grad_norm_ O2 fp16 + accum 4", off <= 0.06 * moved,
                      "|w-w_ref|/|w_ref-w0| (goal <= 0.06)", f"{float(off / moved):.4f}"))
+
+    rows.append(root_scaling_row(dev))
 
     # compile: true with inductor runs compiled (no eager fallback) and computes what eager does
     torch.manual_seed(0)

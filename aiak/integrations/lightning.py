@@ -38,7 +38,7 @@ A complete script::
 
 ``training_step`` may compute the loss from ``self(x)`` or from a submodule (``self.net(x)``): aiak's precision
 hooks sit on every module that owns parameters, so either computes in half precision, the fp16 loss scale is
-undone inside the graph, and gradient accumulation divides at the real step.
+undone as each gradient lands, and gradient accumulation divides at the real step.
 
 Calling ``aiak.optimize(self, optimizer, strategy=...)`` inside ``configure_optimizers`` yourself is the same
 thing. Several optimizers (a GAN's generator and discriminator) each go through it: the first call applies the

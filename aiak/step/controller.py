@@ -7,7 +7,7 @@ checks and schedulers built earlier keep working). Its ``step()`` then:
    synchronised only on the last micro-step (``no_sync`` semantics);
 2. on the real step, divides the summed gradients by ``accumulation`` (they are the model's fp32 parameters'
    own gradients under every precision, summed in fp32) and, under fp16 loss scaling, checks them for inf/NaN
-   in the same fused pass (:mod:`aiak.amp.half_compute` has already unscaled them inside the graph); an
+   in the same fused pass (:mod:`aiak.amp.root_scaling` has already unscaled them during the backward); an
    overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
 3. runs the real optimizer step and clears the gradients.
 

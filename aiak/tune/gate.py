@@ -91,7 +91,7 @@ class GateResult:
 
 def gradients(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The gradients of ``model``'s trainable parameters by name, in fp32 (after one backward they are the true
-    gradient of the batch under every strategy: loss scaling is undone inside the graph, accumulation divides
+    gradient of the batch under every strategy: loss scaling is undone as each gradient lands, accumulation divides
     only at the real step). Missing gradients count as zeros."""
     out = {}
     for name, p in model.named_parameters():

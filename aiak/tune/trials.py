@@ -280,8 +280,8 @@ class _TrialRun:
 
     def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
         """The user's step (:func:`aiak.step.training_step.training_step`) on ``batch``; with ``want_grads``,
-        the gradients it computed (one micro-step's true gradient: the fp32 parameters' own, unscaled inside
-        the graph), read between the backward and the optimizer step."""
+        the gradients it computed (one micro-step's true gradient: the fp32 parameters' own, unscaled as they
+        landed), read between the backward and the optimizer step."""
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
 
         def after_backward(phase: str) -> None:

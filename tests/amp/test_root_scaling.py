@@ -1,0 +1,99 @@
+"""fp16 loss scaling at the root of each backward pass (:mod:`aiak.amp.root_scaling`): what it scales, what it leaves
+alone, and that it can be undone. The conformance catalogue (``test_conformance.py``) checks the scripts' idioms
+against autocast + GradScaler; these tests pin the mechanism itself."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import aiak
+from aiak.amp import root_scaling
+
+pytestmark = pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
+FP16 = {"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 1024}}
+
+
+def _fp16_model(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model, optimizer, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=FP16)
+    return model, optimizer
+
+
+def test_the_root_is_multiplied_inside_and_every_gradient_divided_on_landing():
+    """Inside the fp16 model the gradient flowing back is 1024x the true one (what keeps small gradients out of
+    fp16's underflow); on the parameters' ``.grad`` and on a non-parameter leaf it is the true one again."""
+    model, _ = _fp16_model()
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6)
+    inside, reference = [], []
+
+    def record_into(grads):
+        def hook(module, args, out):
+            out.register_hook(lambda g: grads.append(g.float()))
+        return hook
+
+    model[1].register_forward_hook(record_into(inside))
+    plain[1].register_forward_hook(record_into(reference))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(xa).sum().backward()
+    plain(xb).sum().backward()
+    torch.testing.assert_close(inside[0], 1024 * reference[0], rtol=2e-2, atol=1e-2)   # scaled inside
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=2e-2, atol=1e-3)                  # true on a leaf input
+    for p, q in zip(model.parameters(), plain.parameters()):                            # true on .grad
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_a_backward_that_reaches_no_fp16_model_is_left_as_it_is():
+    """With an fp16 model alive, the backward of another model (plain fp32) is not scaled: a hook inside it sees
+    the true gradient."""
+    _fp16_model()
+    other = nn.Linear(4, 1)
+    x = torch.randn(5, 4)
+    h = other(x)
+    seen = []
+    h.register_hook(lambda g: seen.append(g.clone()))
+    h.sum().backward()
+    assert torch.equal(seen[0], torch.ones(5, 1))
+
+
+def test_autograd_grad_returns_true_gradients_and_accumulates_nothing():
+    model, _ = _fp16_model()
+    x = torch.randn(4, 6, requires_grad=True)
+    gx, gw = torch.autograd.grad(model(x).sum(), [x, model[0].weight])
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    plain.load_state_dict(model.state_dict())
+    rx, rw = torch.autograd.grad(plain(x).sum(), [x, plain[0].weight])
+    torch.testing.assert_close(gx, rx, rtol=2e-2, atol=1e-3)   # fp16 compute: 11 bits of mantissa
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=1e-3)
+    assert model[0].weight.grad is None and x.grad is None
+
+
+def test_unwatch_puts_torchs_function_back_and_watch_installs_it_again():
+    _fp16_model()
+    wrapper = torch.autograd.graph._engine_run_backward
+    assert wrapper is root_scaling._run_backward and torch.autograd._engine_run_backward is wrapper
+    root_scaling.unwatch()
+    try:
+        original = torch.autograd.graph._engine_run_backward
+        assert original is not wrapper and torch.autograd._engine_run_backward is original
+        assert original.__module__ == "torch.autograd.graph"
+    finally:
+        root_scaling.watch()
+    assert torch.autograd.graph._engine_run_backward is wrapper
+
+
+def test_the_gpu_checks_root_scaling_row_holds_on_cpu():
+    """``benchmarks/gpu_check.py``'s row (an aux loss, reentrant checkpointing and a gradient penalty in one loss,
+    O2 fp16 against fp32) run on this CPU, so the row a GPU runs is known to pass where the math is the same."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "precision_cpu.py"
+    spec = importlib.util.spec_from_file_location("precision_cpu_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    row = module.root_scaling_row(torch.device("cpu"))
+    assert row["ok"], row
