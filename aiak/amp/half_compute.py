@@ -114,10 +114,11 @@ class HalfCompute:
     """The hooks that make one model compute in ``dtype`` (see the module docstring). ``level``: ``O1``
     (autocast) or ``O2`` (half copies of the parameters); ``scaler``: a LossScaler for fp16, else None."""
 
-    __slots__ = ("level", "dtype", "device_type", "scaler")
+    __slots__ = ("level", "dtype", "device_type", "scaler", "registered")
 
     def __init__(self, level: str, dtype: torch.dtype, device_type: str, scaler=None):
         self.level, self.dtype, self.device_type, self.scaler = level, dtype, device_type, scaler
+        self.registered: Set[int] = set()  # ids of the parameters handed to root scaling (a copy's are new ids)
 
     # -- installing -------------------------------------------------------------------------------
     def install(self, model: nn.Module) -> int:
@@ -132,9 +133,6 @@ class HalfCompute:
             hooked += 1
         if self.scaler is not None:
             root_scaling.watch()
-            for p in model.parameters():
-                if p.is_floating_point():
-                    root_scaling.register(p, self.scaler)
         if self.level == "O2":
             for module, kept in _modules_of(model):
                 if kept and is_kept_fp32(module):
@@ -149,6 +147,8 @@ class HalfCompute:
         if id(module) in state.swapped:
             return None  # inside a region that already swapped this module's tensors
         frame.boundary = len(state.frames) == 1 and not self._recomputing_inside(args, kwargs)
+        if frame.boundary and self.scaler is not None and torch.is_grad_enabled():
+            self._register_for_scaling(module)
         if self.level == "O2":
             self._swap(frame, module)
         if frame.boundary:
@@ -217,11 +217,17 @@ class HalfCompute:
     def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
         if not (grad and p.requires_grad):
             return p.detach().to(self.dtype)
-        if self.scaler is not None:
-            root_scaling.register(p, self.scaler)  # a parameter added after install (a new head, say)
         if sparse:
             return _CastForCompute.apply(p, self.dtype)
         return p.to(self.dtype)
+
+    def _register_for_scaling(self, module: nn.Module) -> None:
+        """Hand the trainable parameters a region computes with to root scaling (at a forward, not at install: a
+        model that ``optimize()`` put back after a failure never computed in fp16, and stays unscaled)."""
+        for p in module.parameters():
+            if id(p) not in self.registered and p.requires_grad and p.is_floating_point():
+                self.registered.add(id(p))
+                root_scaling.register(p, self.scaler)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.is_floating_point() else t
