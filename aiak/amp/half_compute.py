@@ -56,7 +56,7 @@ from torch.nn.utils import parametrize
 
 from aiak.amp import root_scaling
 from aiak.amp.fp32_modules import HALF_DTYPES, hook_fp32_module, is_kept_fp32, keep_after_failure
-from aiak.amp.region_buffers import RegionBuffer, unwrap
+from aiak.amp.region_buffers import RegionBuffer, region_closed, region_opened, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
 
 
@@ -81,10 +81,11 @@ class _CastForCompute(torch.autograd.Function):
 class _Frame:
     """One hooked module call: what it swapped (to put back on the way out) and what it entered."""
 
-    __slots__ = ("module", "swapped", "modules", "autocast", "boundary")
+    __slots__ = ("module", "swapped", "modules", "autocast", "boundary", "buffers")
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self.buffers = False              # it shows buffers as RegionBuffer (counted as an open region)
         # (owner dict, name, original, what the forward sees, its version or None)
         self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, Optional[int]]] = []
         self.modules: List[int] = []      # ids of the modules whose tensors this call swapped
@@ -213,6 +214,9 @@ class HalfCompute:
                         seen = copies[id(b)] = RegionBuffer.wrap(b, self.dtype)
                     frame.swapped.append((m._buffers, name, b, seen, None))
                     m._buffers[name] = seen
+                    if not frame.buffers:
+                        frame.buffers = True
+                        region_opened()
 
     def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
         if not (grad and p.requires_grad):
@@ -253,6 +257,9 @@ def _close(frame: _Frame) -> None:
         elif owner is not None and name in owner and isinstance(seen, RegionBuffer):
             owner[name] = unwrap(current, original)[0]  # a buffer the forward reassigned
     _threads.swapped.difference_update(frame.modules)
+    if frame.buffers:
+        frame.buffers = False
+        region_closed()
     if frame.autocast is not None:
         frame.autocast.__exit__(None, None, None)
         frame.autocast = None

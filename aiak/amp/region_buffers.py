@@ -17,16 +17,34 @@ memory and version counter; ``__torch_function__`` decides per operation:
   again a :class:`RegionBuffer`, so a buffer reassigned from it keeps its fp32 value.
 
 Buffers are few and used by few operations, so the Python dispatch costs little. When the region closes, a
-buffer the forward reassigned is stored back as a plain tensor in the buffer's own dtype.
+buffer the forward reassigned is stored back as a plain tensor in the buffer's own dtype. A value the forward
+kept elsewhere (``self.last = self.total.clone()``) outlives the region as a :class:`RegionBuffer`: outside every
+region it computes as the plain fp32 tensor it is.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 _CONVERSIONS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
+
+
+class _Open(threading.local):
+    count = 0   # regions of this thread that show buffers as RegionBuffer (:mod:`aiak.amp.half_compute`)
+
+
+_open = _Open()
+
+
+def region_opened() -> None:
+    _open.count += 1
+
+
+def region_closed() -> None:
+    _open.count = max(_open.count - 1, 0)
 
 
 def _mutates_first(func, kwargs: Dict[str, Any]) -> bool:
@@ -57,6 +75,8 @@ class RegionBuffer(torch.Tensor):
                   if isinstance(t, torch.Tensor) and not isinstance(t, RegionBuffer) and t.is_floating_point()]
         name = getattr(func, "__name__", "")
         with torch._C.DisableTorchFunctionSubclass():
+            if not _open.count:                                    # outside every region: a plain fp32 tensor
+                return tree_map(_plain, func(*args, **kwargs))
             if isinstance(kwargs.get("out"), RegionBuffer) or (
                     args and isinstance(args[0], RegionBuffer) and _mutates_first(func, kwargs)):
                 return func(*args, **kwargs)                       # fp32, in the user's tensor

@@ -178,3 +178,27 @@ def test_frozen_weights_and_buffers_are_computed_in_half_and_never_rounded(dtype
     with torch.no_grad():
         model.table.fill_(2.0)
     assert torch.equal(model.state_dict()["table"], torch.full((4,), 2.0))
+
+
+class KeepsATotal(nn.Module):
+    """Keeps the running total it reads from a buffer in an attribute for later (a value that outlives the
+    forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("total", torch.full((4,), 1.0001))
+
+    def forward(self, x):
+        self.last = self.total.clone()
+        return self.lin(x) * self.total
+
+
+def test_a_buffer_value_kept_past_the_forward_computes_in_fp32_outside_the_region():
+    """Outside the forward, the kept value is the plain fp32 tensor it is: adding an fp32 tensor to it is fp32
+    arithmetic (inside a region it would meet the half dtype)."""
+    model, _, _ = aiak.optimize(KeepsATotal(), strategy={"precision": {"level": "O2", "dtype": "bf16"}})
+    model(torch.randn(2, 4))
+    later = model.last + torch.zeros(4)
+    assert later.dtype == torch.float32 and torch.equal(later, torch.full((4,), 1.0001))
+    assert type(later) is torch.Tensor
