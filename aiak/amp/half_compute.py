@@ -17,11 +17,12 @@ How a module computes in half (:class:`HalfCompute`, one object per model, hooke
   ``torch.save`` of the whole model give an independent model that computes the same way with its own weights.
 * The first such module entered (in a thread) opens a *region*. For O2 it swaps each floating parameter of its
   subtree, in ``_parameters``, for a half copy (``p.to(bf16)``, an op of the autograd graph where the parameter
-  trains; a detached copy under ``no_grad``, ``inference_mode`` or for a frozen parameter), shows each floating
-  buffer through a :class:`~aiak.amp.region_buffers.RegionBuffer` (the user's fp32 tensor, half where it meets
-  half tensors: counters and running values stay exact), runs with autocast off, and puts the originals back on
-  the way out. A parameter copy the forward edited in place (a frozen EMA codebook, a hook that rescales a
-  weight) is written into the parameter; a buffer the forward reassigned is stored back in its own dtype.
+  trains; a detached copy under ``no_grad``, ``inference_mode`` or for a frozen weight of one of torch's
+  layers), shows each floating buffer and each frozen parameter of the model's own module classes through a
+  :class:`~aiak.amp.region_state.RegionState` (the user's fp32 tensor, half where it meets half tensors:
+  counters, running values and EMA codebooks stay exact), runs with autocast off, and puts the originals back on
+  the way out. A parameter copy the forward edited in place (a hook that rescales a weight) is written into the
+  parameter; a buffer the forward reassigned is stored back in its own dtype.
   Modules inside the region find their tensors swapped already and do nothing. So ``model(x)``, a
   LightningModule's ``self.net(x)``, ``model.backbone(x)`` and a submodule called alone all compute in half; a
   parameter read by a parent (tied weights) is the same half copy; a module called T times casts once.
@@ -56,7 +57,7 @@ from torch.nn.utils import parametrize
 
 from aiak.amp import root_scaling
 from aiak.amp.fp32_modules import HALF_DTYPES, hook_fp32_module, is_kept_fp32, keep_after_failure
-from aiak.amp.region_buffers import RegionBuffer, region_closed, region_opened, unwrap
+from aiak.amp.region_state import RegionState, region_closed, region_opened, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
 
 
@@ -85,7 +86,7 @@ class _Frame:
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.buffers = False              # it shows buffers as RegionBuffer (counted as an open region)
+        self.buffers = False              # it shows state as RegionState (counted as an open region)
         # (owner dict, name, original, what the forward sees, its version or None)
         self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, Optional[int]]] = []
         self.modules: List[int] = []      # ids of the modules whose tensors this call swapped
@@ -187,7 +188,7 @@ class HalfCompute:
     def _swap(self, frame: _Frame, module: nn.Module) -> None:
         """O2: in every module of ``module``'s subtree outside the modules kept in fp32, swap each floating
         parameter for its half copy (an op of the autograd graph where it trains) and show each floating buffer
-        through a :class:`~aiak.amp.region_buffers.RegionBuffer`."""
+        through a :class:`~aiak.amp.region_state.RegionState`."""
         state = _threads
         grad = torch.is_grad_enabled()
         versioned = not torch.is_inference_mode_enabled()  # inference tensors have no version counter
@@ -200,23 +201,32 @@ class HalfCompute:
             if kept:
                 continue
             sparse = getattr(m, "sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
+            layer = type(m).__module__.startswith("torch.nn.")
             for name, p in m._parameters.items():
-                if p is not None and p.is_floating_point() and p.dtype != self.dtype:
-                    copy = copies.get(id(p))
-                    if copy is None:
-                        copy = copies[id(p)] = self._param_copy(p, grad, sparse)
-                    frame.swapped.append((m._parameters, name, p, copy, copy._version if versioned else None))
-                    m._parameters[name] = copy
+                if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES:
+                    continue
+                if not p.requires_grad and not layer:  # a frozen parameter of the model's own module: state
+                    self._show_state(frame, copies, m._parameters, name, p)
+                    continue
+                copy = copies.get(id(p))
+                if copy is None:
+                    copy = copies[id(p)] = self._param_copy(p, grad, sparse)
+                frame.swapped.append((m._parameters, name, p, copy, copy._version if versioned else None))
+                m._parameters[name] = copy
             for name, b in m._buffers.items():
                 if b is not None and b.is_floating_point() and b.dtype not in HALF_DTYPES:
-                    seen = copies.get(id(b))
-                    if seen is None:
-                        seen = copies[id(b)] = RegionBuffer.wrap(b, self.dtype)
-                    frame.swapped.append((m._buffers, name, b, seen, None))
-                    m._buffers[name] = seen
-                    if not frame.buffers:
-                        frame.buffers = True
-                        region_opened()
+                    self._show_state(frame, copies, m._buffers, name, b)
+
+    def _show_state(self, frame: _Frame, copies: dict, owner: dict, name: str, t: torch.Tensor) -> None:
+        """``t`` (a buffer, or a frozen parameter of the model's own module) seen as the user's fp32 tensor."""
+        seen = copies.get(id(t))
+        if seen is None:
+            seen = copies[id(t)] = RegionState.wrap(t, self.dtype)
+        frame.swapped.append((owner, name, t, seen, None))
+        owner[name] = seen
+        if not frame.buffers:
+            frame.buffers = True
+            region_opened()
 
     def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
         if not (grad and p.requires_grad):
@@ -254,7 +264,7 @@ def _close(frame: _Frame) -> None:
             if version is not None and seen._version != version:
                 with torch.no_grad():
                     original.copy_(seen)  # a parameter the forward (or a hook) edited in place
-        elif owner is not None and name in owner and isinstance(seen, RegionBuffer):
+        elif name in owner and isinstance(seen, RegionState) and not isinstance(original, nn.Parameter):
             owner[name] = unwrap(current, original)[0]  # a buffer the forward reassigned
     _threads.swapped.difference_update(frame.modules)
     if frame.buffers:

@@ -202,3 +202,40 @@ def test_a_buffer_value_kept_past_the_forward_computes_in_fp32_outside_the_regio
     later = model.last + torch.zeros(4)
     assert later.dtype == torch.float32 and torch.equal(later, torch.full((4,), 1.0001))
     assert type(later) is torch.Tensor
+
+
+class FrozenState(nn.Module):
+    """A module of the model's own keeping frozen parameters as state, updated in place by its forward: a step
+    counter and an exponential average that does not come from the activations (a VQ-VAE codebook's decay
+    towards a constant, say), beside a Linear layer that trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = nn.Parameter(torch.zeros(()), requires_grad=False)
+        self.average = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.steps += 1
+            self.average.mul_(0.99).add_(0.0101)
+        return self.lin(x) + self.average
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_frozen_parameters_of_the_models_own_modules_update_in_fp32_arithmetic(dtype):
+    """Updated inside the forward, 300 times: the counter is exactly 300 (bf16 stops at 256) and the average is
+    what the same updates give in fp32, bit for bit; both stay the user's fp32 parameters."""
+    model = FrozenState()
+    reference = {"steps": torch.zeros(()), "average": torch.zeros(4)}
+    opt = torch.optim.SGD(model.lin.parameters(), lr=0.01)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": "O2", "dtype": dtype}})
+    for _ in range(300):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        reference["steps"] += 1
+        reference["average"].mul_(0.99).add_(0.0101)
+    assert isinstance(model.steps, nn.Parameter) and model.steps.dtype == torch.float32
+    assert float(model.steps) == 300.0
+    assert torch.equal(model.average, reference["average"])

@@ -1,0 +1,128 @@
+"""State a module keeps, inside an O2 region: still the user's fp32 tensor, seen in half only where half tensors
+meet it.
+
+apex's O2 casts a model's buffers and parameters to half. A buffer is often state rather than a weight: a counter
+(``self.seen += n``), a running average updated in ``forward`` under ``no_grad``, a value reassigned each call
+(``self.total = self.total + x.sum()``); so is a frozen parameter of a model's own module class, such as a VQ-VAE's
+codebook moved by an exponential average inside ``forward``. In half, a counter stops at 256 in bf16, a reassigned
+buffer turns bf16 for good and an average is rounded at every update. So inside an O2 region
+(:mod:`aiak.amp.half_compute`) each floating buffer outside the modules kept in fp32, and each frozen parameter
+owned directly by a module whose class is not one of ``torch.nn``'s layers, is the user's tensor itself, seen
+through :class:`RegionState`, a view that shares its memory and version counter; ``__torch_function__`` decides
+per operation:
+
+* an in-place operation on it (``add_``, ``+=``, ``copy_``, ``buf[i] = v``, ``out=buf``) runs on the fp32 tensor:
+  fp32 arithmetic, exact for integer-valued counters, the update lands in the user's tensor;
+* an explicit conversion (``.float()``, ``.to(x.dtype)``, ``.type_as(x)``) gives what it asks for, as a plain
+  tensor;
+* an operation that also takes other floating tensors sees it in the region's half dtype, as apex's O2 would
+  (``x + self.pos_table``, ``F.linear(self.coords, w)``, ``torch.cdist(z, self.codebook)``): the result is a
+  plain tensor;
+* an operation on such tensors alone (``self.seen + n``, ``self.table[:, :t]``) runs in fp32 and its floating
+  result is again a :class:`RegionState`, so a buffer reassigned from it keeps its fp32 value.
+
+These tensors are few and used by few operations, so the Python dispatch costs little; the frozen weights of
+torch's own layers (a frozen backbone's convolutions, a LoRA model's base ``Linear`` layers) are plain half
+copies, with no dispatch of their own. When the region closes, a buffer the forward reassigned is stored back as
+a plain tensor in the buffer's own dtype. A value the forward kept elsewhere (``self.last = self.total.clone()``)
+outlives the region as a :class:`RegionState`: outside every region it computes as the plain fp32 tensor it is.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+_CONVERSIONS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
+
+
+class _Open(threading.local):
+    count = 0   # regions of this thread that show state as RegionState (:mod:`aiak.amp.half_compute`)
+
+
+_open = _Open()
+
+
+def region_opened() -> None:
+    _open.count += 1
+
+
+def region_closed() -> None:
+    _open.count = max(_open.count - 1, 0)
+
+
+def _mutates_first(func, kwargs: Dict[str, Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__setitem__" or name.startswith("__i"):
+        return True
+    return name.endswith("_") and not name.startswith("_")
+
+
+class RegionState(torch.Tensor):
+    """The user's fp32 buffer or frozen parameter inside an O2 region (see the module docstring); ``_half``: the
+    region's dtype."""
+
+    _half: torch.dtype
+
+    @staticmethod
+    def wrap(t: torch.Tensor, half: torch.dtype) -> "RegionState":
+        """``t`` seen as a :class:`RegionState` (a :class:`RegionParameter` for a parameter)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            out = t.as_subclass(RegionParameter if isinstance(t, nn.Parameter) else RegionState)
+        out._half = half
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ours = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RegionState)]
+        half = ours[0]._half
+        others = [t for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and not isinstance(t, RegionState) and t.is_floating_point()]
+        name = getattr(func, "__name__", "")
+        with torch._C.DisableTorchFunctionSubclass():
+            if not _open.count:                                    # outside every region: a plain fp32 tensor
+                return tree_map(_plain, func(*args, **kwargs))
+            if isinstance(kwargs.get("out"), RegionState) or (
+                    args and isinstance(args[0], RegionState) and _mutates_first(func, kwargs)):
+                return func(*args, **kwargs)                       # fp32, in the user's tensor
+            if name in _CONVERSIONS or others:
+                def as_plain(t):
+                    if not isinstance(t, RegionState):
+                        return t
+                    t = t.as_subclass(torch.Tensor)
+                    return t if name in _CONVERSIONS else t.to(half)
+                return func(*tree_map(as_plain, args), **tree_map(as_plain, kwargs))
+            result = func(*args, **kwargs)                          # buffers alone: fp32, stays a region buffer
+        return tree_map(lambda t: cls.wrap(t, half) if _keeps(t) else _plain(t), result)
+
+
+class RegionParameter(RegionState, nn.Parameter):
+    """A frozen parameter inside an O2 region: a :class:`RegionState` that is still an ``nn.Parameter``, so
+    ``self.steps += 1`` (which assigns the result back to the attribute) is accepted by ``Module.__setattr__``."""
+
+
+def _keeps(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16)
+
+
+def _plain(t: Any) -> Any:
+    if isinstance(t, RegionState):
+        with torch._C.DisableTorchFunctionSubclass():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
+def unwrap(t: Any, like: torch.Tensor) -> Tuple[Any, bool]:
+    """A value a forward left in a buffer's slot, as a plain tensor in the dtype of the buffer ``like`` it
+    replaced; and whether it changed."""
+    if not isinstance(t, torch.Tensor):
+        return t, False
+    plain = _plain(t)
+    if plain.is_floating_point() and plain.dtype != like.dtype:
+        with torch.no_grad():
+            plain = plain.to(like.dtype)
+    return plain, plain is not t
