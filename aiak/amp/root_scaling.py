@@ -36,13 +36,44 @@ The cost is one walk of the backward graph per pass while an fp16 model is alive
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-_scalers = WeakIdKeyDictionary()    # trainable parameter -> the LossScaler of the model computing with it in fp16
+
+class _Registry:
+    """Trainable parameter -> the LossScaler of the model computing with it in fp16, held weakly and looked up by
+    ``id`` (a lookup per leaf per backward: no weak reference made to look one up)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self):
+        self._entries: Dict[int, Tuple[weakref.ref, Any]] = {}
+
+    def __setitem__(self, param: torch.Tensor, scaler) -> None:
+        key = id(param)
+        entries = self._entries
+
+        def forget(ref, key=key):
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(param, forget), scaler)
+
+    def get(self, param: torch.Tensor):
+        entry = self._entries.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return self.get(param) is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_scalers = _Registry()
 _in_flight: List[float] = []        # factors of the scaled backward passes running now (innermost last)
 _lock = threading.Lock()
 _original = None                    # torch's _engine_run_backward while the wrapper is installed
@@ -84,6 +115,9 @@ def scalers_reached(roots) -> list:
     return _walk(roots)[1]
 
 
+_ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
+
+
 def _walk(roots) -> Tuple[list, list]:
     """``(AccumulateGrad nodes, loss scalers)`` reached from ``roots`` (tensors or gradient edges)."""
     if not isinstance(roots, (tuple, list)):
@@ -96,10 +130,9 @@ def _walk(roots) -> Tuple[list, list]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if variable is not None:
+        if type(node) is _ACCUMULATE_GRAD:
             leaves.append(node)
-            scaler = _scalers.get(variable)
+            scaler = _scalers.get(node.variable)
             if scaler is not None and all(scaler is not s for s in scalers):
                 scalers.append(scaler)
             continue
