@@ -82,11 +82,11 @@ class _CastForCompute(torch.autograd.Function):
 class _Frame:
     """One hooked module call: what it swapped (to put back on the way out) and what it entered."""
 
-    __slots__ = ("module", "swapped", "modules", "autocast", "boundary", "buffers")
+    __slots__ = ("module", "swapped", "modules", "autocast", "boundary", "shows_state")
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.buffers = False              # it shows state as RegionState (counted as an open region)
+        self.shows_state = False          # it shows tensors as RegionState (counted as an open region there)
         # (owner dict, name, original, what the forward sees, its version or None)
         self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, Optional[int]]] = []
         self.modules: List[int] = []      # ids of the modules whose tensors this call swapped
@@ -105,11 +105,6 @@ _threads = _ThreadState()
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def region_open() -> bool:
-    """A half-precision region is open in this thread."""
-    return bool(_threads.frames)
 
 
 class HalfCompute:
@@ -187,8 +182,9 @@ class HalfCompute:
 
     def _swap(self, frame: _Frame, module: nn.Module) -> None:
         """O2: in every module of ``module``'s subtree outside the modules kept in fp32, swap each floating
-        parameter for its half copy (an op of the autograd graph where it trains) and show each floating buffer
-        through a :class:`~aiak.amp.region_state.RegionState`."""
+        parameter for its half copy (an op of the autograd graph where it trains), and show each floating buffer
+        and each frozen parameter of a module class that is not one of torch's layers through a
+        :class:`~aiak.amp.region_state.RegionState`."""
         state = _threads
         grad = torch.is_grad_enabled()
         versioned = not torch.is_inference_mode_enabled()  # inference tensors have no version counter
@@ -224,8 +220,8 @@ class HalfCompute:
             seen = copies[id(t)] = RegionState.wrap(t, self.dtype)
         frame.swapped.append((owner, name, t, seen, None))
         owner[name] = seen
-        if not frame.buffers:
-            frame.buffers = True
+        if not frame.shows_state:
+            frame.shows_state = True
             region_opened()
 
     def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
@@ -267,8 +263,8 @@ def _close(frame: _Frame) -> None:
         elif name in owner and isinstance(seen, RegionState) and not isinstance(original, nn.Parameter):
             owner[name] = unwrap(current, original)[0]  # a buffer the forward reassigned
     _threads.swapped.difference_update(frame.modules)
-    if frame.buffers:
-        frame.buffers = False
+    if frame.shows_state:
+        frame.shows_state = False
         region_closed()
     if frame.autocast is not None:
         frame.autocast.__exit__(None, None, None)
