@@ -35,7 +35,7 @@ _NO_HALF_KERNEL = re.compile(r"(not implemented for|[Uu]nsupported dtype|does no
 
 
 def is_kept_fp32(module: nn.Module) -> bool:
-    return is_norm_layer(module) or getattr(module, KEPT, False) is True
+    return module.__dict__.get(KEPT, False) is True or is_norm_layer(module)
 
 
 def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.keep_fp32") -> List[nn.Module]:
