@@ -196,14 +196,13 @@ class HalfCompute:
             frame.modules.append(id(m))
             if kept:
                 continue
-            sparse = getattr(m, "sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
-            layer = type(m).__module__.startswith("torch.nn.")
+            sparse = m.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
             for name, p in m._parameters.items():
                 if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES:
                     continue
-                if not p.requires_grad and not layer:  # a frozen parameter of the model's own module: state
-                    self._show_state(frame, copies, m._parameters, name, p)
-                    continue
+                if not p.requires_grad and not type(m).__module__.startswith("torch.nn."):
+                    self._show_state(frame, copies, m._parameters, name, p)  # a frozen parameter of the model's
+                    continue                                                 # own module: state, not a weight
                 copy = copies.get(id(p))
                 if copy is None:
                     copy = copies[id(p)] = self._param_copy(p, grad, sparse)
