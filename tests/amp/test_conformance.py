@@ -296,10 +296,11 @@ def test_gradient_penalty(level, dtype):
 def test_gradient_penalty_dynamic_scale_backs_off_no_more_than_plain_amp(level):
     """The gradient-penalty script under fp16 with aiak's default dynamic loss scale (2**16), against PyTorch's AMP
     recipe with a GradScaler starting at 2**16: the second-order terms overflow fp16 at first, so both back off;
-    aiak skips no more steps than plain AMP does over 6 steps, and ends on a real step with finite gradients.
-    (Before root scaling aiak's steps went NaN and then its gradients came out divided by the scale: the static
-    test above compares the values.)"""
+    aiak skips no more steps than plain AMP does over 6 steps, ends on a real step, and every step it takes has
+    the true gradients: those of its current weights computed in fp32 (before root scaling aiak's steps went NaN
+    and then its gradients came out divided by the scale)."""
     model, base = twins(Critic)
+    fp32 = copy.deepcopy(base)  # the true gradients of aiak's current weights, computed in fp32 at each real step
     model, opt = with_aiak(model, level, "fp16", loss_scale=None)
     ref = Baseline(base, "fp16", init_scale=2.0 ** 16)
     skipped, skipped_ref = [], []
@@ -307,6 +308,11 @@ def test_gradient_penalty_dynamic_scale_backs_off_no_more_than_plain_amp(level):
         x, _ = batch(step)
         _gp_step(model, x)
         finite = all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        if finite:  # a step aiak takes: its gradients are the true ones (before root scaling: 1/scale of them)
+            fp32.load_state_dict(bare(model).state_dict())
+            fp32.zero_grad()
+            _gp_step(fp32, x)
+            assert_grads_match(model, fp32, f"step {step}: ")
         opt.step()
         opt.zero_grad()
         skipped.append(not aiak.stepped(opt))
