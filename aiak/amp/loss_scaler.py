@@ -13,8 +13,8 @@ import torch
 
 
 class LossScaler:
-    """Holds the scale (applied inside the model's graph by :mod:`aiak.amp.half_compute`), checks gradients
-    for overflow and decides whether a step may be taken."""
+    """Holds the scale (applied at the root of each backward pass by :mod:`aiak.amp.root_scaling`), checks
+    gradients for overflow and decides whether a step may be taken."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, dynamic: bool = True, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, max_scale: float = 2.0 ** 24,
@@ -33,7 +33,7 @@ class LossScaler:
         self.stood_aside = False  # a script's own GradScaler scales this model's loss instead
 
     def grad_scale(self) -> float:
-        """The factor gradients carry inside the model's half-precision regions (read during backward): the
+        """The factor a backward pass through this model is multiplied by at its root (read as it starts): the
         scale, or 1 once a script's own ``torch.amp.GradScaler`` scales this model's loss
         (:mod:`aiak.amp.script_scaler`)."""
         return 1.0 if self.stood_aside else self.scale

@@ -11,7 +11,8 @@ that imported ``grad`` or ``backward`` under another name).
 For a pass whose graph reaches a trainable parameter of a model that computes in fp16 under aiak (registered
 here by :mod:`aiak.amp.half_compute`), the wrapper
 
-* multiplies the root gradients by S (the smallest scale of the models reached: one factor for the whole pass);
+* multiplies the root gradients by S (the smallest scale of the models reached, ``LossScaler.grad_scale``: one
+  factor for the whole pass);
 * divides by S every gradient the pass hands back: on the way into each leaf's ``.grad`` (a pre-hook on its
   ``AccumulateGrad`` node, so DDP's reducer, post-accumulate hooks and the step controller already see the true
   gradient), the parameters of models aiak never saw and a non-parameter leaf such as an adversarial input
@@ -161,10 +162,9 @@ def _run_backward(t_outputs, *args: Any, **kwargs: Any):
     if _in_flight and torch._C._current_graph_task_id() != -1:
         return _nested(original, t_outputs, args, kwargs, accumulate)
     leaves, scalers = _walk(t_outputs)
-    active = [s for s in scalers if not s.stood_aside]
-    if not active:
+    factor = min((s.grad_scale() for s in scalers), default=1.0)
+    if factor == 1.0:  # no fp16 model reached, or the script's GradScaler scaled this root
         return original(t_outputs, *args, **kwargs)
-    factor = min(s.scale for s in active)
     grads = tuple(g * factor if g is not None else None for g in args[0])
     divide = _Divide(factor)
     handles = [leaf.register_prehook(divide) for leaf in leaves] if accumulate else []

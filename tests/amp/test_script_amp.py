@@ -80,7 +80,7 @@ CASES = {
     # cross_entropy of fp32 logits is fp32 under it; the GradScaler multiplies the loss by 2**16 and the fp32
     # gradients by 2**-16, and scaling by a power of two is exact in fp32, bf16 and fp16 (no step overflows: the
     # scale stays at 2**16), so every gradient is the one aiak's O2 computes alone (for fp16, aiak's own 2**16 is
-    # applied inside the graph and removed at the parameters: the same values in the region).
+    # applied at the backward's root and removed where each gradient lands: the same values in the region).
     "O2 bf16": (O2_BF16, "bf16", dict(strategy=O2_BF16, grad_scaler=False)),
     "O2 fp16": (O2_FP16, "fp16", dict(strategy=O2_FP16, grad_scaler=False)),
 }
