@@ -13,7 +13,8 @@ synthetic data); those a SPEC cannot shrink (timm's Swin, Mixer, CaiT, BEiT, and
 ``hf:NAME`` SPEC builds the default, full-size config) are built here from a small config, with their batch
 from model_spec's :class:`~aiak.cli.model_spec.SyntheticImages` / ``SyntheticText``.
 
-For each model and precision (``O2 bf16`` and ``O1 fp16``, each a strategy
+For each model and precision (``O2 bf16`` and ``O1 fp16`` by default; ``O2 fp16`` and ``O1 bf16`` with
+``--precisions``; each a strategy
 ``{"precision": {"level": ..., "dtype": ...}}``), with a fresh model from the same seed and
 ``torch.optim.AdamW``, the checks, in order:
 
@@ -72,7 +73,10 @@ from aiak.util.nested import iter_tensors, logits_of  # noqa: E402
 PRECISIONS: Dict[str, dict] = {
     "O2 bf16": {"precision": {"level": "O2", "dtype": "bf16"}},
     "O1 fp16": {"precision": {"level": "O1", "dtype": "fp16"}},
+    "O2 fp16": {"precision": {"level": "O2", "dtype": "fp16"}},
+    "O1 bf16": {"precision": {"level": "O1", "dtype": "bf16"}},
 }
+DEFAULT_PRECISIONS = ("O2 bf16", "O1 fp16")  # apex's O2 where bf16 is native, and the fp16 path with loss scaling
 CHECKS = ("optimize", "train", "eval", "state_dict", "resume")
 BATCH = 2
 TEXT_LENGTH = 16
@@ -523,7 +527,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=None, help=f"comma-separated subset (default: all {len(CASES)}); "
                                                    f"'quick' = {','.join(QUICK)}")
-    ap.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated: {', '.join(PRECISIONS)}")
+    ap.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
+                    help=f"comma-separated: {', '.join(PRECISIONS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--json", default=None, help="write every cell's checks, failures and aiak warnings here")

@@ -20,14 +20,14 @@ _LIBRARY = {"timm": "timm", "torchvision": "torchvision", "hf": "transformers"}
 def test_the_quick_subset_covers_each_kind_and_the_zoo_is_large():
     assert [name.split(":")[0] for name in zoo.QUICK] == ["timm", "torchvision", "hf", "hf", "timm"]
     assert {zoo.CASES[name].task for name in zoo.QUICK} == {"image", "hf-cls", "hf-lm"}
-    assert len(zoo.CASES) >= 30 and set(zoo.PRECISIONS) == {"O2 bf16", "O1 fp16"}
+    assert len(zoo.CASES) >= 30 and set(zoo.DEFAULT_PRECISIONS) == {"O2 bf16", "O1 fp16"}
 
 
 @pytest.mark.parametrize("name", zoo.QUICK)
 def test_quick_model_passes_every_check_or_is_refused_cleanly(name):
     pytest.importorskip(_LIBRARY[name.split(":")[0]])
-    cells = zoo.sweep_model(zoo.CASES[name], list(zoo.PRECISIONS))
-    assert set(cells) == set(zoo.PRECISIONS)
+    cells = zoo.sweep_model(zoo.CASES[name], list(zoo.DEFAULT_PRECISIONS))
+    assert set(cells) == set(zoo.DEFAULT_PRECISIONS)
     for precision, cell in cells.items():
         assert cell["status"] in ("pass", "refused"), f"{name} {precision}: {cell['failures']}"
         if cell["status"] == "refused":
