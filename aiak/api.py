@@ -18,6 +18,7 @@ from aiak.strategy.select import resolve_strategy
 from aiak.tune import decision as decisions
 from aiak.tune.trials import run_trials
 from aiak.util import warn as amp_warn
+from aiak.util.arguments import check_arguments
 from aiak.util.devices import model_device
 
 logger = logging.getLogger("aiak")
@@ -36,7 +37,8 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     model and optimizer and on the loader's first batches, which the returned loader then yields first
     (:mod:`aiak.tune.trials`); ``aiak.last_decision()`` says what was chosen and why.
 
-    All or nothing: the strategy is validated before anything is touched, and if a later step fails, the
+    All or nothing: the arguments (:mod:`aiak.util.arguments`: their order, an optimizer or a scheduler of
+    another model) and the strategy are validated before anything is touched, and if a later step fails, the
     model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.runtime.rollback`) before
     the error propagates.
 
@@ -45,6 +47,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     (:mod:`aiak.step.wrappers`).
     """
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
+    check_arguments(model, optimizer, scheduler)
     bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
     before: Optional[ModelRecord] = getattr(bare, "_aiak_applied", None)
     if before is not None:  # a second optimizer for a model optimized before

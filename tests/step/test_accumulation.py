@@ -111,7 +111,7 @@ def test_optimizing_the_same_optimizer_twice_is_an_error():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
     with pytest.raises(RuntimeError, match="already passed through aiak.optimize"):
-        aiak.optimize(_model(), opt, strategy={"grad_accumulation": 2})
+        aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
 
 
 def test_clip_grad_norm_clips_the_real_step_with_accumulation():

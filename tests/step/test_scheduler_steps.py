@@ -42,7 +42,8 @@ SCHEDULES = {
 def test_a_scheduler_built_after_optimize_follows_real_steps(name):
     """Built on the returned optimizer (as a script that creates its scheduler after the aiak line does), it once
     advanced on every micro-step: lr 0.00039 instead of 0.025 after 2 real steps with accumulation 4."""
-    model, opt, _ = aiak.optimize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
+    model = _model()
+    model, opt, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   strategy={"grad_accumulation": 4})
     got = _train(model, opt, SCHEDULES[name](opt), 12)
     reference_opt = torch.optim.SGD(_model().parameters(), lr=0.1)
@@ -71,7 +72,9 @@ def test_the_scheduler_given_to_optimize_keeps_its_class_and_pickles():
 
 def test_a_scheduler_of_an_optimizer_aiak_did_not_touch_steps_every_call():
     """Patched classes gate only schedulers of an optimizer aiak steps: any other advances on every call."""
-    aiak.optimize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), strategy={"grad_accumulation": 4})
+    stepped_by_aiak = _model()
+    aiak.optimize(stepped_by_aiak, torch.optim.SGD(stepped_by_aiak.parameters(), lr=0.1),
+                  strategy={"grad_accumulation": 4})
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rates = _train(model, opt, L.StepLR(opt, step_size=1, gamma=0.5), 3)

@@ -1,0 +1,79 @@
+"""The objects a script hands to ``aiak.optimize``, checked before anything is chosen or applied.
+
+A setup that cannot train as the script means it is said at once, in one error naming which argument is which,
+instead of being accepted (and a strategy applied to the wrong model) or failing deep inside with a raw
+``AttributeError``:
+
+* arguments in the wrong order (``aiak.optimize(optimizer, model, loader)``), or a model that is not a module;
+* an optimizer that holds none of the model's parameters (built for another model, or before the model was
+  replaced): training would update that other model;
+* a scheduler built on another optimizer: it would change another optimizer's learning rate.
+
+A model none of whose parameters trains now while an optimizer is given is said once as a warning: a backbone
+frozen for its first epochs and unfrozen later is a legitimate script.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+from torch.optim import Optimizer
+
+from aiak.util.warn import warn_once
+
+CALL = "aiak.optimize(model, optimizer=None, loader=None, *, strategy=..., scheduler=None)"
+
+
+def _what(obj: Any) -> str:
+    kind = "a model (torch.nn.Module)" if isinstance(obj, nn.Module) else (
+        "an optimizer" if isinstance(obj, Optimizer) else "a " + type(obj).__module__.split(".")[0] + " object")
+    return f"{type(obj).__name__}, {kind}"
+
+
+def check_arguments(model: Any, optimizer: Optional[Any], scheduler: Optional[Any] = None) -> None:
+    """Raise one ``TypeError`` / ``ValueError`` for a setup that cannot be what the script means (see the module
+    docstring); ``optimizer`` is the optimizer itself (a framework's wrapper already seen through)."""
+    if not isinstance(model, nn.Module):
+        if isinstance(model, Optimizer) and isinstance(optimizer, nn.Module):
+            raise TypeError(f"{CALL}: the arguments are in the wrong order: the first is an optimizer "
+                            f"({type(model).__name__}) and the second a model ({type(optimizer).__name__}); call "
+                            "aiak.optimize(model, optimizer, loader)")
+        raise TypeError(f"{CALL}: the first argument must be the model (a torch.nn.Module), got {_what(model)}")
+    if optimizer is not None and not isinstance(optimizer, Optimizer):
+        if isinstance(optimizer, nn.Module):
+            raise TypeError(f"{CALL}: the second argument must be the optimizer, got another model "
+                            f"({type(optimizer).__name__})")
+        raise TypeError(f"{CALL}: the second argument must be the optimizer (a torch.optim.Optimizer) or None, got "
+                        f"{_what(optimizer)}")
+    if optimizer is not None:
+        _check_optimizer_owns(model, optimizer)
+    if scheduler is not None:
+        _check_scheduler(scheduler, optimizer)
+
+
+def _check_optimizer_owns(model: nn.Module, optimizer: Optimizer) -> None:
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    model_params = list(model.parameters())
+    mine = {id(p) for p in model_params}
+    if held and not any(id(p) in mine for p in held):
+        raise ValueError(
+            f"{CALL}: the optimizer ({type(optimizer).__name__}) holds {len(held)} parameter tensor(s), none of them "
+            f"the model's ({type(model).__name__}, {len(model_params)}): it was built for another model, and "
+            "training would update that one. Build it from this model's parameters "
+            f"({type(optimizer).__name__}(model.parameters(), ...)), after any change that replaces them")
+    if model_params and not any(p.requires_grad for p in model_params):
+        warn_once("nothing-trains", f"aiak: no parameter of the model ({type(model).__name__}) has requires_grad=True: "
+                  "nothing of it trains now. The strategy is applied anyway (a backbone unfrozen later trains with "
+                  "it); if the model should train, unfreeze it before the first step")
+
+
+def _check_scheduler(scheduler: Any, optimizer: Optional[Optimizer]) -> None:
+    steered = getattr(scheduler, "optimizer", None)
+    if steered is None:
+        return  # a scheduler of a framework that keeps its optimizer elsewhere
+    inner = getattr(steered, "optimizer", getattr(steered, "_optimizer", steered))  # a framework's wrapper
+    if optimizer is None or (steered is not optimizer and inner is not optimizer):
+        raise ValueError(f"{CALL}: the scheduler ({type(scheduler).__name__}) was built on another optimizer "
+                         f"({type(steered).__name__}) than the one given "
+                         f"({type(optimizer).__name__ if optimizer is not None else 'none'}): stepping it would "
+                         "change that optimizer's learning rate. Build it on the optimizer passed here")

@@ -1,0 +1,77 @@
+"""Misuse is said, not trained through: ``aiak.optimize`` checks the objects it is given before it chooses or applies
+anything (:mod:`aiak.util.arguments`), and a strategy's mistakes, ranges included, are listed at once."""
+import pytest
+import torch
+from torch import nn
+
+import aiak
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _untouched(model):
+    return not any("_call_impl" in vars(m) or m._forward_pre_hooks for m in model.modules())
+
+
+def test_arguments_in_the_wrong_order_are_named():
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"wrong order: the first is an optimizer \(SGD\) and the second a model "
+                                        r"\(Sequential\)"):
+        aiak.optimize(optimizer, model, strategy={"precision": {"level": "O2"}})
+    assert _untouched(model) and not hasattr(optimizer, "_aiak_steps")
+
+
+def test_an_optimizer_of_another_model_is_refused_before_anything_is_applied():
+    model, other = _net(0), _net(1)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"none of them the model's .* built for another model"):
+        aiak.optimize(model, optimizer, strategy={"precision": {"level": "O2"}, "channels_last": True})
+    assert _untouched(model) and not hasattr(optimizer, "_aiak_steps")
+
+
+def test_a_scheduler_of_another_optimizer_is_refused():
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stray = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(_net(1).parameters(), lr=0.1), step_size=1)
+    with pytest.raises(ValueError, match="scheduler .StepLR. was built on another optimizer"):
+        aiak.optimize(model, optimizer, scheduler=stray, strategy="default")
+    assert not hasattr(optimizer, "_aiak_steps")
+
+
+def test_a_model_or_optimizer_of_the_wrong_kind_is_named():
+    model = _net()
+    with pytest.raises(TypeError, match="first argument must be the model .* got dict"):
+        aiak.optimize({"model": model}, strategy="default")
+    with pytest.raises(TypeError, match="second argument must be the optimizer, got another model"):
+        aiak.optimize(model, _net(1), strategy="default")
+
+
+def test_a_model_with_nothing_to_train_is_said_once(warnings_said_again, said):
+    model = _net()
+    model.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # a backbone frozen for now, unfrozen later
+    with said:
+        aiak.optimize(model, optimizer, strategy="default")
+    assert "no parameter of the model (Sequential) has requires_grad=True" in said.text
+
+
+def test_an_empty_strategy_file_warns(tmp_path, warnings_said_again, said):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here yet\n")
+    with said:
+        strategy = aiak.load_strategy(str(empty))
+    assert f"{empty} is empty" in said.text and strategy.precision.level == "O0"
+
+
+def test_range_errors_are_listed_with_every_other_mistake():
+    with pytest.raises(aiak.StrategyError) as error:
+        aiak.load_strategy({"grad_accumulation": 0, "precision": {"level": "O5"}, "comm": {"bucket_mb": -1}})
+    problems = error.value.problems
+    assert len(problems) == 3
+    assert any("grad_accumulation must be an integer >= 1" in p for p in problems)
+    assert any("precision.level must be one of" in p for p in problems)
+    assert any("comm.bucket_mb must be > 0" in p for p in problems)
