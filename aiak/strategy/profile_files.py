@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from aiak.util.config import StrategyError
 from aiak.util.key_paths import key_paths
 from aiak.util.text import did_you_mean
+from aiak.util.warn import warn_once
 
 PROFILE_PATH_ENV = "AIAK_PROFILE_PATH"
 USER_PROFILE_DIR = Path("~/.config/aiak/profiles")
@@ -118,6 +119,9 @@ def _parse_yaml(path: str, mtime_ns: int, size: int) -> Dict[str, Any]:
     except yaml.YAMLError as e:
         raise StrategyError(f"{path}: not valid YAML: {e}") from None
     if data is None:
+        warn_once(f"empty-strategy-{path}", f"aiak: the strategy file {path} is empty: it sets nothing, so it means "
+                  "plain PyTorch (as strategy='default'); give it keys (precision: {level: O2}, say), or use "
+                  "strategy='auto'")
         data = {}
     if not isinstance(data, dict):
         raise StrategyError(f"{path}: a strategy file must hold a mapping at the top level, got {type(data).__name__}")

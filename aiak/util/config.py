@@ -156,6 +156,7 @@ def build(cls: type, data: Any, where: Where, path: str, problems: List[str]) ->
     known = [n for n, f in fields.items() if not f.metadata.get("rest")]
     kwargs: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
+    nested = 0  # problems found inside nested sections: they do not keep this section's ranges from being checked
     for key, value in data.items():
         if not isinstance(key, str):
             problems.append(f"{where(path)}: key {key!r}: keys must be strings")
@@ -168,8 +169,10 @@ def build(cls: type, data: Any, where: Where, path: str, problems: List[str]) ->
             continue
         f, hint = fields[key], hints[key]
         if is_section(hint):
+            inside = len(problems)
             kwargs[key] = build(hint, getattr(hint, "normalise", lambda v: v)(value), where, f"{path}{key}.",
                                 problems)
+            nested += len(problems) - inside
             continue
         try:
             parse = f.metadata.get("parse")
@@ -180,7 +183,7 @@ def build(cls: type, data: Any, where: Where, path: str, problems: List[str]) ->
         kwargs[rest.name] = extra
     built = cls(**kwargs)
     check_section = getattr(built, "_problems", None)
-    if check_section is not None and len(problems) == before:  # needs the section's own keys to be valid
+    if check_section is not None and len(problems) - nested == before:  # needs the section's own keys valid
         problems.extend(check_section(where, path))
     return built
 
