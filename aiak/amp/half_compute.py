@@ -144,8 +144,10 @@ class HalfCompute:
         if id(module) in state.swapped:
             return None  # inside a region that already swapped this module's tensors
         frame.boundary = len(state.frames) == 1 and not self._recomputing_inside(args, kwargs)
-        if frame.boundary and self.scaler is not None and torch.is_grad_enabled():
-            self._register_for_scaling(module)
+        if frame.boundary and self.level == "O1" and self.scaler is not None and torch.is_grad_enabled():
+            for p in module.parameters():  # O1 swaps nothing: its parameters are handed over here
+                if p.requires_grad and p.is_floating_point():
+                    self._scaled(p)
         if self.level == "O2":
             self._swap(frame, module)
         if frame.boundary:
@@ -226,17 +228,18 @@ class HalfCompute:
     def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
         if not (grad and p.requires_grad):
             return p.detach().to(self.dtype)
+        if self.scaler is not None:
+            self._scaled(p)
         if sparse:
             return _CastForCompute.apply(p, self.dtype)
         return p.to(self.dtype)
 
-    def _register_for_scaling(self, module: nn.Module) -> None:
-        """Hand the trainable parameters a region computes with to root scaling (at a forward, not at install: a
-        model that ``optimize()`` put back after a failure never computed in fp16, and stays unscaled)."""
-        for p in module.parameters():
-            if id(p) not in self.registered and p.requires_grad and p.is_floating_point():
-                self.registered.add(id(p))
-                root_scaling.register(p, self.scaler)
+    def _scaled(self, p: torch.Tensor) -> None:
+        """Hand a trainable parameter a region computes with in fp16 to root scaling (at a forward, not at install:
+        a model that ``optimize()`` put back after a failure never computed in fp16, and stays unscaled)."""
+        if id(p) not in self.registered:
+            self.registered.add(id(p))
+            root_scaling.register(p, self.scaler)
 
     def _input(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.is_floating_point() else t
@@ -260,7 +263,7 @@ def _close(frame: _Frame) -> None:
                 with torch.no_grad():
                     original.copy_(seen)  # a parameter the forward (or a hook) edited in place
         elif name in owner and isinstance(seen, RegionState) and not isinstance(original, nn.Parameter):
-            owner[name] = unwrap(current, original)[0]  # a buffer the forward reassigned
+            owner[name] = unwrap(current, original)  # a buffer the forward reassigned
     _threads.swapped.difference_update(frame.modules)
     if frame.shows_state:
         frame.shows_state = False

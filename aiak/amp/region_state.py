@@ -30,13 +30,14 @@ outlives the region as a :class:`RegionState`: outside every region it computes 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 _CONVERSIONS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class _Open(threading.local):
@@ -54,7 +55,7 @@ def region_closed() -> None:
     _open.count = max(_open.count - 1, 0)
 
 
-def _mutates_first(func, kwargs: Dict[str, Any]) -> bool:
+def _mutates_first(func) -> bool:
     name = getattr(func, "__name__", "")
     if name == "__setitem__" or name.startswith("__i"):
         return True
@@ -78,16 +79,16 @@ class RegionState(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ours = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RegionState)]
-        half = ours[0]._half
-        others = [t for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and not isinstance(t, RegionState) and t.is_floating_point()]
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        half = next(t._half for t in tensors if isinstance(t, RegionState))
+        others = any(not isinstance(t, RegionState) and t.is_floating_point() for t in tensors)  # (a method of
+        # a RegionState called here, outside the DisableTorchFunctionSubclass below, would recurse)
         name = getattr(func, "__name__", "")
         with torch._C.DisableTorchFunctionSubclass():
             if not _open.count:                                    # outside every region: a plain fp32 tensor
                 return tree_map(_plain, func(*args, **kwargs))
             if isinstance(kwargs.get("out"), RegionState) or (
-                    args and isinstance(args[0], RegionState) and _mutates_first(func, kwargs)):
+                    args and isinstance(args[0], RegionState) and _mutates_first(func)):
                 return func(*args, **kwargs)                       # fp32, in the user's tensor
             if name in _CONVERSIONS or others:
                 def as_plain(t):
@@ -96,7 +97,7 @@ class RegionState(torch.Tensor):
                     t = t.as_subclass(torch.Tensor)
                     return t if name in _CONVERSIONS else t.to(half)
                 return func(*tree_map(as_plain, args), **tree_map(as_plain, kwargs))
-            result = func(*args, **kwargs)                          # buffers alone: fp32, stays a region buffer
+            result = func(*args, **kwargs)                          # region state alone: fp32, and stays so
         return tree_map(lambda t: cls.wrap(t, half) if _keeps(t) else _plain(t), result)
 
 
@@ -106,7 +107,7 @@ class RegionParameter(RegionState, nn.Parameter):
 
 
 def _keeps(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float16, torch.bfloat16)
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in _HALF
 
 
 def _plain(t: Any) -> Any:
@@ -116,13 +117,13 @@ def _plain(t: Any) -> Any:
     return t
 
 
-def unwrap(t: Any, like: torch.Tensor) -> Tuple[Any, bool]:
+def unwrap(t: Any, like: torch.Tensor) -> Any:
     """A value a forward left in a buffer's slot, as a plain tensor in the dtype of the buffer ``like`` it
-    replaced; and whether it changed."""
+    replaced."""
     if not isinstance(t, torch.Tensor):
-        return t, False
+        return t
     plain = _plain(t)
     if plain.is_floating_point() and plain.dtype != like.dtype:
         with torch.no_grad():
             plain = plain.to(like.dtype)
-    return plain, plain is not t
+    return plain

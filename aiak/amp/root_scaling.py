@@ -112,7 +112,8 @@ def unwatch() -> None:
 
 
 def scalers_reached(roots) -> list:
-    """The loss scalers of the fp16 models whose trainable parameters the graph of ``roots`` reaches."""
+    """The loss scalers of the fp16 models whose trainable parameters the graph of ``roots`` (a tensor, or a tuple
+    or list of tensors and gradient edges, as ``GradScaler.scale`` and the autograd entries take) reaches."""
     return _walk(roots)[1]
 
 
@@ -121,10 +122,10 @@ _ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.nex
 
 def _walk(roots) -> Tuple[list, list]:
     """``(AccumulateGrad nodes, loss scalers)`` reached from ``roots`` (tensors or gradient edges)."""
-    if not isinstance(roots, (tuple, list)):
+    if not isinstance(roots, (tuple, list)):  # one root (an iterator is never consumed here: its owner reads it)
         roots = (roots,)
     stack = [r.node if isinstance(r, torch.autograd.graph.GradientEdge) else r.grad_fn
-             for r in roots if r is not None]
+             for r in roots if isinstance(r, (torch.Tensor, torch.autograd.graph.GradientEdge))]
     seen, leaves, scalers = set(), [], []
     while stack:
         node = stack.pop()

@@ -45,7 +45,7 @@ def _noting_scale(original):
     @functools.wraps(original)
     def scale(self, outputs):
         if self.is_enabled():
-            for scaler in scalers_reached(_roots(outputs)):
+            for scaler in scalers_reached(outputs):
                 if not scaler.stood_aside:
                     scaler.stood_aside = True
                     warn_once("script-grad-scaler", "aiak: the script's torch.amp.GradScaler scales the loss, so "
@@ -72,13 +72,3 @@ def _refusing_unscale(original):
         return original(self, optimizer)
 
     return unscale_
-
-
-def _roots(outputs) -> list:
-    """The tensors ``GradScaler.scale`` was given (a tensor or an iterable of them)."""
-    if torch.is_tensor(outputs):
-        return [outputs]
-    try:
-        return [t for t in outputs if torch.is_tensor(t)]
-    except TypeError:
-        return []

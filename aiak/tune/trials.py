@@ -9,11 +9,11 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    wrapping, which do not change the step's compute). The user's objects are never touched.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; its
    gradients go through the numerics gate (:mod:`aiak.tune.gate`) against plain fp32's, their error judged
-   against the sampling noise of that gradient. Then it evaluates as a script does between epochs
-   (``model.eval()``, a forward under ``torch.inference_mode()``, ``model.train()``): a candidate whose
-   evaluation fails where plain PyTorch's runs is rejected, with the error in its record. Plain estimates the noise first, from the same weights, only
+   against the sampling noise of that gradient. Plain estimates the noise first, from the same weights, only
    when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
-   when only one batch was borrowed).
+   when only one batch was borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a
+   forward under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
+   PyTorch's runs is rejected, with the error in its record.
 5. Rounds: every candidate takes one step per round, the order rotating every round; its steps form one
    series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
    creating primitives, cuDNN autotuning): in timm's script a trial's plain step took 3.75 s where the real

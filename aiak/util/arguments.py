@@ -24,12 +24,6 @@ from aiak.util.warn import warn_once
 CALL = "aiak.optimize(model, optimizer=None, loader=None, *, strategy=..., scheduler=None)"
 
 
-def _what(obj: Any) -> str:
-    kind = "a model (torch.nn.Module)" if isinstance(obj, nn.Module) else (
-        "an optimizer" if isinstance(obj, Optimizer) else "a " + type(obj).__module__.split(".")[0] + " object")
-    return f"{type(obj).__name__}, {kind}"
-
-
 def check_arguments(model: Any, optimizer: Optional[Any], scheduler: Optional[Any] = None) -> None:
     """Raise one ``TypeError`` / ``ValueError`` for a setup that cannot be what the script means (see the module
     docstring); ``optimizer`` is the optimizer itself (a framework's wrapper already seen through)."""
@@ -38,13 +32,14 @@ def check_arguments(model: Any, optimizer: Optional[Any], scheduler: Optional[An
             raise TypeError(f"{CALL}: the arguments are in the wrong order: the first is an optimizer "
                             f"({type(model).__name__}) and the second a model ({type(optimizer).__name__}); call "
                             "aiak.optimize(model, optimizer, loader)")
-        raise TypeError(f"{CALL}: the first argument must be the model (a torch.nn.Module), got {_what(model)}")
+        raise TypeError(f"{CALL}: the first argument must be the model (a torch.nn.Module), got "
+                        f"{type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, Optimizer):
         if isinstance(optimizer, nn.Module):
             raise TypeError(f"{CALL}: the second argument must be the optimizer, got another model "
                             f"({type(optimizer).__name__})")
         raise TypeError(f"{CALL}: the second argument must be the optimizer (a torch.optim.Optimizer) or None, got "
-                        f"{_what(optimizer)}")
+                        f"{type(optimizer).__name__}")
     if optimizer is not None:
         _check_optimizer_owns(model, optimizer)
     if scheduler is not None:
