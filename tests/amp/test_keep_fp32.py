@@ -106,3 +106,37 @@ def test_a_module_with_no_half_kernel_is_kept_in_fp32_once_said_and_trains_like_
         # the FFT block in fp32, the two Linear layers around it in bf16: 8 bits of mantissa, a few percent
         torch.testing.assert_close(p.grad, r.grad, rtol=0.05, atol=0.05)
     optimizer.step()
+
+
+class GainNorm(nn.Module):
+    """A norm layer of the user's (a leaf whose class name says Norm): O2 keeps it in fp32."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gain
+
+
+class NormedProbe(nn.Module):
+    """A kept block holding a norm layer of its own before a Linear: inside it everything is fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = GainNorm(6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.norm(x)
+        self.saw = (h.dtype, self.lin.weight.dtype)
+        return self.lin(h)
+
+
+def test_a_norm_layer_inside_a_kept_module_hands_it_fp32():
+    """The fp32 hooks cast a kept module's output back to half only when its input came in half: the norm inside
+    the kept block (fp32 in, from the block) returns fp32, so the block's Linear computes in fp32."""
+    model, optimizer = _optimize(_model(NormedProbe()), {"level": "O2", "dtype": "bf16", "keep_fp32": ["NormedProbe"]})
+    out = model(torch.randn(4, 6))
+    assert model[1].saw == (torch.float32, torch.float32) and out.dtype == torch.float32
+    out.sum().backward()
+    optimizer.step()

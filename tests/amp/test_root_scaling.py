@@ -16,17 +16,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
 FP16 = {"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 1024}}
 
 
-def _fp16_model(seed=0):
+def _fp16_model(seed=0, level="O2"):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    model, optimizer, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=FP16)
+    strategy = {"precision": {**FP16["precision"], "level": level}}
+    model, optimizer, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
     return model, optimizer
 
 
-def test_the_root_is_multiplied_inside_and_every_gradient_divided_on_landing():
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_root_is_multiplied_inside_and_every_gradient_divided_on_landing(level):
     """Inside the fp16 model the gradient flowing back is 1024x the true one (what keeps small gradients out of
-    fp16's underflow); on the parameters' ``.grad`` and on a non-parameter leaf it is the true one again."""
-    model, _ = _fp16_model()
+    fp16's underflow); on the parameters' ``.grad`` and on a non-parameter leaf it is the true one again. O1 swaps
+    no parameter, so its region hands them to root scaling itself: without that its passes went unscaled."""
+    model, _ = _fp16_model(level=level)
     plain = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     plain.load_state_dict(model.state_dict())
     x = torch.randn(4, 6)
