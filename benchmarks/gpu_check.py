@@ -314,10 +314,13 @@ def main() -> int:
             continue
         t = time.perf_counter()
         try:
-            rows.extend(section(name))
+            found = section(name)
         except Exception as e:  # one broken section must not hide the others
             traceback.print_exc()
-            rows.append(_row(f"{name}: section", False, "crashed", f"{type(e).__name__}: {e}"))
+            found = [_row(f"{name}: section", False, "crashed", f"{type(e).__name__}: {e}")]
+        rows.extend(found)
+        for r in found:  # at once too: a run killed at its time limit still shows the sections it finished
+            print(f"  {'ok' if r['ok'] else 'NO'}  {r['check']}: {r['value']}", flush=True)
         print(f"[{name}: {time.perf_counter() - t:.1f} s]", flush=True)
     width = max(len(r["check"]) for r in rows)
     print(f"\n{'check':<{width}}  ok    {'metric':<28} value")
