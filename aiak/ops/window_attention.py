@@ -123,7 +123,9 @@ def _sdpa_windows(q, k, v, bias, mask, scale):
     shape = (windows // groups, groups * heads, n, d)
     out = F.scaled_dot_product_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape),
                                          attn_mask=attn_mask, scale=scale)
-    return out.view(windows, heads, n, d)
+    # CUDA's memory-efficient kernel returns a [B, N, nW*H, D] buffer seen as [B, nW*H, N, D], which no view
+    # can split back into windows: reshape copies only then.
+    return out.reshape(windows, heads, n, d)
 
 
 class _SDPAWithBiasGrad(torch.autograd.Function):

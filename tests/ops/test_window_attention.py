@@ -131,6 +131,28 @@ def test_torch_path_is_a_single_sdpa_call(monkeypatch):
     assert calls == [((4, 24, 49, 32), (1, 24, 49, 49))]
 
 
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_torch_path_takes_sdpa_output_in_any_layout(monkeypatch, bias_grad):
+    # CUDA's memory-efficient SDPA kernel returns its output as a [B, N, H, D] buffer seen as [B, H, N, D]
+    # (unit stride on D, not contiguous); the CPU kernels return it contiguous. The same values in that
+    # layout must come out of the torch path unchanged, forward and backward.
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def token_major_sdpa(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    q, k, v, bias, mask = _inputs(8, 3, 49, 32, 4)
+    grad = torch.randn(q.shape, dtype=torch.float64)
+    want = _forward_backward(reference_window_attention, q, k, v, bias, mask, grad, torch.float64)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", token_major_sdpa)
+    leaves = [t.clone().requires_grad_(i < 3 or bias_grad) for i, t in enumerate((q, k, v, bias))]
+    out = torch_window_attention(*leaves, mask)
+    got = [out] + list(torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad))
+    for name, g, w in zip(["out", "dq", "dk", "dv", "dbias"], got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0, msg=name)
+
+
 def test_frozen_bias_uses_sdpa_backward_and_still_matches():
     q, k, v, bias, mask = _inputs(8, 3, 49, 32, 4)
     grad = torch.randn(q.shape, dtype=torch.float64)
