@@ -79,9 +79,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_ms(fns: dict, device, repeats, warmup) -> dict:
-    """Median ms of each callable, and its p10-p90 spread under ``"<name> spread"``; repeats are interleaved
-    (one round runs every path once) so a busy machine slows every path alike."""
+def time_ms(fns: dict, device, repeats, warmup, inner=1) -> dict:
+    """Median ms per call of each callable, and its p10-p90 spread under ``"<name> spread"``; repeats are
+    interleaved (one round runs every path once) so a busy machine slows every path alike. A sample is
+    ``inner`` calls back to back and one synchronisation, divided by ``inner``: with ``inner`` > 1 on CUDA the
+    host queues work ahead of the GPU as a training loop does, and a sample measures the GPU (or the host,
+    where launching takes longer than the kernels) rather than one launch-and-wait round trip."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -90,9 +93,10 @@ def time_ms(fns: dict, device, repeats, warmup) -> dict:
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
+            for _ in range(inner):
+                fn()
             _sync(device)
-            samples[name].append((time.perf_counter() - start) * 1e3)
+            samples[name].append((time.perf_counter() - start) * 1e3 / inner)
     result = {}
     for name, s in samples.items():
         deciles = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
@@ -109,7 +113,21 @@ def make_inputs(windows, heads, nw, device, dtype, with_mask, grad):
     return q, k, v, bias, mask
 
 
-def bench_functional(models, stages, batch, device, dtype, repeats, warmup, backward):
+def _call(fn, inputs, grad, backward):
+    """One forward (no grad), or forward and backward from ``grad`` with the gradients then dropped."""
+    q, k, v, bias, mask = inputs
+
+    def run():
+        if backward:
+            torch.autograd.backward(fn(q, k, v, bias, mask, HEAD_DIM ** -0.5), grad)
+            q.grad = k.grad = v.grad = bias.grad = None
+        else:
+            with torch.no_grad():
+                fn(q, k, v, bias, mask, HEAD_DIM ** -0.5)
+    return run
+
+
+def bench_functional(models, stages, batch, device, dtype, repeats, warmup, backward, inner=1):
     rows = []
     for model in models:
         for stage in stages:
@@ -120,19 +138,59 @@ def bench_functional(models, stages, batch, device, dtype, repeats, warmup, back
             row = {"model": model, "stage": stage, "pass": "fwd+bwd" if backward else "fwd",
                    "shape": f"{windows}x{heads}x49x32" + (" +mask" if with_mask else "")}
 
-            def runner(fn):
-                def run():
-                    if backward:
-                        torch.autograd.backward(fn(q, k, v, bias, mask, HEAD_DIM ** -0.5), grad)
-                        q.grad = k.grad = v.grad = bias.grad = None
-                    else:
-                        with torch.no_grad():
-                            fn(q, k, v, bias, mask, HEAD_DIM ** -0.5)
-                return run
-
-            row.update(time_ms({name: runner(fn) for name, fn in paths(device).items()}, device, repeats, warmup))
+            calls = {name: _call(fn, (q, k, v, bias, mask), grad, backward) for name, fn in paths(device).items()}
+            row.update(time_ms(calls, device, repeats, warmup, inner))
             rows.append(row)
     return rows
+
+
+def kernel_and_host_us(fns: dict, device, iters=20) -> dict:
+    """Per call of each callable (CUDA only): ``(kernel us, host us)``. Kernel time is the device time of every
+    kernel the profiler records over ``iters`` calls, divided by ``iters`` (what "392 us -> 13 us" compares);
+    host time is the wall time of issuing ``iters`` calls without waiting, divided by ``iters``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    for name, fn in fns.items():
+        fn()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = (time.perf_counter() - start) / iters
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            _sync(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        result[name] = (sum(e.time_range.elapsed_us() for e in kernels) / iters, host * 1e6)
+    return result
+
+
+def _kernel_table(models, stage, batch, device, dtype, backward) -> dict:
+    """kernel_and_host_us of every path at one stage shape."""
+    windows, heads, nw = stage_shape(models[0], stage, batch)
+    q, k, v, bias, mask = make_inputs(windows, heads, nw, device, dtype, nw > 1, backward)
+    grad = torch.randn_like(q)
+    calls = {name: _call(fn, (q, k, v, bias, mask), grad, backward) for name, fn in paths(device).items()}
+    return kernel_and_host_us(calls, device)
+
+
+def _kernel_table_or_reason(batch, device, dtype, backward) -> dict:
+    """_kernel_table at Swin-B stage 1 on CUDA; on CPU, or if the profiler fails, why there is none."""
+    if device.type != "cuda":
+        return {"error": "kernel times need CUDA"}
+    try:
+        return _kernel_table(["swin-b"], 1, batch, device, dtype, backward)
+    except Exception as err:  # the profiler is a measuring aid: its failure must not hide the rows
+        return {"error": f"profiler failed: {type(err).__name__}: {err}"}
+
+
+def _kernel_text(kernel: dict) -> str:
+    if "error" in kernel:
+        return kernel["error"]
+    return ", ".join(f"{name} {k:.0f} us kernels / {h:.0f} us host" for name, (k, h) in kernel.items())
 
 
 def bench_hf_module(batch, device, dtype, repeats, warmup, model="swin-t"):
@@ -302,19 +360,24 @@ def gpu_checks(device="cuda", batch=64, repeats=20, warmup=5, train_step=True) -
     dtype = torch.bfloat16
     if device.type == "cpu":
         dtype = torch.float16  # dry runs only: the interpreter's bf16 tl.dot is wrong unless repaired (tests/ops)
-    fwd = bench_functional(["swin-b"], [1], batch, device, dtype, repeats, warmup, backward=False)[0]
+    inner = 10 if device.type == "cuda" else 1  # back to back, as a training loop queues them
+    fwd = bench_functional(["swin-b"], [1], batch, device, dtype, repeats, warmup, backward=False, inner=inner)[0]
     speedup = fwd["eager"] / fwd["aiak-triton"]
-    rows.append({"check": f"window_attention swin-b stage1 fwd {fwd['shape']}: eager / triton "
+    kernel = _kernel_table_or_reason(batch, device, dtype, backward=False)
+    kernel_speedup = kernel["eager"][0] / kernel["aiak-triton"][0] if "eager" in kernel else 0.0
+    rows.append({"check": f"window_attention swin-b stage1 fwd {fwd['shape']}: eager / triton, kernel time "
                           f"(goal >= {GOAL_FUSED_FWD_SPEEDUP:.0f}x, ref {REFERENCE_US[0]} -> {REFERENCE_US[1]} us)",
-                 "ok": speedup >= GOAL_FUSED_FWD_SPEEDUP, "metric": "speedup; us median [p10-p90]",
-                 "value": f"{speedup:.1f}x; eager {_with_spread(fwd, 'eager', 1e3, '.0f')}, "
-                          f"triton {_with_spread(fwd, 'aiak-triton', 1e3, '.0f')}"})
-    bwd = bench_functional(["swin-b"], [1], batch, device, dtype, repeats, warmup, backward=True)[0]
+                 "ok": kernel_speedup >= GOAL_FUSED_FWD_SPEEDUP, "metric": "speedup; us",
+                 "value": f"kernels {kernel_speedup:.1f}x ({_kernel_text(kernel)}); back to back {speedup:.2f}x "
+                          f"(eager {_with_spread(fwd, 'eager', 1e3, '.0f')}, "
+                          f"triton {_with_spread(fwd, 'aiak-triton', 1e3, '.0f')})"})
+    bwd = bench_functional(["swin-b"], [1], batch, device, dtype, repeats, warmup, backward=True, inner=inner)[0]
     speedup = bwd["sdpa-mask"] / bwd["aiak-triton"]
-    rows.append({"check": "window_attention swin-b stage1 fwd+bwd: sdpa-mask / triton (goal >= 1)",
+    kernel = _kernel_table_or_reason(batch, device, dtype, backward=True)
+    rows.append({"check": "window_attention swin-b stage1 fwd+bwd: sdpa-mask / triton, back to back (goal >= 1)",
                  "ok": speedup >= 1.0, "metric": "speedup; us median [p10-p90]",
                  "value": f"{speedup:.2f}x; sdpa-mask {_with_spread(bwd, 'sdpa-mask', 1e3, '.0f')}, "
-                          f"triton {_with_spread(bwd, 'aiak-triton', 1e3, '.0f')}"})
+                          f"triton {_with_spread(bwd, 'aiak-triton', 1e3, '.0f')}; {_kernel_text(kernel)}"})
     try:
         module = bench_hf_module(batch, device, dtype, repeats, warmup, model="swin-b")
         speedup = module["eager"] / module["aiak"]
@@ -352,6 +415,10 @@ def main(argv=None):
     p.add_argument("--train-step", action="store_true", help="add a whole Swin-T training step (HF)")
     p.add_argument("--train-batch", type=int, default=None, help="batch of the training step (default --batch)")
     p.add_argument("--quick", action="store_true", help="Swin-T stage 1, 5 repeats")
+    p.add_argument("--inner", type=int, default=None,
+                   help="calls per timed sample, back to back (default 10 on CUDA, 1 on CPU)")
+    p.add_argument("--kernels", action="store_true",
+                   help="CUDA: also print each path's kernel time and host time per call (profiler)")
     p.add_argument("--gpu-checks", action="store_true", help="run gpu_checks() and print its rows")
     args = p.parse_args(argv)
     if args.gpu_checks:
@@ -362,16 +429,27 @@ def main(argv=None):
         args.models, args.stages, args.repeats, args.warmup = ["swin-t"], [1], 5, 1
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    print(f"device={device} dtype={dtype} batch={args.batch} repeats={args.repeats} (median ms) "
-          f"torch={torch.__version__} threads={torch.get_num_threads()}")
-    rows = bench_functional(args.models, args.stages, args.batch, device, dtype, args.repeats, args.warmup, False)
-    if not args.no_backward:
-        rows += bench_functional(args.models, args.stages, args.batch, device, dtype, args.repeats, args.warmup, True)
+    inner = args.inner or (10 if device.type == "cuda" else 1)
+    print(f"device={device} dtype={dtype} batch={args.batch} repeats={args.repeats} x {inner} calls back to back "
+          f"(median ms per call) torch={torch.__version__} threads={torch.get_num_threads()}")
+    passes = [False] if args.no_backward else [False, True]
+    rows = [row for backward in passes for row in bench_functional(
+        args.models, args.stages, args.batch, device, dtype, args.repeats, args.warmup, backward, inner)]
     if args.module:
         rows.append(bench_hf_module(args.batch, device, dtype, args.repeats, args.warmup))
     if args.train_step:
         rows.append(bench_train_step(args.train_batch or args.batch, device, dtype, args.repeats, args.warmup))
     print_table(rows)
+    if args.kernels and device.type == "cuda":
+        print("\nper call: kernel time (profiler) / host time (issuing calls without waiting), us")
+        for model in args.models:
+            for stage in args.stages:
+                for backward in passes:
+                    kernel = _kernel_table([model], stage, args.batch, device, dtype, backward)
+                    print(f"{model} stage {stage} {'fwd+bwd' if backward else 'fwd':8} {_kernel_text(kernel)}")
+        from aiak.ops._triton.window_attention_kernels import _bwd_kernel, _fwd_kernel
+        for kernel in (_fwd_kernel, _bwd_kernel):  # the autotuner's choice per key
+            print(kernel.fn.__name__, {key: str(config) for key, config in kernel.cache.items()})
 
 
 if __name__ == "__main__":
