@@ -261,19 +261,19 @@ class TritonWindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, scale):
         launchers = _import_triton_launchers()
-        out, lse = launchers.window_attention_forward(q, k, v, bias, mask, scale)
-        ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+        out, lse, attn_add = launchers.window_attention_forward(q, k, v, bias, mask, scale)
+        ctx.save_for_backward(q, k, v, bias, mask, out, lse, attn_add)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, bias, mask, out, lse = ctx.saved_tensors
+        q, k, v, bias, mask, out, lse, attn_add = ctx.saved_tensors
         launchers = _import_triton_launchers()
         need_bias_grad = bias is not None and ctx.needs_input_grad[3]
         try:
             dq, dk, dv, dbias = launchers.window_attention_backward(
-                grad_out, q, k, v, bias, mask, out, lse, ctx.scale, need_bias_grad)
+                grad_out, q, k, v, bias, mask, out, lse, attn_add, ctx.scale, need_bias_grad)
         except launchers.OutOfResources as err:
             _give_up_triton("backward", q, bias, mask, err)
             return _torch_gradients(ctx, grad_out, q, k, v, bias, mask)

@@ -32,6 +32,8 @@ CASES = [
     dict(id="n49-mask-only-fp32", windows=4, heads=2, n=49, d=32, nw=4, dtype="fp32", bias=False),
     dict(id="n49-frozen-bias-fp32", windows=2, heads=2, n=49, d=32, nw=2, dtype="fp32", bias=True, bias_grad=False),
     dict(id="n49-hf-strides-fp32", windows=4, heads=2, n=49, d=32, nw=2, dtype="fp32", bias=True, hf_layout=True),
+    dict(id="n49-hf-strides-nomask-fp32", windows=4, heads=3, n=49, d=32, nw=0, dtype="fp32", bias=True,
+         hf_layout=True),
     dict(id="n49-d32-mask-bf16", windows=4, heads=2, n=49, d=32, nw=2, dtype="bf16", bias=True),
     dict(id="n144-d16-mask-bf16-multiblock", windows=2, heads=1, n=144, d=16, nw=1, dtype="bf16", bias=True),
 ]

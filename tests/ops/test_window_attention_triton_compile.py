@@ -19,14 +19,14 @@ def _compile(kernel, dtype, constexprs, num_warps):
 
     fn = kernel.fn  # the autotuner wraps the JITFunction
     names = list(fn.arg_names)
-    fp32_ptrs = {"Bias", "Lse", "DKAcc", "DVAcc", "DBias"}
+    fp32_ptrs = {"AttnAdd", "Lse", "DKAcc", "DVAcc", "DBias"}
     signature = {}
     for name in names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name == "sm_scale":
             signature[name] = "fp32"
-        elif name[0].isupper() and name not in ("N_CTX", "HEAD_DIM"):
+        elif name[0].isupper():
             signature[name] = "*fp32" if name in fp32_ptrs else f"*{dtype}"
         else:
             signature[name] = "i32"
@@ -37,12 +37,12 @@ def _compile(kernel, dtype, constexprs, num_warps):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("dtype,block_n,block_m", [("fp16", 64, 64), ("bf16", 256, 32)],
+@pytest.mark.parametrize("dtype,n,block_n,block_m", [("fp16", 49, 64, 64), ("bf16", 144, 256, 32)],
                          ids=["n49-fp16-single-block", "n144-bf16-multi-block"])
-def test_kernels_compile_for_sm90(dtype, block_n, block_m):
+def test_kernels_compile_for_sm90(dtype, n, block_n, block_m):
     from aiak.ops._triton.window_attention_kernels import _bwd_kernel, _fwd_kernel
 
-    flags = {"HAS_BIAS": True, "HAS_MASK": True, "ALLOW_TF32": False, "BLOCK_N": block_n, "BLOCK_D": 32}
+    flags = {"ALLOW_TF32": False, "N_CTX": n, "HEAD_DIM": 32, "BLOCK_N": block_n, "BLOCK_D": 32}
     fwd = _compile(_fwd_kernel, dtype, dict(flags, BLOCK_M=32), num_warps=4)
     bwd = _compile(_bwd_kernel, dtype, dict(flags, HAS_DBIAS=True, BLOCK_M=block_m, WINDOWS_PER_PROGRAM=8),
                    num_warps=8)
@@ -60,7 +60,7 @@ def _forward_configs_tried(dtype, n, d, allow_tf32):
     block_n, block_d = _block_sizes(n, d)
     q = torch.empty(1, 1, n, d, dtype=dtype)
     configs = _fwd_prune(_fwd_kernel.configs, {"N_CTX": n, "Q": q}, ALLOW_TF32=allow_tf32, BLOCK_N=block_n,
-                         BLOCK_D=block_d, HAS_BIAS=True, HAS_MASK=True)
+                         BLOCK_D=block_d)
     return [(c.kwargs["BLOCK_M"], c.num_warps) for c in configs]
 
 
@@ -82,6 +82,6 @@ def test_fp32_fma_forward_at_the_largest_tiles_does_not_fit_sm90_shared_memory()
     # window_attention falls back (test_window_attention_fallback.py). About a minute of ptxas on 2 cores.
     from aiak.ops._triton.window_attention_kernels import _fwd_kernel
 
-    flags = {"HAS_BIAS": True, "HAS_MASK": True, "ALLOW_TF32": False, "BLOCK_N": 256, "BLOCK_D": 128}
+    flags = {"ALLOW_TF32": False, "N_CTX": 256, "HEAD_DIM": 128, "BLOCK_N": 256, "BLOCK_D": 128}
     compiled = _compile(_fwd_kernel, "fp32", dict(flags, BLOCK_M=16), num_warps=2)
     assert compiled.metadata.shared > SM90_MAX_SHARED_BYTES, compiled.metadata.shared

@@ -28,6 +28,8 @@ def _inputs(case, gen):
     if case.get("hf_layout"):  # q/k/v as produced by Hugging Face: [W, N, H, D].transpose(1, 2)
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     bias = torch.randn(heads, n, n, generator=gen, dtype=torch.float64) if case["bias"] else None
+    if case.get("hf_layout") and bias is not None:  # table[index].view(N, N, H).permute(2, 0, 1): H innermost
+        bias = bias.permute(1, 2, 0).contiguous().permute(2, 0, 1)
     mask = None
     if nw:
         keep = torch.rand(nw, n, n, generator=gen) > 0.3

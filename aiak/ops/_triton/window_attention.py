@@ -55,6 +55,29 @@ def _dummy(ref: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, device=ref.device, dtype=torch.float32)
 
 
+def additive_tile(bias, mask, heads: int, n: int, block_n: int, device) -> torch.Tensor:
+    """``bias + mask`` as one fp32 ``[G, H, block_n, block_n]`` tensor (G = nW with a mask, else 1) that the
+    kernels read tile by tile: padded columns hold -inf (no attention to padding), padded rows 0 in the real
+    columns (no NaN from a row of -inf; their results are never stored). Built once per forward and kept for
+    the backward.
+
+    The result is contiguous whatever the layout of ``bias``: Hugging Face and timm build the bias as
+    ``table[index].view(N, N, H).permute(2, 0, 1)`` (H innermost), and a sum or pad of it would keep that
+    layout, which the kernels would read as if contiguous."""
+    groups = 1 if mask is None else mask.shape[0]
+    add = torch.full((groups, heads, block_n, block_n), float("-inf"), device=device, dtype=torch.float32)
+    inner = add[:, :, :n, :n]  # written in place: one kernel per part, whatever the inputs' layouts
+    if mask is not None and bias is not None:
+        torch.add(mask.unsqueeze(1), bias.unsqueeze(0), out=inner)  # fp32 out: the sum is taken in fp32
+    elif mask is not None or bias is not None:
+        inner.copy_(mask.unsqueeze(1) if mask is not None else bias.unsqueeze(0))
+    else:
+        inner.zero_()
+    if block_n > n:
+        add[:, :, n:, :n] = 0.0
+    return add
+
+
 def _check(q, k, v, bias, mask):
     assert q.dim() == 4 and q.shape == k.shape == v.shape, "q, k, v must be [B*nW, H, N, D] of one shape"
     assert q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype, f"q/k/v dtype must be one of {_DTYPES}"
@@ -68,13 +91,13 @@ def _check(q, k, v, bias, mask):
 
 
 def window_attention_forward(q, k, v, bias, mask, scale):
-    """Returns (out [B*nW, H, N, D] in q's dtype, token-major (see _token_major), lse [B*nW, H, N] fp32)."""
+    """Returns (out [B*nW, H, N, D] in q's dtype, token-major (see _token_major), lse [B*nW, H, N] fp32,
+    the additive tile for the backward)."""
     _check(q, k, v, bias, mask)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     windows, heads, n, d = q.shape
     block_n, block_d = _block_sizes(n, d)
-    bias_c = bias.contiguous() if bias is not None else _dummy(q)
-    mask_c = mask.contiguous() if mask is not None else _dummy(q)
+    attn_add = additive_tile(bias, mask, heads, n, block_n, q.device)
     out = _token_major(windows, heads, n, d, q)
     lse = torch.empty((windows, heads, n), device=q.device, dtype=torch.float32)
 
@@ -83,17 +106,17 @@ def window_attention_forward(q, k, v, bias, mask, scale):
 
     _launch(
         _fwd_kernel, grid,
-        q, k, v, bias_c, mask_c, out, lse,
-        scale, heads, mask.shape[0] if mask is not None else 1,
+        q, k, v, attn_add, out, lse,
+        scale, heads, attn_add.shape[0],
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         n, d,
-        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, ALLOW_TF32=_allow_tf32(q.dtype),
+        ALLOW_TF32=_allow_tf32(q.dtype),
         BLOCK_N=block_n, BLOCK_D=block_d,
     )
-    return out, lse
+    return out, lse, attn_add
 
 
 def _bwd_block_m(block_n: int) -> int:
@@ -102,10 +125,11 @@ def _bwd_block_m(block_n: int) -> int:
     return block_n if block_n <= 64 else 32
 
 
-def window_attention_backward(grad_out, q, k, v, bias, mask, out, lse, scale, need_bias_grad):
+def window_attention_backward(grad_out, q, k, v, bias, mask, out, lse, attn_add, scale, need_bias_grad):
     """Returns (dq, dk, dv, dbias or None); dbias is summed over windows, in bias's dtype.
 
-    dq, dk, dv share the forward output's token-major layout (``out`` as returned by the forward)."""
+    dq, dk, dv share the forward output's token-major layout (``out`` as returned by the forward);
+    ``attn_add`` is the forward's additive tile."""
     _check(q, k, v, bias, mask)
     q, k, v, grad_out = (_unit_last_stride(t) for t in (q, k, v, grad_out))
     assert out.shape == grad_out.shape == q.shape and out.stride(-1) == 1
@@ -125,25 +149,23 @@ def window_attention_backward(grad_out, q, k, v, bias, mask, out, lse, scale, ne
     assert dq.stride() == out.stride() and (single_block or dk_acc.stride() == out.stride())
     has_dbias = bool(need_bias_grad and bias is not None)
     dbias = torch.zeros((heads, n, n), device=q.device, dtype=torch.float32) if has_dbias else _dummy(q)
-    bias_c = bias.contiguous() if bias is not None else _dummy(q)
-    mask_c = mask.contiguous() if mask is not None else _dummy(q)
+    assert attn_add.shape == (attn_add.shape[0], heads, block_n, block_n) and attn_add.is_contiguous()
 
     def grid(meta):
         return (triton.cdiv(windows, meta["WINDOWS_PER_PROGRAM"]), heads)
 
     _launch(
         _bwd_kernel, grid,
-        q, k, v, bias_c, mask_c, out, grad_out, lse,
+        q, k, v, attn_add, out, grad_out, lse,
         dq, dk, dv, dk_acc, dv_acc, dbias,
-        scale, heads, windows, mask.shape[0] if mask is not None else 1,
+        scale, heads, windows, attn_add.shape[0],
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         n, d,
-        HAS_BIAS=bias is not None, HAS_MASK=mask is not None, HAS_DBIAS=has_dbias,
-        ALLOW_TF32=_allow_tf32(q.dtype),
+        HAS_DBIAS=has_dbias, ALLOW_TF32=_allow_tf32(q.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
     )
     if not single_block:
