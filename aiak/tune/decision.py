@@ -179,10 +179,15 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
     measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)
+    failed_all = bool(trials) and not any(t["accepted"] for t in trials)  # plain PyTorch compute was applied
     knobs: Dict[str, Dict[str, Any]] = {}
     for path, value in leaves(applied.to_dict()):
         knob = selection.knobs.get(path)
-        if path in measured:
+        if path in measured and failed_all:
+            knobs[path] = {"value": value, "source": "default",
+                           "reason": f"every trial failed, so plain PyTorch's setting (nothing unverified is "
+                                     f"applied); the rules' pick had {yaml_text(knob.value) if knob else '?'}"}
+        elif path in measured:
             how = "cached decision of earlier trials" if tuning.cache_hit else "trials"
             if winner is not None and winner["step_ms"]:
                 chose = f"candidate {tuning.label!r} was the fastest accepted at {winner['step_ms']:.2f} ms/step"

@@ -386,10 +386,17 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     trials = [c.record for c in contenders]
     seconds = time.perf_counter() - start
     if not winner.record.accepted:  # plain PyTorch itself could not be measured: the trials tell nothing
+        # Nothing unverified is applied: plain PyTorch compute (the pick's knobs that keep the training the same
+        # model stay, as in every candidate). The first error is usually the script's own: say it.
         reference = next(c for c in contenders if c.candidate.label == "plain")
-        return Tuning(pick, pick.name, trials, seconds, False, replay, restore_rng=before.restore,
+        amp_warn.warn(f"aiak: every candidate failed its trial step on the loader's first batches, plain PyTorch "
+                      f"too: {reference.record.why}. That is usually an error of the training script itself (the "
+                      f"trials run its model on its own batches); aiak applies plain PyTorch compute, nothing it "
+                      f"could not verify")
+        return Tuning(reference.candidate.strategy, "plain", trials, seconds, False, replay,
+                      restore_rng=before.restore,
                       skipped=f"every candidate failed in the trials, so nothing was measured (plain PyTorch: "
-                              f"{reference.record.why}); the rules' pick is used as is")
+                              f"{reference.record.why}); plain PyTorch compute is applied, nothing unverified")
     if key is not None and on_rank0():
         cache.put_entry(key, {"kind": "strategy", "label": winner.candidate.label,
                               "strategy": winner.candidate.strategy.to_dict(),

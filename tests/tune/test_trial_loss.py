@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak
+from aiak.api import explain
 from aiak.cli.demo import DemoNet
 from aiak.tune.trials import trial_loss
 from tests.tune.test_trials import TUNED
@@ -86,14 +87,22 @@ def test_when_every_candidate_fails_the_record_says_so_and_claims_no_winner():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 3, 16, 16)
     loader = DataLoader(TensorDataset(x, torch.ones_like(x), torch.randint(0, 10, (32,))), batch_size=8)
-    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    pick = explain(model, optimizer, loader, strategy=TUNED).strategy
+    assert pick["channels_last"] is True and pick["precision"]["level"] == "O1"    # what the rules would apply
+    with pytest.warns(UserWarning, match="every candidate failed its trial step.*missing 1 required positional "
+                                         "argument.*the training script itself") as said:
+        model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    assert sum("every candidate failed" in str(w.message) for w in said) == 1
     decision = aiak.last_decision()
     d = decision.to_dict()
     assert d["trials"] and not any(t["accepted"] for t in d["trials"])
     assert all("TypeError" in t["why"] for t in d["trials"] if t["label"] == "plain")
     assert "every candidate failed" in d["tuning"] and "missing 1 required positional argument" in d["tuning"]
-    assert d["strategy"]["channels_last"] is True and d["strategy"]["precision"]["level"] == "O1"  # the rules' pick
+    # nothing the trials could not verify: plain PyTorch compute, not the rules' pick
+    assert d["strategy"]["channels_last"] is False and d["strategy"]["precision"]["level"] == "O0"
+    assert next(model.parameters()).is_contiguous() and not hasattr(optimizer, "_aiak_steps")
     assert not any(k["source"] == "measured" for k in d["knobs"].values())
+    assert "every trial failed" in d["knobs"]["precision.level"]["reason"]
     text = decision.render() + decision.render(full=True)
     assert "fastest" not in text and "chosen" not in text
     assert "every candidate failed" in decision.render()
