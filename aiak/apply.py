@@ -101,7 +101,10 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         _skip_under_users_ddp(summary, "fused_ops", s.fused_ops, "the parameters as they are")
     elif s.fused_ops:
         counts = ops.apply_fused_ops(bare, s.fused_ops)
-        summary.add("fused_ops", s.fused_ops, ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items()))
+        done = ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items() if v)
+        none = [k for k, v in counts.items() if not v]
+        skipped = f"skipped: no module of {type(bare).__name__} to fuse for {', '.join(none)}" if none else ""
+        summary.add("fused_ops", s.fused_ops, "; ".join(part for part in (done, skipped) if part))
     else:
         summary.add("fused_ops", s.fused_ops, "none")
 

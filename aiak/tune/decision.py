@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from aiak.comm.config import ALGORITHM_TRADES
+from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
 from aiak.tune.candidates import differences
 from aiak.util.text import yaml_text
@@ -112,17 +113,36 @@ class Decision:
             trials = "trials measured nothing: every candidate failed"
         else:
             trials = ""
-        knobs = [f"{path}={yaml_text(k['value'])}" for path, k in self.knobs.items()
-                 if k["source"] != "default" and not path.startswith("tune.")]
+        changed = self.changed_knobs()
+        skipped = {path: why for path, why in changed.items() if why}
+        knobs = [f"{path}={yaml_text(self.knobs[path]['value'])}" for path, why in changed.items() if not why]
         shown = ", ".join(knobs[:HEADLINE_KNOBS]) + (f", +{len(knobs) - HEADLINE_KNOBS} more"
                                                      if len(knobs) > HEADLINE_KNOBS else "")
         context = "; ".join(part for part in (how, trials) if part)
+        skipped_text = "; skipped: " + "; ".join(f"{path} ({why})" for path, why in skipped.items()) if skipped else ""
         return (f"aiak: applied strategy {name!r}" + (f" ({context})" if context else "")
-                + f": {shown or 'plain PyTorch'}\n"
+                + f": {shown or 'plain PyTorch'}{skipped_text}\n"
                 + "aiak: the reason for each knob: aiak.last_decision().render(), or `aiak explain` for a model spec")
+
+    def changed_knobs(self) -> Dict[str, str]:
+        """The knobs a strategy or the trials set away from plain PyTorch, each with ``""`` if it was applied
+        or why it was skipped (the applier's words). Left out: ``tune.*`` (the trials say what they did),
+        values equal to plain PyTorch's, and what acts only with another knob (``precision.dtype`` and
+        ``loss_scale`` at level O0)."""
+        out = {}
+        for path, k in self.knobs.items():
+            if k["source"] == "default" or path.startswith("tune.") or k["value"] == PLAIN.get(path, object()):
+                continue
+            if path.startswith("precision.") and path != "precision.level" \
+                    and self.knobs.get("precision.level", {}).get("value") == "O0":
+                continue
+            effect = next((e for key, _, e in self.effects if path == key or path.startswith(key + ".")), "")
+            out[path] = effect[len("skipped"):].lstrip(" :(").rstrip(")") if effect.startswith("skipped") else ""
+        return out
 
 
 HEADLINE_KNOBS = 8  # knobs named in the headline; the rest are counted
+PLAIN: Dict[str, Any] = dict(leaves(Strategy().to_dict()))  # every knob's plain PyTorch value
 
 
 def _knob_table(knobs: Dict[str, Dict[str, Any]]) -> List[str]:

@@ -1,10 +1,13 @@
 """The decision table groups knobs by what set them (the source and its reason once, then the knobs), the full
 table stays complete, and the headline says in one or two lines what was applied and where to read why."""
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import aiak
 from aiak.api import explain
+from aiak.strategy.schema import Strategy
+from aiak.strategy.select import leaves
 from aiak.util.text import yaml_text
 from tests.tune.test_trial_loss import NeedsAMask
 from tests.tune.test_trials import TUNED, setup
@@ -72,12 +75,34 @@ def test_headline_says_what_was_applied_and_where_to_read_why():
     assert "aiak explain" in headline and "aiak.last_decision()" in headline
     chosen = next(t["label"] for t in d["trials"] if "chosen" in t["why"])
     assert f"{chosen!r}" in headline and f"{len(d['trials'])} measured" in headline
+    plain = dict(leaves(Strategy().to_dict()))
     for path, knob in d["knobs"].items():
         compact = f"{path}={yaml_text(knob['value'])}"
-        if knob["source"] != "default" and not path.startswith("tune."):
+        if knob["source"] != "default" and not path.startswith("tune.") and knob["value"] != plain[path]:
             assert compact in headline, compact
-        elif knob["source"] == "default":
+        elif knob["source"] == "default" or knob["value"] == plain[path]:
             assert compact not in headline, compact
+
+
+def test_headline_lists_only_what_was_applied_and_says_what_was_skipped_and_why():
+    # On a CPU, a CNN: TF32 has no CUDA to act on and window attention no module to fuse. Neither is "applied".
+    model, optimizer, loader = setup()
+    with pytest.warns(UserWarning):
+        aiak.optimize(model, optimizer, loader, strategy={"tf32": True, "fused_ops": ["window_attention"],
+                                                          "channels_last": True})
+    first = aiak.last_decision().headline().splitlines()[0]
+    applied, _, skipped = first.partition("; skipped: ")
+    assert "channels_last=true" in applied and "tf32" not in applied and "fused_ops" not in applied, first
+    assert "tf32 (no CUDA: model on cpu)" in skipped and "fused_ops (no module of DemoNet to fuse for " \
+        "window_attention)" in skipped, first
+
+
+def test_headline_names_no_half_dtype_beside_level_O0():
+    model, optimizer, loader = setup()
+    aiak.optimize(model, optimizer, loader, strategy={"precision": {"level": "O0", "dtype": "fp16"}})
+    d = aiak.last_decision()
+    assert d.knobs["precision.dtype"]["value"] == "fp16" and d.knobs["precision.dtype"]["source"] == "user"
+    assert "precision" not in d.headline() and ": plain PyTorch" in d.headline()
 
 
 def test_headline_says_when_nothing_was_measured():
@@ -85,7 +110,8 @@ def test_headline_says_when_nothing_was_measured():
     model = NeedsAMask(width=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(16, 3, 16, 16)
-    aiak.optimize(model, optimizer, DataLoader(TensorDataset(x, x), batch_size=8), strategy=TUNED)
+    with pytest.warns(UserWarning, match="every candidate failed"):
+        aiak.optimize(model, optimizer, DataLoader(TensorDataset(x, x), batch_size=8), strategy=TUNED)
     headline = aiak.last_decision().headline()
     assert "every candidate failed" in headline and "chose" not in headline
     model, optimizer, _ = setup()
