@@ -44,7 +44,7 @@ def _cmd_explain(args) -> int:
                        device=device)
     mode = "measured (--tune)" if args.tune else "rules only, nothing trained (--tune measures)"
     print(f"model {setup.description}; device {device}; {mode}\n")
-    print(decision.render(full=True))  # every knob, also those left at the defaults
+    print(decision.render(full=True, group_defaults=not args.all))  # --all: a row for every knob
     return 0
 
 
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="image size (e.g. 3,64,64), or one number, the sequence length, for a text model "
                         "(default: the model's own)")
     p.add_argument("--tune", action="store_true", help="measure the candidates (trials) instead of the rules only")
+    p.add_argument("--all", action="store_true",
+                   help="a row for every knob, also those left at plain PyTorch's defaults (grouped otherwise)")
     p.add_argument("--device", type=cli_args.device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.set_defaults(fn=_cmd_explain)

@@ -57,19 +57,23 @@ class Decision:
             "not_matched": self.not_matched, "probes": self.probes, "tuning": self.tuning,
             "comm": self.comm.to_dict() if self.comm is not None else None}, default=_jsonable))
 
-    def render(self, full: bool = False) -> str:
+    def render(self, full: bool = False, group_defaults: bool = False) -> str:
         """The table: knobs (value, source, reason), trials, what each step did.
 
         ``full=False`` (the log ``optimize()`` prints) leaves out the knobs still at plain PyTorch's defaults and
         groups the others by what set them: the source and the words their reasons share once, as a heading,
         then each knob with its value and what is its own (a profile sets many knobs for one reason).
         ``full=True`` (``aiak explain``) is the complete table: every knob on its own row, with its value, source
-        and whole reason."""
+        and whole reason; with ``group_defaults`` (``aiak explain``) the knobs set away from the defaults are
+        grouped as in the log, and those at plain PyTorch's defaults are named on a few lines by section."""
         name = self.strategy.get("name", "?")
         out = [f"aiak.optimize: strategy {name!r}"
                + (f"; rules matched: {', '.join(self.matched)}" if self.matched else "")]
         shown = {p: k for p, k in self.knobs.items() if full or k["source"] != "default"}
-        if full:
+        if full and group_defaults:
+            out += _knob_groups({p: k for p, k in shown.items() if k["source"] != "default"})
+            out += _default_groups([p for p, k in shown.items() if k["source"] == "default"])
+        elif full:
             out += _knob_table(shown)
         else:
             out += _knob_groups(shown)
@@ -153,6 +157,21 @@ def _knob_table(knobs: Dict[str, Dict[str, Any]]) -> List[str]:
     out = [f"  {'knob':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason"]
     for path, value, source, reason in rows:
         out.append(f"  {path:<{widths[0]}}  {value:<{widths[1]}}  {source:<{widths[2]}}  {reason}")
+    return out
+
+
+def _default_groups(paths: List[str]) -> List[str]:
+    """The knobs left at plain PyTorch's defaults, one line per section: ``comm (27): algorithm, ...``."""
+    if not paths:
+        return []
+    sections: Dict[str, List[str]] = {}
+    for path in paths:
+        head, _, rest = path.partition(".")
+        sections.setdefault(head if rest else "", []).append(rest or path)
+    out = [f"  at plain PyTorch's defaults ({len(paths)} knobs; `aiak explain --all` gives each its row):"]
+    for section, names in sections.items():
+        label = f"{section} ({len(names)})" if section else "top level"
+        out.append(f"    {label}: {', '.join(names)}")
     return out
 
 

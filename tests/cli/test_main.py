@@ -47,7 +47,7 @@ def explain(*args, timeout=300):
 
 
 def test_explain_swin_picks_fused_window_attention_and_every_knob_has_a_source():
-    out = explain("--model", "timm:swin_tiny_patch4_window7_224", "--input-shape", "3,64,64")
+    out = explain("--model", "timm:swin_tiny_patch4_window7_224", "--input-shape", "3,64,64", "--all")
     assert out.startswith("model timm:swin_tiny_patch4_window7_224: timm SwinTransformer, 28.27M parameters, "
                           "input 3x64x64, batch 32, AdamW; device cpu; rules only")
     rows = knob_rows(out)
@@ -59,19 +59,19 @@ def test_explain_swin_picks_fused_window_attention_and_every_knob_has_a_source()
 
 
 def test_explain_resnet_picks_channels_last():
-    rows = knob_rows(explain("--model", "timm:resnet18", "--input-shape", "3,64,64", "--batch-size", "8"))
+    rows = knob_rows(explain("--model", "timm:resnet18", "--input-shape", "3,64,64", "--batch-size", "8", "--all"))
     assert rows["channels_last"]["value"] == "true" and rows["channels_last"]["source"].startswith("profile:")
     assert rows["fused_ops"]["value"] in ("[]", "none") and rows["fused_ops"]["source"] == "default"
 
 
 def test_explain_a_named_profile_says_its_knobs_come_from_it():
-    rows = knob_rows(explain("large_batch"))
+    rows = knob_rows(explain("large_batch", "--all"))
     assert rows["grad_accumulation"]["value"] == "4" and rows["grad_accumulation"]["source"] == "profile:large_batch"
     assert rows["precision.level"]["source"] == "default"
 
 
 def test_explain_tune_on_demo_measures_the_candidates():
-    out = explain("--tune")
+    out = explain("--tune", "--all")
     assert out.startswith("model demo: DemoNet") and "measured (--tune)" in out
     knob_rows(out)
     lines = out.splitlines()
@@ -87,6 +87,20 @@ def test_explain_tune_on_demo_measures_the_candidates():
     plain = trials[labels.index("plain")]
     assert float(plain[1]) > 0  # a measured step time
     assert sum("chosen" in line for line in lines[head + 1:head + 1 + len(trials)]) == 1
+
+
+def test_explain_names_the_knobs_left_at_defaults_on_a_few_lines_and_all_gives_each_a_row():
+    grouped, every = explain("large_batch"), explain("large_batch", "--all")
+    rows = knob_rows(every)
+    at_defaults = [k for k, row in rows.items() if row["source"] == "default"]
+    assert len(at_defaults) > 30 and len(every.splitlines()) > len(at_defaults)
+    assert "at plain PyTorch's defaults (%d knobs" % len(at_defaults) in grouped
+    assert len(grouped.splitlines()) < len(every.splitlines()) - 25
+    assert re.search(r"^    grad_accumulation\s+4\b", grouped, re.M) and "from profile:large_batch" in grouped
+    assert not any(KNOB_ROW.match(line) for line in grouped.splitlines())   # no row per knob
+    named = {name for line in grouped.splitlines() if line.startswith("    ") and ": " in line
+             for name in line.split(": ", 1)[1].split(", ")}
+    assert {k.partition(".")[2] or k for k in at_defaults} <= named         # each still named
 
 
 @pytest.mark.parametrize("args, message", [
