@@ -6,15 +6,18 @@ of ``aiak bench`` and ``aiak explain``. CPU-sized by default: the whole demo run
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aiak.cli.progress import Board
+from aiak.measure import rounds as measure
 from aiak.measure.rounds import Contender, Speedup, alternate, plan_rounds, speedup
 from aiak.runtime.switches import read_switches
 from aiak.step.training_step import training_step
@@ -55,12 +58,12 @@ def make_setup(seed: int = 0, n: int = 2048, batch_size: int = 64, lr: float = 0
     return model, optimizer, loader
 
 
-def training_steps(model, optimizer, loader, epochs: int, device: Any = "cpu") -> Iterator[torch.Tensor]:
+def training_steps(model, optimizer, loader, epochs: Optional[int], device: Any = "cpu") -> Iterator[torch.Tensor]:
     """A plain training loop, exactly what a user writes (aiak never asks for a different one), one step
-    per ``next()``: each yields that step's loss."""
+    per ``next()``: each yields that step's loss. ``epochs=None`` goes on for as long as it is asked."""
     criterion = nn.CrossEntropyLoss()
     model.train()
-    for _ in range(epochs):
+    for _ in range(epochs) if epochs is not None else itertools.count():
         for x, y in loader:
             batch = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             yield training_step(model, optimizer, batch, lambda m, b: criterion(m(b[0]), b[1]))
@@ -76,15 +79,19 @@ class DemoResult:
 
     baseline: Contender
     optimized: Contender
-    speedup: Speedup            # of the training steps, per round
+    speedup: Optional[Speedup]  # of the training steps, per round; None when a side stopped before a round
     setup_seconds: float        # aiak.optimize() (the trials of "auto" included), paid once before the steps
     batch_size: int
     warmup: int                 # steps per side before the timing (they train too)
+    extra_rounds: int = 0       # rounds added because the planned ones were too noisy to tell
 
     @property
-    def end_to_end(self) -> float:
+    def end_to_end(self) -> Optional[float]:
         """Baseline seconds / aiak's seconds over every step, aiak's optimize() included: what a run of this
-        length gains once the tuning is paid for (one sum per side, so no interval of its own)."""
+        length gains once the tuning is paid for (one sum per side, so no interval of its own). None when a
+        side stopped."""
+        if self.baseline.stopped or self.optimized.stopped:
+            return None
         base = sum(self.baseline.warmup_seconds) + sum(self.baseline.step_seconds)
         mine = sum(self.optimized.warmup_seconds) + sum(self.optimized.step_seconds) + self.setup_seconds
         return base / mine
@@ -115,7 +122,7 @@ def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size:
 
     model, optimizer, loader = make_setup(seed, n, batch_size)
     init = copy.deepcopy(model.state_dict())
-    baseline = Contender("baseline", training_steps(model, optimizer, loader, epochs).__next__,
+    baseline = Contender("baseline", training_steps(model, optimizer, loader, None).__next__,
                          switches=read_switches())
 
     model, optimizer, loader = make_setup(seed, n, batch_size)
@@ -123,10 +130,29 @@ def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size:
     start = time.perf_counter()
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
     setup = time.perf_counter() - start
-    optimized = Contender("aiak", training_steps(model, optimizer, loader, epochs).__next__, switches=read_switches())
+    optimized = Contender("aiak", training_steps(model, optimizer, loader, None).__next__, switches=read_switches())
 
+    sides = [baseline, optimized]
     with Board({"baseline": steps, "aiak": steps}, enabled=show_progress) as board:
-        alternate([baseline, optimized], warmup=warmup, rounds=rounds, steps_per_round=per_round,
-                  progress=lambda c, done, total: board.update(c.name, done, c.loss if c.loss == c.loss else None))
-    return DemoResult(baseline, optimized, speedup(baseline.round_seconds, optimized.round_seconds), setup,
-                      batch_size, warmup)
+        def progress(c, done, total):
+            board.update(c.name, min(done, steps), c.loss if c.loss == c.loss else None)
+
+        # a step that raises stops its side with the error as its reason (shown, not a traceback); the 10x rule
+        # is read at call time so that a test can tighten it
+        alternate(sides, warmup=warmup, rounds=rounds, steps_per_round=per_round, progress=progress, catch=True,
+                  slow_factor=measure.SLOW_FACTOR)
+        ratio = _speedup_or_none(sides)
+        extra = 0
+        if ratio is not None and ratio.too_noisy:  # the machine's load decided: as many rounds again, once
+            extra = rounds
+            alternate(sides, warmup=0, rounds=extra, steps_per_round=per_round, progress=progress, catch=True,
+                      slow_factor=math.inf)
+            ratio = _speedup_or_none(sides)
+    return DemoResult(baseline, optimized, ratio, setup, batch_size, warmup, extra)
+
+
+def _speedup_or_none(sides) -> Optional[Speedup]:
+    baseline, optimized = sides
+    if baseline.stopped or optimized.stopped or not optimized.round_seconds:
+        return None
+    return speedup(baseline.round_seconds, optimized.round_seconds)

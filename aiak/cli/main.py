@@ -50,6 +50,7 @@ def _cmd_explain(args) -> int:
 
 def _cmd_demo(args) -> int:
     from aiak.cli.demo import plan, run_demo
+    from aiak.measure.rounds import Spread
     from aiak.strategy import load_strategy
 
     plan(args.epochs, args.samples, args.batch_size, args.rounds, args.warmup)  # mistakes before any output
@@ -63,12 +64,25 @@ def _cmd_demo(args) -> int:
                  show_progress=not args.no_progress)
     print(f"\n  {'run':<10} {'steps':>6} {'ms/step median (p10-p90)':>26} {'samples/s':>10} {'final loss':>11}")
     for c in (r.baseline, r.optimized):
-        t = c.timing().scaled(1e3)
+        timed = [t for t in c.step_seconds if t != float("inf")]
+        if c.stopped and not timed:
+            print(f"  {c.name:<10} {c.steps:>6}  stopped: {c.stopped}")
+            continue
+        t = Spread.of(timed).scaled(1e3)
         spread = f"{t.median:.1f} ({t.p10:.1f}-{t.p90:.1f})"
         print(f"  {c.name:<10} {c.steps:>6} {spread:>26} {r.batch_size / (t.median / 1e3):>10.1f} {c.loss:>11.4f}")
-    print(f"\n  speedup of the training steps (baseline/aiak, per round): {r.speedup.describe()}")
-    print(f"  end to end, aiak.optimize() included ({r.setup_seconds:.2f} s): {r.end_to_end:.2f}x over "
-          f"{r.optimized.steps} steps (both sides warmed up {r.warmup} steps, which count here)")
+        if c.stopped:
+            print(f"  {'':<10} stopped: {c.stopped}")
+    if r.speedup is None:
+        stopped = next(c for c in (r.optimized, r.baseline) if c.stopped)
+        print(f"\n  no speedup to report: {stopped.name} stopped ({stopped.stopped}). `aiak explain --tune` shows "
+              f"what the strategy applies and how each candidate measured")
+        return 0
+    more = f" (the first {args.rounds} were too noisy: {r.extra_rounds} more run)" if r.extra_rounds else ""
+    print(f"\n  speedup of the training steps (baseline/aiak, per round{more}): {r.speedup.describe()}")
+    if not r.speedup.too_noisy:
+        print(f"  end to end, aiak.optimize() included ({r.setup_seconds:.2f} s): {r.end_to_end:.2f}x over "
+              f"{r.optimized.steps} steps (both sides warmed up {r.warmup} steps, which count here)")
     return 0
 
 
@@ -88,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     from aiak.cli import args as cli_args
     from aiak.cli.args import whole_number
 
+    from aiak import __version__
+
     parser = cli_args.Parser(prog="aiak", description="Make an existing PyTorch training script faster.")
+    parser.add_argument("--version", action="version", version=f"aiak {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="train a small built-in CNN twice, plain PyTorch and optimized, and compare",
@@ -113,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "PyTorch and each --strategy, alternating them in rounds, and print one "
                                    "table: step time (median, p10-p90), samples/s, peak memory, speedup with "
                                    "its confidence interval, final loss.")
-    from aiak.cli import bench
+    from aiak.cli.bench.options import add_arguments as bench_arguments
 
-    bench.add_arguments(p)
+    bench_arguments(p)
     p.set_defaults(fn=_cmd_bench)
 
     p = sub.add_parser("explain", help="what a strategy (default: auto) picks for a model on this machine, and why",

@@ -30,15 +30,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from aiak.measure.clock import StepClock
+from aiak.measure.thresholds import MIN_ROUNDS_FOR_VERDICT, NOISY_SPREAD, SLOW_FACTOR
 from aiak.runtime.switches import write_switches
 from aiak.util.dist import max_across_ranks
 from aiak.util.text import describe_error
 
 __all__ = ["Spread", "Speedup", "Contender", "alternate", "percentile", "median_interval", "speedup", "plan_rounds", "MIN_ROUNDS_FOR_VERDICT",
-           "SLOW_FACTOR"]
+           "SLOW_FACTOR", "NOISY_SPREAD"]
 
-MIN_ROUNDS_FOR_VERDICT = 6      # below, even the min-max of the rounds covers their median less than 95%
-SLOW_FACTOR = 10.0              # a contender this many times slower than the baseline on its first step stops
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -109,12 +108,23 @@ class Speedup:
             return "slower"
         return "within noise"
 
+    @property
+    def too_noisy(self) -> bool:
+        """Within noise with an interval wider than :data:`NOISY_SPREAD` (high / low): the machine's load, not
+        the strategies, decided the rounds, and no ratio is worth printing."""
+        return self.verdict == "within noise" and self.high > NOISY_SPREAD * self.low
+
     def describe(self) -> str:
-        """E.g. ``1.52x faster (99% CI 1.41-1.60x, 10 rounds)`` or ``1.01x, within noise (...)``."""
+        """E.g. ``1.52x faster (99% CI 1.41-1.60x, 10 rounds)``, ``1.01x, within noise (...)``, or no ratio at all
+        when the rounds were :attr:`too_noisy`."""
         spread = f"{self.coverage * 100:.1f}% CI {self.low:.2f}-{self.high:.2f}x, {self.rounds} rounds"
         if self.verdict == "too few rounds":
             return (f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f}x over {self.rounds} rounds: too few to "
                     f"tell a speedup from noise, use {MIN_ROUNDS_FOR_VERDICT} or more)")
+        if self.too_noisy:
+            return (f"no verdict: the machine was too busy to tell (the rounds' ratios span {self.low:.2f}-"
+                    f"{self.high:.2f}x, {self.coverage * 100:.1f}% CI over {self.rounds} rounds, so their median "
+                    f"{self.median:.2f}x means nothing); run it again on an idle machine")
         if self.verdict == "within noise":
             return f"{self.median:.2f}x, within noise ({spread})"
         return f"{self.median:.2f}x {self.verdict} ({spread})"
@@ -210,10 +220,11 @@ def plan_rounds(total_steps: int, rounds: int, warmup: int, multiple_of: int = 1
 
 
 def _least_recent(c: Contender, first_timed: List[float]) -> float:
-    """The faster of a contender's last warm-up step and its first timed step: one step of a loaded machine
-    can take 40x its usual time (58 ms and 2557 ms, one after the other, on this project's 2-core machine), so
-    the 10x rule judges two steps per side; a compiling strategy's warm-up step loses to its timed one."""
-    return min(c.warmup_seconds[-1:] + first_timed)
+    """The fastest of a contender's warm-up steps and its first timed step: one step of a loaded machine can
+    take 40x its usual time (58 ms and 2557 ms, one after the other, on this project's 2-core machine), so the
+    10x rule judges every step a side has run, not one or two (a demo under load once stopped its aiak side
+    on two slow steps); a compiling strategy's slow first steps lose to its later ones."""
+    return min(c.warmup_seconds + first_timed)
 
 
 def _agree(ran: Dict[int, List[float]], order: Sequence[Contender], width: int, elapsed: float,

@@ -89,6 +89,19 @@ def test_explain_tune_on_demo_measures_the_candidates():
     assert sum("chosen" in line for line in lines[head + 1:head + 1 + len(trials)]) == 1
 
 
+def test_version_and_help_answer_without_loading_torch():
+    code = ("import sys\nfrom aiak.cli.main import main\n"
+            "for argv in (['--version'], ['--help'], ['bench', '--help'], ['doctor', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
+            "print('torch loaded:', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    from aiak import __version__
+    assert out.stdout.startswith(f"aiak {__version__}\n") and "usage: aiak" in out.stdout
+    assert "--warmup N" in out.stdout and "--trace DIR" in out.stdout           # bench's options are all there
+    assert out.stdout.rstrip().endswith("torch loaded: False"), out.stdout[-300:]
+
+
 def test_explain_names_the_knobs_left_at_defaults_on_a_few_lines_and_all_gives_each_a_row():
     grouped, every = explain("large_batch"), explain("large_batch", "--all")
     rows = knob_rows(every)
@@ -181,8 +194,8 @@ def demo(*args):
     assert "warn" not in err.lower(), err
     rows = {m["run"]: m.groupdict() for m in map(DEMO_ROW.match, out.splitlines()) if m}
     assert set(rows) == {"baseline", "aiak"}, out
-    for r in rows.values():
-        assert int(r["steps"]) == 32 and float(r["p10"]) <= float(r["median"]) <= float(r["p90"])
+    for r in rows.values():  # 32 steps, or 32 more when the first rounds were too noisy to tell
+        assert int(r["steps"]) in (32, 64) and float(r["p10"]) <= float(r["median"]) <= float(r["p90"])
     verdict = next(line for line in out.splitlines() if "speedup of the training steps" in line)
     return rows, verdict, err
 
@@ -193,9 +206,31 @@ def test_demo_default_is_plain_pytorch_and_reads_within_noise():
     (by chance this fails in about one run of 400: when 17 of the 20 rounds land on one side of 1.0)."""
     rows, verdict, _ = demo("--strategy", "default", "--no-progress")
     assert rows["baseline"]["loss"] == rows["aiak"]["loss"]
-    assert "within noise" in verdict and "99.7% CI" in verdict and "20 rounds" in verdict, verdict
-    low, high = map(float, re.search(r"CI ([\d.]+)-([\d.]+)x", verdict).groups())
+    # within noise; on a loaded machine possibly "no verdict: too busy to tell" over 40 rounds, never a ratio
+    assert ("within noise" in verdict and "99.7% CI" in verdict and "20 rounds" in verdict) or \
+        ("no verdict: the machine was too busy" in verdict and "40 rounds" in verdict), verdict
+    low, high = map(float, re.search(r"(?:CI|span) ([\d.]+)-([\d.]+)x", verdict).groups())
     assert low <= 1.0 <= high
+
+
+def test_demo_shows_a_stopped_side_with_its_reason_and_no_traceback(monkeypatch, capsys):
+    # The 10x rule stops a side that is far slower on its first steps; tightened here so that it stops aiak's.
+    # The demo once died there with "ValueError: no completed round to compare", never saying why.
+    from aiak.cli.main import main
+    from aiak.measure import rounds
+
+    monkeypatch.setattr(rounds, "SLOW_FACTOR", 1e-9)
+    code = main(["demo", "--strategy", "default", "--epochs", "1", "--samples", "512", "--batch-size", "32",
+                 "--rounds", "6", "--warmup", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    aiak_row = next(i for i, line in enumerate(lines) if line.startswith("  aiak "))
+    assert DEMO_ROW.match(lines[aiak_row - 1]) and DEMO_ROW.match(lines[aiak_row]), out   # its one timed step
+    assert re.match(r"^\s+stopped: stopped after its first timed step: .* more than 1e-09x the baseline's",
+                    lines[aiak_row + 1]), out
+    assert "no speedup to report: aiak stopped (stopped after its first timed step" in out
+    assert "end to end" not in out
 
 
 @pytest.mark.slow

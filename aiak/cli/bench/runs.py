@@ -12,11 +12,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from aiak.cli.bench.options import TRACE_STEPS
 from aiak.util.dist import max_across_ranks
 
-
 SEED = 0
-TRACE_STEPS = 3
 DIST_TIMEOUT_S = 300             # every collective of a torchrun job: a rank that disappears fails the job then
 
 

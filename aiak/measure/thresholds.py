@@ -1,0 +1,6 @@
+"""The numbers the timing engine judges by, in a module of their own that imports nothing: the command line's
+``--help`` texts quote them without loading torch."""
+
+MIN_ROUNDS_FOR_VERDICT = 6      # below, even the min-max of the rounds covers their median less than 95%
+SLOW_FACTOR = 10.0              # a contender this many times slower than the baseline on its first step stops
+NOISY_SPREAD = 1.5              # a "within noise" interval wider than this (high / low) is the machine's load
