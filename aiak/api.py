@@ -18,7 +18,7 @@ from aiak.strategy.select import resolve_strategy
 from aiak.tune import decision as decisions
 from aiak.tune.trials import run_trials
 from aiak.util import warn as amp_warn
-from aiak.util.arguments import check_arguments
+from aiak.util.arguments import check_arguments, check_unpacking
 from aiak.util.devices import model_device
 
 logger = logging.getLogger("aiak")
@@ -26,7 +26,9 @@ logger = logging.getLogger("aiak")
 
 def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "auto", scheduler=None,
              device: Any = None):
-    """Apply a strategy to a training setup; returns ``(model, optimizer, loader)`` (+ ``scheduler`` if given).
+    """Apply a strategy to a training setup; returns ``(model, optimizer, loader)`` (+ ``scheduler`` if given), each
+    ``None`` where it was not given, so a script always unpacks three names (four with a scheduler); a line that
+    unpacks another number is told so before anything is applied.
 
     The same objects come back, patched in place or wrapped; the training loop stays
     ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``strategy`` is ``"auto"``, a built-in
@@ -46,6 +48,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     seen through: the optimizer inside is the one patched, and the wrapper comes back
     (:mod:`aiak.step.wrappers`).
     """
+    check_unpacking(scheduler is not None)
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
     check_arguments(model, optimizer, scheduler)
     bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model

@@ -75,3 +75,22 @@ def test_range_errors_are_listed_with_every_other_mistake():
     assert any("grad_accumulation must be an integer >= 1" in p for p in problems)
     assert any("precision.level must be one of" in p for p in problems)
     assert any("comm.bucket_mb must be > 0" in p for p in problems)
+
+
+def test_unpacking_into_the_wrong_number_of_names_says_what_optimize_returns_before_applying():
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"returns 3 objects, \(model, optimizer, loader\) \(None where one was not "
+                                        r"given.*unpacks it into 2 names: write model, optimizer, _ ="):
+        model, optimizer = aiak.optimize(model, optimizer, strategy={"precision": {"level": "O2"}})
+    assert _untouched(model) and not hasattr(optimizer, "_aiak_steps")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    with pytest.raises(TypeError, match=r"returns 4 objects, \(model, optimizer, loader, scheduler\).* into 3 names"):
+        model, optimizer, scheduler = aiak.optimize(model, optimizer, scheduler=scheduler, strategy="default")
+    # what every script writes goes through, and so does a result kept whole or indexed
+    model, optimizer, loader, scheduler = aiak.optimize(model, optimizer, scheduler=scheduler, strategy="default")
+    assert loader is None
+    result = aiak.optimize(_net(), strategy="default")
+    assert len(result) == 3 and result[1:] == (None, None)
+    first = aiak.optimize(_net(), strategy="default")[0]
+    assert isinstance(first, nn.Module)

@@ -11,9 +11,17 @@ instead of being accepted (and a strategy applied to the wrong model) or failing
 
 A model none of whose parameters trains now while an optimizer is given is said once as a warning: a backbone
 frozen for its first epochs and unfrozen later is a legitimate script.
+
+What ``optimize`` returns is fixed: ``(model, optimizer, loader)``, ``None`` in the place of what was not given,
+plus the scheduler when one was, so a script unpacks it the same way whatever it passes. A call unpacked into
+another number of names (``model, optimizer = aiak.optimize(model, optimizer)``) would fail with Python's bare
+"too many values to unpack" after everything was applied; :func:`check_unpacking` reads the calling line's
+unpacking (its ``UNPACK_SEQUENCE`` instruction) first and says what ``optimize`` returns instead.
 """
 from __future__ import annotations
 
+import dis
+import sys
 from typing import Any, Optional
 
 from torch import nn
@@ -72,3 +80,35 @@ def _check_scheduler(scheduler: Any, optimizer: Optional[Optimizer]) -> None:
                          f"({type(steered).__name__}) than the one given "
                          f"({type(optimizer).__name__ if optimizer is not None else 'none'}): stepping it would "
                          "change that optimizer's learning rate. Build it on the optimizer passed here")
+
+
+RETURNS = ("model", "optimizer", "loader")
+
+
+def check_unpacking(scheduler_given: bool, depth: int = 2) -> None:
+    """Raise a ``TypeError`` naming what ``optimize`` returns when the calling line (``depth`` frames up) unpacks its
+    result into another number of names. Anything but a plain ``a, b, ... = aiak.optimize(...)`` is left alone."""
+    returns = RETURNS + (("scheduler",) if scheduler_given else ())
+    wanted = _unpacked_into(depth + 1)
+    if wanted is None or wanted == len(returns):
+        return
+    names = ", ".join(returns)
+    raise TypeError(f"aiak.optimize returns {len(returns)} objects, ({names}) (None where one was not given, "
+                    f"so that every script unpacks it alike), but this line unpacks it into {wanted} names: write "
+                    f"{', '.join(returns[:wanted] if wanted < len(returns) else returns)}"
+                    f"{', _' * max(len(returns) - wanted, 0)} = aiak.optimize(...)")
+
+
+def _unpacked_into(depth: int) -> Optional[int]:
+    """The count of the ``UNPACK_SEQUENCE`` right after the call running in the frame ``depth`` up from here, if
+    any."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    # f_lasti is the call's offset, or (3.11+) that of its last inline cache entry: the first real instruction
+    # past it is what the call's result meets
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > frame.f_lasti and ins.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
+            return ins.arg if ins.opname == "UNPACK_SEQUENCE" else None
+    return None
