@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from aiak.util.nested import logits_of
 from aiak.util.text import did_you_mean
+from aiak.util.versions import install_hint
 
 __all__ = ["ModelSpecError", "ModelSetup", "build", "from_model", "parse_input_shape", "compute_loss", "logits_of",
            "default_optimizer", "SyntheticImages", "SyntheticText", "SPEC_FORMS"]
@@ -159,7 +160,8 @@ def _need(module: str, spec: str):
         return importlib.import_module(module)
     except ImportError as e:
         raise ModelSpecError(f"model {spec!r} needs {module}, which is not installed ({e}); "
-                             f"install it with: pip install {module}  (aiak's [test] extra includes it)") from e
+                             f"install it with: {install_hint(module)}  (the torch pin keeps the torch you have; "
+                             f"aiak's [test] extra includes {module})") from e
 
 
 def _image_shape(shape: Optional[Tuple[int, ...]], default: Sequence[int], spec: str) -> Tuple[int, int, int]:

@@ -37,11 +37,12 @@ from __future__ import annotations
 from typing import Any
 
 import aiak
+from aiak.util.versions import install_hint
 
 try:
     import accelerate  # noqa: F401  (the dependency this module is about)
 except ImportError as e:
-    raise ImportError("aiak.integrations.accelerate needs accelerate: pip install accelerate") from e
+    raise ImportError("aiak.integrations.accelerate needs accelerate: " + install_hint("accelerate")) from e
 
 __all__ = ["prepare"]
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiak
+from aiak.util.versions import install_hint
 
 try:
     import pytorch_lightning as pl
@@ -57,7 +58,8 @@ except ImportError:  # the ``lightning`` umbrella package
     try:
         import lightning.pytorch as pl
     except ImportError as e:
-        raise ImportError("aiak.integrations.lightning needs PyTorch Lightning: pip install pytorch-lightning") from e
+        raise ImportError("aiak.integrations.lightning needs PyTorch Lightning: "
+                          + install_hint("pytorch-lightning")) from e
 
 __all__ = ["AiakCallback", "optimize_configuration"]
 

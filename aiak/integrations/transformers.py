@@ -56,13 +56,14 @@ from __future__ import annotations
 from typing import Any
 
 import aiak
+from aiak.util.versions import install_hint
 from aiak.step.controller import controller_of
 
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
 except ImportError as e:
-    raise ImportError("aiak.integrations.transformers needs transformers: pip install transformers") from e
+    raise ImportError("aiak.integrations.transformers needs transformers: " + install_hint("transformers")) from e
 
 __all__ = ["AiakTrainerCallback"]
 

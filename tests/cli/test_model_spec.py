@@ -254,7 +254,12 @@ def test_a_missing_library_names_what_to_install():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "model 'timm:resnet18' needs timm, which is not installed" in out.stdout, out.stderr
-    assert "pip install timm" in out.stdout
+    # the hint keeps the installed torch: a bare `pip install timm` would resolve a torchvision for another torch
+    # and replace this one (beside the 2.13.0 CPU wheel: a CUDA build of several GB)
+    from importlib import metadata
+    base, _, build = metadata.version("torch").partition("+")   # what pip compares (PyPI's CUDA build: no tag)
+    assert f'pip install timm "torch=={base}"' in out.stdout, out.stdout
+    assert (f"--extra-index-url https://download.pytorch.org/whl/{build}" in out.stdout) == bool(build), out.stdout
 
 
 def test_importing_aiak_and_model_spec_loads_no_model_library():
