@@ -78,9 +78,12 @@ def _cmd_demo(args) -> int:
         print(f"\n  no speedup to report: {stopped.name} stopped ({stopped.stopped}). `aiak explain --tune` shows "
               f"what the strategy applies and how each candidate measured")
         return 0
-    more = f" (the first {args.rounds} were too noisy: {r.extra_rounds} more run)" if r.extra_rounds else ""
+    more = f"; the first {args.rounds} rounds were too noisy, so {r.extra_rounds} more ran" if r.extra_rounds else ""
     print(f"\n  speedup of the training steps (baseline/aiak, per round{more}): {r.speedup.describe()}")
-    if not r.speedup.too_noisy:
+    if r.extra_rounds:  # every step's time summed: the load's spikes would decide it
+        print("  end to end: not given, the machine's load varied too much during the run for a sum of all steps "
+              "to mean anything")
+    elif not r.speedup.too_noisy:
         print(f"  end to end, aiak.optimize() included ({r.setup_seconds:.2f} s): {r.end_to_end:.2f}x over "
               f"{r.optimized.steps} steps (both sides warmed up {r.warmup} steps, which count here)")
     return 0

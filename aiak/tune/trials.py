@@ -83,6 +83,7 @@ from aiak.util.cache import TuneCache
 from aiak.util.dist import max_across_ranks, on_rank0, rank0_index, rank0_object
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.nested import logits_of
+from aiak.util.status_line import StatusLine
 from aiak.util.text import describe_error
 from aiak.util.versions import installed_version
 
@@ -372,9 +373,10 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     switches = Snapshot()
     try:
         candidates = candidate_strategies(pick, selection.probes, limit=cfg.candidates, max_seconds=cfg.max_seconds)
-        contenders = _build(candidates, model, optimizer, device)
-        _warm_up(contenders, batches, after, device)
-        _timed_rounds(contenders, batches, cfg, start)
+        with StatusLine(f"timing {len(candidates)} candidate strategies on the first batches") as status:
+            contenders = _build(candidates, model, optimizer, device)
+            _warm_up(contenders, batches, after, device, status)
+            _timed_rounds(contenders, batches, cfg, start, status)
         winner = _decide(contenders)
     except Exception as e:  # noqa: BLE001 - a bug in tuning must not cost the user's run: use the rules' pick
         return Tuning(pick, pick.name, [], time.perf_counter() - start, False, replay,
@@ -416,7 +418,7 @@ def _build(candidates: List[Candidate], model, optimizer, device) -> List[_Trial
     return built
 
 
-def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device) -> None:
+def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Optional[StatusLine] = None) -> None:
     """One timed step each on batch 0 from the same RNG state; gradients gated against plain fp32's, their error
     judged against its sampling noise (estimated by plain first, only when a candidate needs the gate)."""
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
@@ -428,6 +430,8 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device) -> None:
     for c in sorted(contenders, key=lambda c: c is not plain):  # plain first: the reference
         if c.failed:
             continue
+        if status is not None:
+            status.update(f"first step of {c.candidate.label!r}")
         try:
             with amp_warn.quiet():
                 c.switches()
@@ -522,7 +526,8 @@ def _batch_size(batch: Any) -> Optional[int]:
     return next((t.shape[0] for t in iter_tensors(batch) if t.dim()), None)
 
 
-def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float) -> None:
+def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float, status: Optional[StatusLine] = None
+                  ) -> None:
     """Rounds of one step per candidate after the gate's, on the one timing engine
     (:func:`aiak.measure.rounds.alternate`: the order rotating every round, each step under the candidate's own
     switches, the slowest rank's seconds, a failure on any rank dropping the candidate on all). Each
@@ -544,6 +549,8 @@ def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float) -> No
             if c.timer.stopped is not None:
                 c.fail(c.timer.stopped)
         active = [c for c in runs if not c.failed]
+        if status is not None:
+            status.update(f"round {rounds_done} of {', '.join(c.candidate.label for c in active)}")
         for c in active:
             c.warmup_s = c.warmup_s[:1] + c.timer.step_seconds
         return not active or rules.done({c.candidate.label: c.warmup_s for c in active}, elapsed)

@@ -1,5 +1,5 @@
 """The ``match:`` grammar: each condition true and false against hand-built probes, its validation, and the
-README section that documents it."""
+docs section that documents it."""
 import dataclasses
 import re
 import textwrap
@@ -10,7 +10,7 @@ import pytest
 from aiak.strategy import MODULE_KINDS, Match, Probes, Strategy, StrategyError, load_strategy, match_profile
 from aiak.strategy.rules import COMPARISONS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+STRATEGY_DOCS = Path(__file__).resolve().parents[2] / "docs" / "strategy.md"
 GRAMMAR_HEADING = "## How `auto` chooses: the `match:` grammar"
 
 
@@ -94,7 +94,7 @@ def test_every_match_field_and_comparison_operator_has_a_case():
 
 
 def test_all_conditions_must_hold_and_the_explanation_lists_each_with_what_was_found():
-    """In the order of the keys of ``Match`` (README's table), not as written."""
+    """In the order of the keys of ``Match`` (the table in docs/strategy.md), not as written."""
     m = match(device="cpu", cpu_features={"any": ["avx512_bf16", "amx_bf16"]}, modules=["conv2d"])
     found = probes(modules={"conv2d": 3}, **CPU_BF16)
     assert match_profile(m, found) == (True, "modules: conv2d (found 3 conv2d); device: cpu (found cpu); "
@@ -196,11 +196,10 @@ def test_match_is_never_inherited_through_extends(tmp_path):
     assert load_strategy("cnn").match.device == "cuda"
 
 
-# -- the README documents the grammar the schema accepts -----------------------------------------------------
+# -- the docs document the grammar the schema accepts -------------------------------------------------------
 def grammar_section() -> str:
-    text = README.read_text(encoding="utf-8")
-    assert GRAMMAR_HEADING in text, (f"README.md has no section {GRAMMAR_HEADING!r}: paste it in "
-                                     "(the text was handed over with this change)")
+    text = STRATEGY_DOCS.read_text(encoding="utf-8")
+    assert GRAMMAR_HEADING in text, f"docs/strategy.md has no section {GRAMMAR_HEADING!r}"
     section = text.split(GRAMMAR_HEADING, 1)[1]
     return section.split("\n## ", 1)[0]
 
@@ -208,22 +207,22 @@ def grammar_section() -> str:
 def test_readme_documents_every_match_key_module_kind_and_operator():
     section = grammar_section()
     for f in dataclasses.fields(Match):
-        assert f"`{f.name}`" in section, f"README's match: grammar does not mention the key {f.name!r}"
+        assert f"`{f.name}`" in section, f"the docs' match: grammar does not mention the key {f.name!r}"
     for kind in MODULE_KINDS:
-        assert kind in section, f"README's match: grammar does not list the module kind {kind!r}"
+        assert kind in section, f"the docs' match: grammar does not list the module kind {kind!r}"
     for op in COMPARISONS:
-        assert f"`{op}`" in section, f"README's match: grammar does not list the operator {op!r}"
+        assert f"`{op}`" in section, f"the docs' match: grammar does not list the operator {op!r}"
     for words in ("AIAK_PROFILE_PATH", "~/.config/aiak/profiles", "sorted by name", "{any:"):
-        assert words in section, f"README's match: grammar does not say {words!r}"
+        assert words in section, f"the docs' match: grammar does not say {words!r}"
 
 
 def test_readme_examples_of_match_sections_validate():
-    """Every ``match:`` example in the README section is accepted by the schema (a renamed key fails here)."""
+    """Every ``match:`` example in the docs section is accepted by the schema (a renamed key fails here)."""
     import yaml
 
     blocks = re.findall(r"```yaml\n(.*?)```", grammar_section(), flags=re.S)
     examples = [yaml.safe_load(b) for b in blocks]
     with_match = [e for e in examples if isinstance(e, dict) and "match" in e]
-    assert with_match, "the README section shows no YAML example with a match: key"
+    assert with_match, "the docs section shows no YAML example with a match: key"
     for example in with_match:
         load_strategy({k: v for k, v in example.items() if k != "name"})

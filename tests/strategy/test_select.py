@@ -132,7 +132,7 @@ def test_precision_of_a_swin_follows_the_hardware(model_probes, machine, level):
 
 
 def test_a_resnet_on_an_a100_composes_in_name_order(model_probes):
-    """README's example: cnn (O2 fp16) comes before cuda_bf16 (O1 bf16), which wins the keys it sets."""
+    """The example in docs/strategy.md: cnn (O2 fp16) comes before cuda_bf16 (O1 bf16), which wins the keys it sets."""
     selection = compose(on(model_probes["torchvision_resnet18"], "cuda_8.0"))
     assert selection.matched == ["auto_base", "channels_last", "cnn", "cuda", "cuda_bf16"]
     s = selection.strategy
