@@ -22,6 +22,7 @@ import torch
 
 from aiak.measure.rounds import Contender, alternate, plan_rounds, speedup
 from aiak.runtime.rollback import write_switches
+from aiak.util.status_line import StatusLine
 
 
 class Side:
@@ -78,7 +79,9 @@ def compare(plain: Side, aiak: Side, *, total_steps: int, samples_per_step: int,
     """
     warmup, per_round = plan_rounds(total_steps, rounds, warmup, multiple_of)
     contenders = [Contender(side.name, side.step, device, side.switches) for side in (plain, aiak)]
-    alternate(contenders, warmup=warmup, rounds=rounds, steps_per_round=per_round)
+    with StatusLine("plain PyTorch and aiak, alternating") as status:   # on a terminal only
+        alternate(contenders, warmup=warmup, rounds=rounds, steps_per_round=per_round,
+                  progress=lambda c, done, total: status.update(f"{c.name} step {done} of {total}"))
     write_switches(aiak.switches)
     for _ in aiak.steps:
         pass
