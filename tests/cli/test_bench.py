@@ -6,6 +6,7 @@ measured ~27x slower is stopped).
 """
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -92,8 +93,9 @@ def test_default_reads_within_noise():
                        "--strategy", "default", "--no-progress")
     assert code == 0
     line = next(line for line in out.splitlines() if line.strip().startswith("default:"))
-    assert "within noise" in line and "16 rounds" in line, out
-    low, high = (float(v) for v in line.split("CI ")[1].split("x")[0].split("-"))
+    # within noise, or on a loaded machine no verdict at all (aiak.measure.rounds.Speedup.too_noisy): never a ratio
+    assert ("within noise" in line or "no verdict: the machine was too busy" in line) and "16 rounds" in line, out
+    low, high = (float(v) for v in re.search(r"(?:CI|span) ([\d.]+)-([\d.]+)x", line).groups())
     assert low <= 1.0 <= high, line
 
 
