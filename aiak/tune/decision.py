@@ -132,13 +132,15 @@ class Decision:
         """The knobs a strategy or the trials set away from plain PyTorch, each with ``""`` if it was applied
         or why it was skipped (the applier's words). Left out: ``tune.*`` (the trials say what they did),
         values equal to plain PyTorch's, and what acts only with another knob (``precision.dtype`` and
-        ``loss_scale`` at level O0)."""
+        ``loss_scale`` at level O0). ``precision.dtype`` is always named at O1/O2: it says which half."""
         out = {}
+        half = self.knobs.get("precision.level", {}).get("value", "O0") != "O0"
         for path, k in self.knobs.items():
-            if k["source"] == "default" or path.startswith("tune.") or k["value"] == PLAIN.get(path, object()):
+            if path == "precision.dtype" and half:   # which half precision: said whatever set it
+                pass
+            elif k["source"] == "default" or path.startswith("tune.") or k["value"] == PLAIN.get(path, object()):
                 continue
-            if path.startswith("precision.") and path != "precision.level" \
-                    and self.knobs.get("precision.level", {}).get("value") == "O0":
+            elif path.startswith("precision.") and path != "precision.level" and not half:
                 continue
             effect = next((e for key, _, e in self.effects if path == key or path.startswith(key + ".")), "")
             out[path] = effect[len("skipped"):].lstrip(" :(").rstrip(")") if effect.startswith("skipped") else ""

@@ -78,7 +78,8 @@ def test_headline_says_what_was_applied_and_where_to_read_why():
     plain = dict(leaves(Strategy().to_dict()))
     for path, knob in d["knobs"].items():
         compact = f"{path}={yaml_text(knob['value'])}"
-        if knob["source"] != "default" and not path.startswith("tune.") and knob["value"] != plain[path]:
+        half_dtype = path == "precision.dtype" and d["knobs"]["precision.level"]["value"] != "O0"
+        if half_dtype or (knob["source"] != "default" and not path.startswith("tune.") and knob["value"] != plain[path]):
             assert compact in headline, compact
         elif knob["source"] == "default" or knob["value"] == plain[path]:
             assert compact not in headline, compact
@@ -97,12 +98,16 @@ def test_headline_lists_only_what_was_applied_and_says_what_was_skipped_and_why(
         "window_attention)" in skipped, first
 
 
-def test_headline_names_no_half_dtype_beside_level_O0():
+def test_headline_names_no_half_dtype_beside_level_O0_and_always_the_half_dtype_beside_O1_or_O2():
     model, optimizer, loader = setup()
     aiak.optimize(model, optimizer, loader, strategy={"precision": {"level": "O0", "dtype": "fp16"}})
     d = aiak.last_decision()
     assert d.knobs["precision.dtype"]["value"] == "fp16" and d.knobs["precision.dtype"]["source"] == "user"
     assert "precision" not in d.headline() and ": plain PyTorch" in d.headline()
+    model, optimizer, loader = setup()
+    aiak.optimize(model, optimizer, loader, strategy={"precision": {"level": "O2"}})   # bf16: the default dtype
+    first = aiak.last_decision().headline().splitlines()[0]
+    assert "precision.level=O2" in first and "precision.dtype=bf16" in first, first
 
 
 def test_headline_says_when_nothing_was_measured():
