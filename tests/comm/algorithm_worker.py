@@ -135,6 +135,24 @@ def scenario_local_sgd(rank):
     return out
 
 
+def scenario_local_sgd_large_buffers(rank):
+    """BatchNorm on raw features of standard deviation 3000: its running variance climbs by ~1e6 between
+    averages, past fp16's 65504."""
+    out = {}
+    for compression in ("fp16", "none"):
+        model = mlp(bn=True)
+        ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=1e-7),
+                             {"algorithm": "local_sgd", "local_sgd": {"period": 3, "warmup_steps": 2},
+                              "hierarchical": True, "compression": compression})
+        for step in range(12):
+            x, y = batch(rank, step)
+            nn.functional.mse_loss(ddp(x * 3000.0), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[compression] = {k: v.detach().clone() for k, v in ddp.module.named_buffers() if v.is_floating_point()}
+    return out
+
+
 def scenario_local_sgd_collectives(rank):
     """4 nodes x 1 rank: past the warm-up a step that does not average sends nothing."""
     from aiak.comm import hooks

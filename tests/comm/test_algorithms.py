@@ -69,6 +69,16 @@ def test_local_sgd_averages_batchnorm_statistics_where_torchs_averager_leaves_th
     assert (ranks[0]["torch_bn"][key] - ranks[2]["torch_bn"][key]).abs().max() > 1e-3
 
 
+def test_local_sgd_fp16_transport_keeps_batchnorm_statistics_beyond_fp16s_range_finite(run):
+    # BN on features of std 3000: running_var rises by ~1e6 a period; sent as an fp16 change it became inf, then NaN
+    for r in run("local_sgd_large_buffers"):
+        fp16, fp32 = r["fp16"], r["none"]
+        assert all(torch.isfinite(v).all() for v in fp16.values()), fp16
+        assert fp32["1.running_var"].max() > 65504 * 4                  # past fp16's range, as meant
+        for key in fp32:
+            torch.testing.assert_close(fp16[key], fp32[key], rtol=2e-3, atol=1e-2, msg=key)   # fp16 precision
+
+
 def test_local_sgd_on_one_rank_per_node_sends_nothing_between_averages(run):
     """4 nodes x 1 rank, warm-up 2, period 4: one allreduce per warm-up step, then one per average (steps 2 and 6:
     the weights), none on the other steps; and the same training as torch's reference with 1-rank subgroups."""
