@@ -98,6 +98,9 @@ class CommConfig:
     beside NCCL's own stages (off without autotuning); ``true``: used; ``false``: never. It applies to CUDA
     gradients on an NCCL group with hierarchical groups (several nodes of several ranks); gloo jobs already reduce
     on the host.
+    ``find_unused_parameters``: passed to the DistributedDataParallel aiak builds, as a script passes it to its
+    own: a model with parameters its forward does not use on every step (a conditional branch, a head kept for
+    later) needs it under every algorithm, or torch stops at "Expected to have finished reduction".
     ``algorithm``: how ranks synchronise (:data:`ALGORITHM_TRADES`): ``allreduce`` (the hooks above), or one that
     changes the training and is only ever named by a profile or the user: ``local_sgd``
     (:mod:`aiak.comm.local_sgd`), ``decentralized`` (:mod:`aiak.comm.decentralized`), ``powersgd``
@@ -120,6 +123,7 @@ class CommConfig:
     stall_warn_s: float = STALL_WARN_S
     connections: Union[str, int] = field(default="auto", metadata=choices("auto", also="an integer >= 1"))
     cpu_reduce: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
+    find_unused_parameters: bool = False
     algorithm: str = field(default="allreduce", metadata=choices(*ALGORITHMS))
     local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
     decentralized: DecentralizedConfig = field(default_factory=DecentralizedConfig)

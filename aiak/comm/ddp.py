@@ -170,7 +170,8 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     if opts.autotune:
         bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group, counts)
 
-    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group)
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group,
+              find_unused_parameters=opts.find_unused_parameters)
     ddp.aiak_comm_algorithm = None
     if algorithm == "powersgd":
         ddp.aiak_comm_algorithm = PowerSGD(model, state, opts.powersgd.rank, opts.powersgd.warmup_steps)
@@ -253,8 +254,11 @@ def _hook_existing(ddp, opts: CommConfig):
     now); aiak's communication hook is registered if the DDP has none yet and the settings need one."""
     if opts.algorithm != "allreduce":
         raise ValueError(f"aiak.comm: comm.algorithm {opts.algorithm} needs aiak to wrap the model in DDP, and the "
-                         "model is already a DistributedDataParallel: call aiak.optimize before "
-                         "DistributedDataParallel (aiak wraps it itself under torchrun), or use algorithm allreduce")
+                         "model is already a DistributedDataParallel: call aiak.optimize on the bare model (aiak "
+                         "wraps it itself under torchrun) and drop your DistributedDataParallel line, or keep it "
+                         "after the aiak line, where it returns aiak's DDP. DDP arguments that change what it "
+                         "computes are strategy keys there: comm.find_unused_parameters: true for parameters the "
+                         "forward does not always use. Or use algorithm allreduce")
     if opts.autotune or opts.hierarchical is True or opts.connections not in ("auto", 1) or opts.cpu_reduce is True:
         warn("aiak.comm: the model is already a DistributedDataParallel: comm.autotune, comm.hierarchical, "
              "comm.connections and comm.cpu_reduce need the wrapping to be aiak's (call aiak.optimize before "

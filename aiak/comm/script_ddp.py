@@ -10,8 +10,9 @@ So constructing a ``DistributedDataParallel`` whose module is a DDP that aiak bu
 it is. The script's arguments are honoured where they can be: ``broadcast_buffers`` is set on it; the devices and
 the process group must be the ones aiak used; settings of the buckets (``bucket_cap_mb``,
 ``gradient_as_bucket_view``) are the strategy's (logged); an argument that changes what DDP computes and cannot
-be set on a built DDP (``find_unused_parameters=True``, ``static_graph=True``, ...) is an error saying to put the
-aiak line after the script's DDP line (aiak then keeps the script's DDP and registers its hook on it). Every
+be set on a built DDP (``static_graph=True``, ...) is an error saying to put the aiak line after the script's DDP
+line (aiak then keeps the script's DDP and registers its hook on it); ``find_unused_parameters=True`` is accepted
+when the strategy set ``comm.find_unused_parameters: true``, and otherwise the error names that key. Every
 other construction of a DDP, subclasses included, runs as it always does.
 """
 from __future__ import annotations
@@ -78,12 +79,17 @@ def _take_the_scripts_arguments(ddp: DistributedDataParallel, args, kwargs) -> N
     if group is not None and group is not ddp.process_group and not (
             group is dist.group.WORLD and ddp.process_group is dist.distributed_c10d._get_default_group()):
         problems.append("process_group (aiak's DDP uses the default group)")
+    if "find_unused_parameters" in changed and bool(changed["find_unused_parameters"]) == ddp.find_unused_parameters:
+        changed.pop("find_unused_parameters")   # the strategy's comm.find_unused_parameters already says so
     kept = {k: changed.pop(k) for k in _BUCKET_SETTINGS if k in changed}
     problems += [f"{k}={v!r}" for k, v in changed.items()]
     if problems:
+        unused = " Set comm.find_unused_parameters: true in the strategy for that argument." \
+            if "find_unused_parameters" in changed else ""
         raise ValueError(
             "DistributedDataParallel(model, ...): the model is the DDP aiak.optimize() returned, and "
-            f"{', '.join(problems)} cannot be applied to it. Call aiak.optimize after your DistributedDataParallel "
-            "line (aiak then keeps your DDP and registers its communication hook on it), or drop the line")
+            f"{', '.join(problems)} cannot be applied to it.{unused} Or call aiak.optimize after your "
+            "DistributedDataParallel line (aiak then keeps your DDP and registers its communication hook on it; "
+            "comm algorithms other than allreduce need aiak's DDP), or drop the line")
     logger.info("aiak.comm: the script's DistributedDataParallel line returned aiak's DDP (one reducer, aiak's "
                 "communication settings)%s", f"; its {', '.join(kept)} left to the strategy" if kept else "")

@@ -85,6 +85,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("comm.stall_warn_s",     DDP,       False,   True,   False),
     Knob("comm.connections",      DDP,       False,   True,   False),
     Knob("comm.cpu_reduce",       DDP,       False,   True,   False),
+    Knob("comm.find_unused_parameters", DDP, False,   True,   False),
     Knob("comm.algorithm",        DDP,       True,    False,  False),
     Knob("comm.local_sgd",        DDP,       True,    False,  False),
     Knob("comm.decentralized",    DDP,       True,    False,  False),

@@ -418,6 +418,40 @@ def scenario_resume(rank):
 
 
 
+class WithUnused(nn.Module):
+    """An MLP and a head its forward never uses (kept for later, as scripts do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.spare = mlp(), nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def scenario_unused_parameters(rank):
+    """A parameter unused in forward, under every algorithm, with comm.find_unused_parameters: true."""
+    out = {}
+    for algorithm, extra in (("allreduce", {}), ("local_sgd", {"local_sgd": {"period": 2, "warmup_steps": 2}}),
+                             ("decentralized", {"decentralized": {"peers": "all"}}),
+                             ("powersgd", {"powersgd": {"warmup_steps": 2}})):
+        model = WithUnused()
+        try:
+            ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                 {"algorithm": algorithm, "find_unused_parameters": True, **extra})
+            train(ddp, opt, rank, 5)
+            out[algorithm] = {"weights": weights(ddp), "find_unused": ddp.find_unused_parameters}
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            out[algorithm] = {"error": f"{type(e).__name__}: {e}"}
+    plain = DDP(WithUnused(), bucket_cap_mb=25, find_unused_parameters=True)
+    out["plain"] = weights(train(plain, torch.optim.SGD(plain.parameters(), lr=0.05), rank, 5))
+    model = WithUnused()   # a script's own DDP line after the aiak line, asking for the same: accepted
+    ddp, _ = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                       {"algorithm": "local_sgd", "find_unused_parameters": True})
+    out["script_line_returns_aiaks"] = DDP(ddp, find_unused_parameters=True) is ddp
+    return out
+
+
 def scenario_refusals(rank):
     """3 ranks on one node: what cannot run here is refused, all or nothing; what makes no difference says so."""
     import aiak

@@ -79,6 +79,19 @@ def test_local_sgd_fp16_transport_keeps_batchnorm_statistics_beyond_fp16s_range_
             torch.testing.assert_close(fp16[key], fp32[key], rtol=2e-3, atol=1e-2, msg=key)   # fp16 precision
 
 
+def test_a_parameter_unused_in_forward_trains_under_every_algorithm_with_find_unused_parameters(run):
+    ranks = run("unused_parameters")
+    for r in ranks:
+        for algorithm in ("allreduce", "local_sgd", "decentralized", "powersgd"):
+            assert "error" not in r[algorithm], (algorithm, r[algorithm].get("error"))
+            assert r[algorithm]["find_unused"] is True
+            spare = r[algorithm]["weights"]["spare.weight"]
+            assert torch.equal(spare, ranks[0]["plain"]["spare.weight"])          # untouched, as under plain DDP
+        # allreduce (hierarchical on 2 nodes x 2): DDP's arithmetic, up to the order of the sums
+        assert _max_diff(r["allreduce"]["weights"], r["plain"]) <= 1e-6
+        assert r["script_line_returns_aiaks"]
+
+
 def test_local_sgd_on_one_rank_per_node_sends_nothing_between_averages(run):
     """4 nodes x 1 rank, warm-up 2, period 4: one allreduce per warm-up step, then one per average (steps 2 and 6:
     the weights), none on the other steps; and the same training as torch's reference with 1-rank subgroups."""
