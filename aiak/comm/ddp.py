@@ -186,6 +186,8 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         ddp.aiak_comm_algorithm = LocalSGD(ddp, state, opts.local_sgd.period, opts.local_sgd.warmup_steps)
     elif algorithm == "decentralized":
         ddp.aiak_comm_algorithm = Decentralized(ddp, state, opts.decentralized.peers, exchange_group)
+    if algorithm in ("local_sgd", "decentralized"):
+        _refuse_join(ddp, algorithm)
     ddp.aiak_comm_state = state
     use_plain_state_dict_keys(ddp)
     mark_built_by_aiak(ddp)  # the script's own DDP line, after the aiak line, returns this DDP
@@ -195,6 +197,22 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                 "autotuning (step mode)" if tuner else describe_comm(ddp),
                 ", deadlock guard on" if opts.deadlock_guard else "")
     return ddp
+
+
+def _refuse_join(ddp, algorithm: str) -> None:
+    """``ddp.join()`` (uneven inputs) raises at once, on every rank, instead of hanging: a rank that ran out of
+    batches would have to shadow the weight averages (local SGD) or exchanges (decentralized) that its peers make
+    at their optimizer steps, which Join's shadowing of DDP's gradient allreduce does not do."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"aiak.comm: DistributedDataParallel.join() (uneven inputs) does not run with comm.algorithm "
+            f"{algorithm}: the ranks that ran out of batches would miss the weight "
+            f"{'averages' if algorithm == 'local_sgd' else 'exchanges'} that the others make at their optimizer steps, "
+            "and every rank would wait for them. Give every rank the same number of batches (a DistributedSampler "
+            "with drop_last=True, or stop all ranks at the shortest), or use algorithm allreduce or powersgd, "
+            "which Join supports")
+    ddp.join = refuse
+    ddp.join_hook = refuse
 
 
 def _powersgd_bucket_mb(model: torch.nn.Module, setting) -> float:

@@ -452,6 +452,26 @@ def scenario_unused_parameters(rank):
     return out
 
 
+def scenario_join(rank):
+    """Uneven inputs under DDP's Join: rank 3 has 2 batches, the others 5."""
+    from torch.distributed.algorithms.join import Join
+
+    out = {}
+    for algorithm, extra in (("allreduce", {}), ("powersgd", {"powersgd": {"warmup_steps": 2}}),
+                             ("local_sgd", {"local_sgd": {"period": 2, "warmup_steps": 1}}),
+                             ("decentralized", {"decentralized": {"peers": "all"}})):
+        for how in ("ddp.join", "Join"):
+            model = mlp()
+            ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05), {"algorithm": algorithm, **extra})
+            try:
+                with (ddp.join() if how == "ddp.join" else Join([ddp])):
+                    train(ddp, opt, rank, 2 if rank == 3 else 5)
+                out[(algorithm, how)] = "ran"
+            except RuntimeError as e:
+                out[(algorithm, how)] = str(e)
+    return out
+
+
 def scenario_refusals(rank):
     """3 ranks on one node: what cannot run here is refused, all or nothing; what makes no difference says so."""
     import aiak

@@ -92,6 +92,18 @@ def test_a_parameter_unused_in_forward_trains_under_every_algorithm_with_find_un
         assert r["script_line_returns_aiaks"]
 
 
+def test_uneven_inputs_under_join_run_with_allreduce_and_powersgd_and_are_refused_at_once_otherwise(run):
+    # local SGD and decentralized SGD synchronise at optimizer steps that a joined rank never takes: it hung until
+    # the process group's timeout; now the first join() raises on every rank, naming what to do
+    for r in run("join"):
+        for how in ("ddp.join", "Join"):
+            assert r[("allreduce", how)] == "ran" and r[("powersgd", how)] == "ran", r
+            for algorithm in ("local_sgd", "decentralized"):
+                said = r[(algorithm, how)]
+                assert said.startswith(f"aiak.comm: DistributedDataParallel.join() (uneven inputs) does not run "
+                                       f"with comm.algorithm {algorithm}") and "the same number of batches" in said
+
+
 def test_local_sgd_on_one_rank_per_node_sends_nothing_between_averages(run):
     """4 nodes x 1 rank, warm-up 2, period 4: one allreduce per warm-up step, then one per average (steps 2 and 6:
     the weights), none on the other steps; and the same training as torch's reference with 1-rank subgroups."""
