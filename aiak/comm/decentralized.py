@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from aiak.comm.hooks import CommState, Future, copy_into, flat_copy, run_in_worker
+from aiak.comm.hooks import CommState, Future, copy_into, flat_copy, run_in_worker, wait_watched
 
 PEERS = ("shift_one", "all")
 
@@ -74,18 +74,19 @@ class Decentralized:
     def _issue(self) -> Future:
         flat = flat_copy(self.params())
         peer, self.exchanges = self.peer(self.exchanges), self.exchanges + 1
-        return run_in_worker(self.state, flat, lambda x: self._average(x, peer))
+        return run_in_worker(self.state, flat, lambda x: self._average(x, peer), key="weights")
 
     def _average(self, x: torch.Tensor, peer: Optional[int]) -> None:
         if peer is None:
-            dist.all_reduce(x, group=self.group)
+            wait_watched(dist.all_reduce(x, group=self.group, async_op=True), "allreduce of the weights", self.group)
             x.div_(self.world)
             return
         theirs = torch.empty_like(x)
         works = [dist.isend(x, dist.get_global_rank(self.group, peer), group=self.group),
                  dist.irecv(theirs, dist.get_global_rank(self.group, peer), group=self.group)]
         for work in works:
-            work.wait()
+            wait_watched(work, f"exchange of the weights with rank {dist.get_global_rank(self.group, peer)}",
+                         self.group)
         x.add_(theirs).div_(2)
 
     # -- the step controller's calls ---------------------------------------------------------------------

@@ -602,7 +602,10 @@ def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor
 
 
 def _run_job(state: CommState, work: Callable[[torch.Tensor], None], tensor: torch.Tensor, fut: Future,
-             ready: Optional["torch.cuda.Event"]) -> None:
+             ready: Optional["torch.cuda.Event"], key) -> None:
+    _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # as _run_bucket's
+    if _job.watch is not None:
+        _job.watch.at(state.iteration, key)
     try:
         with state.worker.on_comm_stream(tensor, ready):
             work(tensor)
@@ -626,17 +629,26 @@ def copy_into(tensors: List[torch.Tensor], flat: torch.Tensor) -> None:
             offset += t.numel()
 
 
-def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.Tensor], None]) -> Future:
+def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.Tensor], None],
+                  key: Hashable = "job") -> Future:
     """``work(tensor)`` (collectives on ``tensor``, in place) on ``state``'s worker, after the work the caller's
     stream has queued on ``tensor``; resolves to ``tensor``. Returns at once: the caller computes meanwhile
-    (decentralized SGD's exchange of weights runs beside the forward and backward this way)."""
+    (decentralized SGD's exchange of weights runs beside the forward and backward this way). The stall watch
+    covers its collectives as a bucket's (``key`` names the bucket in a warning): those issued through this module,
+    and those ``work`` waits with :func:`wait_watched`."""
     if tensor.is_cuda:
         fut, ready = Future(devices=[tensor.device]), torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
     else:
         fut, ready = Future(), None
-    state.worker.submit(functools.partial(_run_job, state, work, tensor, fut, ready))
+    state.worker.submit(functools.partial(_run_job, state, work, tensor, fut, ready, key))
     return fut
+
+
+def wait_watched(work, stage: str, group=None) -> None:
+    """Wait for ``work`` (a collective a job of :func:`run_in_worker` issued itself, with ``async_op=True``) under
+    the stall watch, as the collectives of this module are waited."""
+    _Issued(work, stage=stage, group=group).wait()
 
 
 def sum_now(state: CommState, x: torch.Tensor) -> None:

@@ -109,7 +109,7 @@ class PowerSGD:
             self._pending[index] = (kept, FiniteFlag(averaged))
             return averaged
 
-        return run_in_worker(self.comm, bucket.buffer(), work).then(verdict)
+        return run_in_worker(self.comm, bucket.buffer(), work, key=bucket.index()).then(verdict)
 
     def _average(self, buffer: torch.Tensor) -> None:
         buffer.div_(self.comm.world_size)

@@ -13,7 +13,9 @@ silent hang. Here:
 - A small watcher thread, every :attr:`StallWatch.publish_s` seconds, writes the position to the process
   group's store when it changed (no collective, nothing on the step's path), and when the worker has waited
   ``comm.stall_warn_s`` seconds in one collective, reads its group's positions from the store and warns which
-  ranks have not reached it and where each was last seen (one waiting rank per collective, the first to claim
+  ranks have not reached it and where each was last seen (a rank that has not reached it because it waits in an
+  earlier collective itself, published too, is followed to the ranks it waits for: the warning names the rank
+  actually late) (one waiting rank per collective, the first to claim
   it with ``store.add``). The collective is not touched: the worker keeps waiting. The process group's own
   timeout and the debug deadlock guard (:mod:`aiak.comm.deadlock`) are unchanged.
 
@@ -71,6 +73,7 @@ class StallWatch:
         self.waiting: Optional[Tuple] = None     # (at_now of the collective waited in, monotonic start)
         self._ranks: Dict[Any, List[int]] = {}
         self._published: Optional[Tuple] = None
+        self._published_wait: Optional[Tuple] = None
         self._reported: Optional[int] = None
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -116,6 +119,11 @@ class StallWatch:
             self.store.set(f"{self.name}/at/{self.rank}", json.dumps([seq, step, bucket, stage]))
             self._published = at_now
         waiting = self.waiting
+        where_waited = waiting[0] if waiting is not None else None
+        if where_waited is not self._published_wait:   # who waits where: a report follows a chain of waits
+            self.store.set(f"{self.name}/waiting/{self.rank}", json.dumps(
+                [] if where_waited is None else [where_waited[0], self.ranks_of(where_waited[4])]))
+            self._published_wait = where_waited
         if waiting is not None:
             where, since = waiting
             waited = time.monotonic() - since
@@ -128,18 +136,51 @@ class StallWatch:
         ranks = self.ranks_of(group)
         if self.store.add(f"{self.name}/reported/{seq}/{','.join(map(str, ranks))}", 1) != 1:
             return        # another waiting rank of this group reports this collective
-        late = []
-        for rank in ranks:
-            seen = self._position_of(rank)
-            if seen is None or seen[0] < seq:
-                late.append((rank, seen))
+        late = self._not_reached(ranks, seq)
         if not late:
             return        # everyone has reached it since: it is merely slow (a slow link, a large bucket)
-        said = "; ".join(f"rank {rank}: " + (f"last at collective #{p[0]} (step {p[1]}, bucket {p[2]}, {p[3]})"
-                                             if p else "no collective yet") for rank, p in late)
+        late, blocked = self._holding_up(late)
+        said = "; ".join([f"rank {rank} waits in collective #{at} for them" for rank, at in blocked] + [
+            f"rank {rank}: " + (f"last at collective #{p[0]} (step {p[1]}, bucket {p[2]}, {p[3]})" if p else
+                                "no collective yet") for rank, p in late])
         warn(f"aiak.comm: rank {self.rank} has waited {waited:.0f} s in collective #{seq} (step {step}, bucket "
              f"{bucket}, {stage} over ranks {ranks}) for rank(s) {[rank for rank, _ in late]}, which have not "
              f"reached it ({said}); still waiting (comm.stall_warn_s: {self.warn_s:g})", everywhere=True)
+
+    def _not_reached(self, ranks: List[int], seq: int) -> List[Tuple[int, Optional[List[Any]]]]:
+        """The ranks of ``ranks`` whose last collective comes before number ``seq``, with where they were."""
+        out = []
+        for rank in ranks:
+            seen = self._position_of(rank)
+            if seen is None or seen[0] < seq:
+                out.append((rank, seen))
+        return out
+
+    def _holding_up(self, late):
+        """``late`` resolved to the ranks actually holding the collective up: a late rank that is itself waiting
+        in its last collective (its node's reduce-scatter, say) is only held up by the ranks that have not
+        reached that one, and so on. Returns ``(the ranks at the ends of those chains, [(a waiting rank, the
+        collective it waits in)])``; ``late`` as it was if every chain ends in a wait (a cycle: a real
+        deadlock, which the deadlock guard explains)."""
+        ends, blocked, seen_ranks, todo = [], [], set(), list(late)
+        while todo:
+            rank, position = todo.pop(0)
+            if rank in seen_ranks:
+                continue
+            seen_ranks.add(rank)
+            waits = self._waiting_of(rank)
+            if position is not None and waits and waits[0] == position[0]:
+                blocked.append((rank, waits[0]))
+                todo += [(r, p) for r, p in self._not_reached(waits[1], waits[0]) if r != rank]
+            else:
+                ends.append((rank, position))
+        return (ends, blocked) if ends else (late, [])
+
+    def _waiting_of(self, rank: int) -> Optional[List[Any]]:
+        key = f"{self.name}/waiting/{rank}"
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key).decode())
 
     def _position_of(self, rank: int) -> Optional[List[Any]]:
         key = f"{self.name}/at/{rank}"

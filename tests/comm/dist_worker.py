@@ -473,6 +473,33 @@ def scenario_stall(rank):
     return out
 
 
+def scenario_stall_algorithms(rank):
+    """Local SGD, PowerSGD and decentralized SGD (peers all, shift_one) with ``stall_warn_s: 1``: rank 3 reaches
+    step 3's forward and backward 3 s late. PowerSGD's and decentralized SGD's collectives run in jobs of the comm
+    worker of their own, which the watch did not cover: nobody was told."""
+    import aiak
+
+    out = {}
+    for name, comm in (("local_sgd", {"algorithm": "local_sgd", "local_sgd": {"period": 2, "warmup_steps": 1}}),
+                       ("powersgd", {"algorithm": "powersgd", "powersgd": {"warmup_steps": 2}}),
+                       ("decentralized_all", {"algorithm": "decentralized", "decentralized": {"peers": "all"}}),
+                       ("decentralized_shift", {"algorithm": "decentralized"})):
+        model = small_model()
+        ddp, optimizer, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          strategy={"comm": {"stall_warn_s": 1.0, **comm}})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(5):
+                if step == 3 and rank == 3:
+                    time.sleep(3.0)
+                x, y = rank_data(rank, step=step)
+                nn.functional.mse_loss(ddp(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        out[name] = [str(w.message) for w in caught if "has waited" in str(w.message)]
+    return out
+
+
 def scenario_connections(rank):
     """Integer-valued buckets averaged with 1 and with 4 connections per peer (2 nodes x 2 ranks): flat and
     hierarchical, uncompressed, fp16 and bf16 (exact for these integers), and int8; the collectives recorded."""
