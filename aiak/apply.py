@@ -34,6 +34,17 @@ class Summary:
         self.lines.append((knob, yaml_text(value), effect))
 
 
+def skipped_reason(effect: str) -> Optional[str]:
+    """Why a step skipped its knob, or None if it applied it: an effect that begins with "skipped" says so, as
+    ``skipped: why`` or ``skipped (why)`` (the appliers' one convention, read by the decision record's headline)."""
+    if not effect.startswith("skipped"):
+        return None
+    why = effect[len("skipped"):].strip()
+    if why.startswith("(") and why.endswith(")"):
+        why = why[1:-1]
+    return why.lstrip(": ") or "skipped"
+
+
 def compact(section: object, always: Tuple[str, ...]) -> Dict[str, object]:
     """A config section as a dict of the ``always`` keys plus every key that differs from its default."""
     defaults = type(section)()

@@ -169,9 +169,9 @@ def kernel_and_host_us(fns: dict, device, iters=20) -> dict:
     return result
 
 
-def _kernel_table(models, stage, batch, device, dtype, backward) -> dict:
-    """kernel_and_host_us of every path at one stage shape."""
-    windows, heads, nw = stage_shape(models[0], stage, batch)
+def _kernel_table(model, stage, batch, device, dtype, backward) -> dict:
+    """kernel_and_host_us of every path at one stage shape of ``model``."""
+    windows, heads, nw = stage_shape(model, stage, batch)
     q, k, v, bias, mask = make_inputs(windows, heads, nw, device, dtype, nw > 1, backward)
     grad = torch.randn_like(q)
     calls = {name: _call(fn, (q, k, v, bias, mask), grad, backward) for name, fn in paths(device).items()}
@@ -183,7 +183,7 @@ def _kernel_table_or_reason(batch, device, dtype, backward) -> dict:
     if device.type != "cuda":
         return {"error": "kernel times need CUDA"}
     try:
-        return _kernel_table(["swin-b"], 1, batch, device, dtype, backward)
+        return _kernel_table("swin-b", 1, batch, device, dtype, backward)
     except Exception as err:  # the profiler is a measuring aid: its failure must not hide the rows
         return {"error": f"profiler failed: {type(err).__name__}: {err}"}
 
@@ -474,7 +474,7 @@ def main(argv=None):
         for model in args.models:
             for stage in args.stages:
                 for backward in passes:
-                    kernel = _kernel_table([model], stage, args.batch, device, dtype, backward)
+                    kernel = _kernel_table(model, stage, args.batch, device, dtype, backward)
                     print(f"{model} stage {stage} {'fwd+bwd' if backward else 'fwd':8} {_kernel_text(kernel)}")
         from aiak.ops._triton.window_attention_kernels import _bwd_kernel, _fwd_kernel
         for kernel in (_fwd_kernel, _bwd_kernel):  # the autotuner's choice per key

@@ -12,12 +12,14 @@ import importlib.util
 import sys
 from typing import Dict, Optional, TextIO
 
+from aiak.util.status_line import is_terminal
+
 __all__ = ["Board"]
 
 
 def _library(stream: TextIO) -> str:
     """``"rich"``, ``"tqdm"`` or ``"lines"``: what :class:`Board` draws with on ``stream``."""
-    if not getattr(stream, "isatty", lambda: False)():
+    if not is_terminal(stream):
         return "lines"
     for name in ("rich", "tqdm"):
         if importlib.util.find_spec(name) is not None:

@@ -29,6 +29,7 @@ run averages on the same steps. ``period: 1`` never gets here: synchronising eve
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -89,11 +90,9 @@ class LocalSGD:
             cast = CAST_DTYPES.get(self.state.compression) is not None
             if cast and self.anchor is not None:  # send the change since the last average
                 delta = flat - self.anchor
-                if fits_the_wire(delta, self.state.compression):
+                # a change past fp16's range (a BatchNorm variance of raw features) goes in float32 this time
+                with nullcontext() if fits_the_wire(delta, self.state.compression) else _uncompressed(self.state):
                     average(self.state, delta, key=AVERAGE_KEY).wait()
-                else:  # a change past fp16's range (a BatchNorm variance of raw features): this one in float32
-                    with _uncompressed(self.state):
-                        average(self.state, delta, key=AVERAGE_KEY).wait()
                 flat = self.anchor.add_(delta)
             else:
                 with _uncompressed(self.state):
@@ -124,6 +123,9 @@ class LocalSGD:
         return f"local SGD: period {self.period}, warm-up {self.warmup_steps} steps"
 
 
+FP16_WIRE_LIMIT = torch.finfo(torch.float16).max / 2
+
+
 def fits_the_wire(values: torch.Tensor, compression: str) -> bool:
     """Whether every rank's ``values`` can travel in ``compression``'s dtype without overflow: fp16 holds
     magnitudes up to 65504, and an average's partial sums stay within the largest magnitude any rank sends (each
@@ -131,13 +133,11 @@ def fits_the_wire(values: torch.Tensor, compression: str) -> bool:
     half of it. bf16 has float32's range: always. Every rank gets the same answer."""
     if CAST_DTYPES.get(compression) is not torch.float16:
         return True
-    peak = values.abs().max().float().reshape(1) if values.numel() else values.new_zeros(1, dtype=torch.float32)
+    peak = (torch.linalg.vector_norm(values.float(), float("inf")).reshape(1) if values.numel()   # the largest
+            else values.new_zeros(1, dtype=torch.float32))                                    # magnitude, no copy
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return bool(peak.item() <= FP16_WIRE_LIMIT)  # NaN compares false: it travels in float32, and stays NaN
-
-
-FP16_WIRE_LIMIT = torch.finfo(torch.float16).max / 2
 
 
 class _uncompressed:

@@ -13,10 +13,10 @@ silent hang. Here:
 - A small watcher thread, every :attr:`StallWatch.publish_s` seconds, writes the position to the process
   group's store when it changed (no collective, nothing on the step's path), and when the worker has waited
   ``comm.stall_warn_s`` seconds in one collective, reads its group's positions from the store and warns which
-  ranks have not reached it and where each was last seen (a rank that has not reached it because it waits in an
-  earlier collective itself, published too, is followed to the ranks it waits for: the warning names the rank
-  actually late) (one waiting rank per collective, the first to claim
-  it with ``store.add``). The collective is not touched: the worker keeps waiting. The process group's own
+  ranks have not reached it and where each was last seen (one waiting rank per collective, the first to claim
+  it with ``store.add``). Which collective each rank waits in is published too, so a rank that has not reached
+  it because it waits in an earlier one is followed to the ranks it waits for: the warning names the rank
+  actually late. The collective is not touched: the worker keeps waiting. The process group's own
   timeout and the debug deadlock guard (:mod:`aiak.comm.deadlock`) are unchanged.
 
 On CPU (gloo) the comm worker blocks in ``wait()``, so every collective is watched. On CUDA buckets the watch
@@ -176,14 +176,17 @@ class StallWatch:
                 ends.append((rank, position))
         return (ends, blocked) if ends else (late, [])
 
-    def _waiting_of(self, rank: int) -> Optional[List[Any]]:
-        key = f"{self.name}/waiting/{rank}"
-        if not self.store.check([key]):
-            return None
-        return json.loads(self.store.get(key).decode())
 
     def _position_of(self, rank: int) -> Optional[List[Any]]:
-        key = f"{self.name}/at/{rank}"
+        """``[seq, step, bucket, stage]`` of ``rank``'s last collective, or None before its first."""
+        return self._read("at", rank)
+
+    def _waiting_of(self, rank: int) -> Optional[List[Any]]:
+        """``[seq, group ranks]`` of the collective ``rank`` waits in, ``[]`` when it waits in none."""
+        return self._read("waiting", rank)
+
+    def _read(self, what: str, rank: int) -> Optional[List[Any]]:
+        key = f"{self.name}/{what}/{rank}"
         if not self.store.check([key]):
             return None
         return json.loads(self.store.get(key).decode())

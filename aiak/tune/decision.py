@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from aiak.apply import skipped_reason
 from aiak.comm.config import ALGORITHM_TRADES
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
@@ -47,8 +48,9 @@ class Decision:
     comm: Any = None   # the comm autotuner's record (to_dict(), lines()), filled as it measures
 
     def effect(self, knob: str) -> str:
-        """What applying ``knob`` did (``""`` if the applier said nothing of it)."""
-        return next((e for k, _, e in self.effects if k == knob), "")
+        """What applying ``knob`` (a key path, or a section such as ``comm``) did: its own line of the summary or
+        its section's (``""`` if the applier said nothing of it)."""
+        return next((e for k, _, e in self.effects if _covers(k, knob)), "")
 
     def to_dict(self) -> Dict[str, Any]:
         return json.loads(json.dumps({
@@ -95,7 +97,7 @@ class Decision:
             out.append(f"  trials: {self.tuning}")
         if self.comm is not None:
             out += [f"  {line}" for line in self.comm.lines()]
-        effects = [e for e in self.effects if full or any(p == e[0] or p.startswith(e[0] + ".") for p in shown)]
+        effects = [e for e in self.effects if full or any(_covers(e[0], p) for p in shown)]
         if effects:
             out.append("  applied:")
             width = max(len(k) for k, _, _ in effects)
@@ -133,18 +135,21 @@ class Decision:
         or why it was skipped (the applier's words). Left out: ``tune.*`` (the trials say what they did),
         values equal to plain PyTorch's, and what acts only with another knob (``precision.dtype`` and
         ``loss_scale`` at level O0). ``precision.dtype`` is always named at O1/O2: it says which half."""
-        out = {}
         half = self.knobs.get("precision.level", {}).get("value", "O0") != "O0"
-        for path, k in self.knobs.items():
+
+        def named(path: str, k: Dict[str, Any]) -> bool:
             if path == "precision.dtype" and half:   # which half precision: said whatever set it
-                pass
-            elif k["source"] == "default" or path.startswith("tune.") or k["value"] == PLAIN.get(path, object()):
-                continue
-            elif path.startswith("precision.") and path != "precision.level" and not half:
-                continue
-            effect = next((e for key, _, e in self.effects if path == key or path.startswith(key + ".")), "")
-            out[path] = effect[len("skipped"):].lstrip(" :(").rstrip(")") if effect.startswith("skipped") else ""
-        return out
+                return True
+            inert = path.startswith("precision.") and path != "precision.level" and not half
+            return not (k["source"] == "default" or path.startswith("tune.") or inert
+                        or k["value"] == PLAIN.get(path, object()))
+
+        return {path: skipped_reason(self.effect(path)) or "" for path, k in self.knobs.items() if named(path, k)}
+
+
+def _covers(key: str, path: str) -> bool:
+    """Whether the summary's line ``key`` (a knob, or a whole section) speaks for the knob ``path``."""
+    return path == key or path.startswith(key + ".")
 
 
 HEADLINE_KNOBS = 8  # knobs named in the headline; the rest are counted

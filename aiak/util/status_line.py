@@ -13,6 +13,11 @@ from aiak.util.warn import is_rank_zero
 SHOW_AFTER_S = 2.0   # work shorter than this shows nothing
 
 
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (a person watching), not a file, a pipe or a CI log."""
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 class StatusLine:
     """``with StatusLine("timing 4 candidates") as line: line.update("round 3")`` shows
     ``aiak: timing 4 candidates: round 3, 5 s`` on a terminal's stderr."""
@@ -21,7 +26,7 @@ class StatusLine:
         self.what = what
         self.stream = stream if stream is not None else sys.stderr
         self.start = time.perf_counter()
-        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)()) and is_rank_zero()
+        self.enabled = is_terminal(self.stream) and is_rank_zero()
         self.shown = False
 
     def update(self, text: str) -> None:
