@@ -69,7 +69,9 @@ def test_o2_compute_quick_compares_old_and_new_o2(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("same training: yes") == 2
     for model in ("demo", "mlp"):  # a table row per model: old ms, new ms, peak MB, new vs old ratio + verdict
-        assert re.search(rf"^{model} .*\d+\.\d\dx(, within noise| faster| slower| \()", out.stdout, re.M), out.stdout
+        # a ratio with its verdict, or on a loaded machine no ratio at all (aiak.measure.rounds.Speedup.too_noisy)
+        assert re.search(rf"^{model} .*(\d+\.\d\dx(, within noise| faster| slower| \()|no verdict: the machine was "
+                         rf"too busy to tell)", out.stdout, re.M), out.stdout
     results = {r["model"]: r for r in json.loads(report.read_text())["results"]}
     assert set(results) == {"demo", "mlp"}
     for r in results.values():
