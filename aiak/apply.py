@@ -129,8 +129,10 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     synchronising = distributed and _world_size() > 1 and s.comm.algorithm != "allreduce"
+    residuals = distributed and _world_size() > 1 and (s.comm.compression == "int8" or s.comm.autotune
+                                                         and s.comm.tune_int8)  # saved with the optimizer's state
     controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
-                                always=synchronising)
+                                always=synchronising or residuals)
 
     # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
     comm_cfg = s.comm
@@ -140,11 +142,17 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     if synchronising and controller is None:
         raise ValueError(f"comm.algorithm {s.comm.algorithm} runs with the optimizer's steps (and saves its state in "
                          "the optimizer's state_dict): pass the optimizer to aiak.optimize, or use algorithm allreduce")
+    if residuals and controller is None:
+        amp_warn.warn("aiak.comm: int8 compression keeps error-feedback residuals from step to step, and they are saved in the "
+             "optimizer's state_dict(): without the optimizer given to aiak.optimize a checkpoint leaves them out and "
+             "a resumed run differs from an uninterrupted one. Pass the optimizer to aiak.optimize")
     wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
     if wrapped is not bare and controller is not None:
         controller.attach_ddp(wrapped)
         if getattr(wrapped, "aiak_comm_algorithm", None) is not None:
             controller.attach_comm_algorithm(wrapped.aiak_comm_algorithm)
+        if getattr(wrapped, "aiak_comm_state", None) is not None:
+            controller.attach_comm_state(wrapped.aiak_comm_state)
     summary.add("comm", compact(s.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
                 _describe_comm(wrapped, bare))
     if existing_ddp is None or existing_ddp is model:

@@ -152,7 +152,7 @@ class ErrorFeedback:
 
     Keys are ``(bucket index, stage)``. A residual holds the error of particular parameters at particular offsets,
     so it is kept only while its bucket's ``layout`` (which parameters, in which order, with which shapes: see
-    :func:`aiak.comm.hooks.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
+    :func:`aiak.comm.buckets.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
     iteration, in the order the gradients became ready: a bucket of the same size may then hold other parameters
     at each offset, and a residual matched by shape alone was added to them (measured: 13% gradient error against
     0.7% for a fresh quantisation). A residual whose layout changed is dropped, not misapplied.
@@ -187,6 +187,8 @@ class ErrorFeedback:
         slot.settle()
         out = slot.buffer_like(x)
         if slot.value is not None and slot.value.shape == x.shape and slot.layout == layout:
+            if slot.value.device != x.device:  # loaded from a checkpoint
+                slot.value = slot.value.to(x.device)
             return torch.add(slot.value, x, out=out)
         slot.value, slot.layout = None, layout
         return out.copy_(x)
@@ -209,15 +211,26 @@ class ErrorFeedback:
     def residuals(self) -> Dict[Hashable, torch.Tensor]:
         """Copies of the residuals the next :meth:`add` would use, by key (tests and debugging; call it with no
         bucket in flight)."""
+        return {key: value for key, (_, value) in self.state_dict().items()}
+
+    def reset(self) -> None:
+        self._slots.clear()
+
+    def state_dict(self) -> Dict[Hashable, Tuple[Optional[Hashable], torch.Tensor]]:
+        """``{key: (layout, residual)}``: the residuals the next :meth:`add` would use (for a checkpoint; call it
+        with no bucket in flight)."""
         out = {}
         for key, slot in self._slots.items():
             slot.settle()
             if slot.value is not None:
-                out[key] = slot.value.clone()
+                out[key] = (slot.layout, slot.value.clone())
         return out
 
-    def reset(self) -> None:
+    def load_state_dict(self, state: Dict[Hashable, Tuple[Optional[Hashable], torch.Tensor]]) -> None:
         self._slots.clear()
+        for key, (layout, value) in state.items():
+            slot = self._slots[key] = _Residual()
+            slot.layout, slot.value = layout, value.clone()
 
     def __len__(self) -> int:
         return sum(slot.value is not None or slot.candidate is not None for slot in self._slots.values())

@@ -162,6 +162,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                       compress_intra=opts.compress_intra, int8_block=opts.int8_block, pipeline_mb=opts.pipeline_mb,
                       stall_warn_s=opts.stall_warn_s, wide=wide, connections=counts[0], host_inter=host_inter,
                       cpu_reduce=host_inter is not None and opts.cpu_reduce is True, local_size=topology.local_size)
+    state.parameter_numbers.number(model)  # module order: a bucket's layout means the same in a resumed run
     exchange_group = dist.new_group(list(range(topology.world_size)), backend=dist.get_backend(process_group)) \
         if algorithm == "decentralized" else None  # collective: every rank creates it here
     bucket_mb, tuner = opts.bucket_mb, None
@@ -290,6 +291,7 @@ def _hook_existing(ddp, opts: CommConfig):
         return ddp
     state = CommState(ddp.process_group, None, compression=opts.compression, int8_block=opts.int8_block,
                       pipeline_mb=opts.pipeline_mb, stall_warn_s=opts.stall_warn_s)
+    state.parameter_numbers.number(ddp.module)
     ddp.register_comm_hook(state, comm_hook)
     ddp.aiak_comm_state = state
     if opts.deadlock_guard:

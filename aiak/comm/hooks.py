@@ -44,13 +44,14 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
+from aiak.comm.buckets import BucketRecord, Layout, ParameterNumbers, bucket_layout
 from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
 from aiak.comm.stall import STALL_WARN_S, StallWatch, next_watch_name
 from aiak.comm.topology import HierarchicalGroups
 from aiak.util.threads_at_exit import stop_at_exit
+from aiak.util.warn import warn
 
 Future = torch.futures.Future
 SCOPES = ("world", "node", "rank")  # over which ranks :func:`average` averages (:attr:`CommState.scope`)
@@ -224,36 +225,6 @@ class _Int8Over:
             part.finish()
 
 
-# -- what a gradient bucket holds --------------------------------------------------------------------
-class ParameterNumbers:
-    """Small integers naming parameters, in the order they are first asked for.
-
-    A parameter keeps its number for its lifetime; the numbers depend neither on ``id`` (reused once a tensor is
-    freed) nor on storage addresses (which move with ``.to()``). Parameters are held weakly: a state never keeps
-    a model alive.
-    """
-
-    __slots__ = ("_numbers", "_next")
-
-    def __init__(self):
-        self._numbers = WeakIdKeyDictionary()
-        self._next = 0
-
-    def __call__(self, p: torch.Tensor) -> int:
-        number = self._numbers.get(p)
-        if number is None:
-            number = self._numbers[p] = self._next
-            self._next += 1
-        return number
-
-
-def bucket_layout(bucket: dist.GradBucket, numbers: ParameterNumbers) -> Tuple[Tuple[int, Tuple[int, ...]], ...]:
-    """``((parameter number, shape), ...)`` in bucket order: which parameters a DDP gradient bucket holds, in which
-    order, and so at which offsets (DDP packs a bucket's gradients back to back). Two buckets of one size can
-    differ here: DDP rebuilds its buckets after the first iteration, in the order gradients became ready."""
-    return tuple((numbers(p), tuple(p.shape)) for p in bucket.parameters())
-
-
 # -- state -------------------------------------------------------------------------------------------
 class CommState:
     """What :func:`comm_hook` does, switchable between steps.
@@ -285,8 +256,8 @@ class CommState:
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
-                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "tuner", "iteration", "worker", "watch",
-                 "wide", "connections", "host_inter", "cpu_reduce", "tuning", "scope", "local_size")
+                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "buckets", "tuner", "iteration", "worker",
+                 "watch", "wide", "connections", "host_inter", "cpu_reduce", "tuning", "scope", "local_size")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
@@ -308,7 +279,8 @@ class CommState:
         self.int8_block = int8_block
         self.pipeline_mb = pipeline_mb
         self.feedback = ErrorFeedback(error_feedback)
-        self.parameter_numbers = ParameterNumbers()  # names the parameters in :func:`bucket_layout`
+        self.parameter_numbers = ParameterNumbers()  # names the parameters in a bucket's layout (number() the model)
+        self.buckets = BucketRecord()  # the layout of each bucket the int8 residuals were computed on
         self.tuner = None  # an aiak.comm.autotune.StepTuner while tuning
         self.tuning = None  # an aiak.comm.autotune.CommTuning: what the autotuner measured and chose (autotune only)
         self.iteration = 0
@@ -360,6 +332,44 @@ class CommState:
 
     def describe(self) -> str:
         return describe_algorithm(*self.algorithm)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, object]:
+        """What the hook carries from one step to the next, for a checkpoint (call it with no bucket in flight):
+        this rank's int8 error-feedback residuals with the layout of the bucket each belongs to
+        (:class:`~aiak.comm.buckets.BucketRecord`), and what they were computed under (rank, algorithm, ranks,
+        block and chunk sizes). Everything else in the state is settings or is rebuilt the same way."""
+        return {"rank": dist.get_rank(), "algorithm": self.algorithm, "world_size": self.world_size,
+                "local_size": self.local_size, "int8_block": self.int8_block, "pipeline_mb": self.pipeline_mb,
+                "iteration": self.iteration, "layouts": self.buckets.state_dict(),
+                "residuals": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Take back :meth:`state_dict`'s residuals, to be added on the next steps as the saved run would have:
+        the first step after this runs the recorded buckets. Residuals of another rank (a checkpoint saved by one
+        rank and loaded by all) or of another algorithm or topology mean nothing here: they are dropped, saying
+        why, and the next steps quantize afresh."""
+        self.iteration = int(state.get("iteration", 0))
+        self.feedback.reset()
+        self.buckets = BucketRecord()
+        residuals = state.get("residuals") or {}
+        if not residuals:
+            return
+        saved = (tuple(state["algorithm"]), state["world_size"], state["local_size"], state["int8_block"],
+                 state["pipeline_mb"])
+        here = (self.algorithm, self.world_size, self.local_size, self.int8_block, self.pipeline_mb)
+        if state["rank"] != dist.get_rank() or saved != here:
+            why = (f"rank {state['rank']}'s, and this is rank {dist.get_rank()}: each rank's residuals are its own "
+                   "quantization error, so save a checkpoint per rank (the optimizer's state_dict() on every rank)"
+                   if state["rank"] != dist.get_rank() else
+                   f"computed with {describe_algorithm(*saved[0])} on {saved[1]} ranks ({saved[2]} per node), int8 "
+                   f"blocks of {saved[3]}, chunks of {saved[4]:g} MB; this run has {self.describe()} on "
+                   f"{here[1]} ranks ({here[2]} per node), {here[3]}, {here[4]:g} MB")
+            warn(f"aiak.comm: this checkpoint's int8 error-feedback residuals are {why}. They are dropped: the next "
+                 "steps quantize afresh, and the run is no longer the one the checkpoint continued", everywhere=True)
+            return
+        self.feedback.load_state_dict(residuals)
+        self.buckets.load_state_dict(state["layouts"])
 
 
 def describe_algorithm(hierarchical: bool, compression: str, connections: int = 1, cpu_reduce: bool = False) -> str:
@@ -689,14 +699,20 @@ def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hash
     return fut
 
 
+def _average_bucket(state: CommState, bucket, layout: Layout) -> Future:
+    return average(state, bucket.buffer(), key=bucket.index(), layout=layout, scope=state.scope)
+
+
 def comm_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: average ``bucket`` across the ranks of ``state.scope`` with the algorithm in ``state``."""
     # (annotations are real objects here, no ``from __future__ import annotations``: DDP checks them)
     if state.tuner is not None:
         state.tuner.on_bucket(state, bucket)
-    keeps_residuals = state.compression == "int8" and state.feedback.enabled
-    layout = bucket_layout(bucket, state.parameter_numbers) if keeps_residuals else None
-    fut = average(state, bucket.buffer(), key=bucket.index(), layout=layout, scope=state.scope)
+    if state.compression == "int8" and state.feedback.enabled:  # residuals per bucket layout, replayed on resume
+        fut = state.buckets.run(bucket, bucket_layout(bucket, state.parameter_numbers),
+                                functools.partial(_average_bucket, state))
+    else:
+        fut = average(state, bucket.buffer(), key=bucket.index(), scope=state.scope)
     if bucket.is_last():
         state.iteration += 1
     return fut

@@ -42,19 +42,20 @@ What aiak changes around torch's arithmetic:
   (:class:`~aiak.comm.config.PowerSGDConfig`).
 - **checkpoints.** The state (step count, residuals, P and Q, the random generator, the layouts) travels in the
   optimizer's ``state_dict()`` (the step controller's extras). A resumed run's DDP starts from its initial buckets
-  again (one bucket of every parameter, in another order); that first bucket is cut into the recorded buckets, each
-  run as the saved run ran it (same order, same offsets, so the same sums on the wire), so the resumed run
-  continues bit for bit.
+  again (one bucket of every parameter, in another order); its first step runs the recorded buckets
+  (:class:`~aiak.comm.buckets.BucketRecord`), so the resumed run continues bit for bit.
 """
 import functools
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize, _should_compress
 
+from aiak.comm.buckets import BucketRecord, ParameterNumbers, bucket_layout
 from aiak.comm.compression import FiniteFlag
-from aiak.comm.hooks import CommState, ParameterNumbers, bucket_layout, copy_into, run_in_worker, sum_now
+from aiak.comm.hooks import CommState, copy_into, run_in_worker, sum_now
+from aiak.util.warn import warn
 
 _Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
 
@@ -69,31 +70,19 @@ class PowerSGD:
             process_group=comm.process_group, matrix_approximation_rank=rank, start_powerSGD_iter=warmup_steps,
             use_error_feedback=True, warm_start=True, random_seed=seed)
         self.rank, self.warmup_steps = rank, warmup_steps
-        self.numbers = ParameterNumbers()  # numbered in module order: a layout means the same in a resumed run
-        for p in module.parameters():
-            self.numbers(p)
-        self.layouts: Dict[int, Hashable] = {}                         # bucket index -> layout of its state
+        self.numbers = ParameterNumbers().number(module)  # module order: a layout means the same in a resumed run
+        self.buckets = BucketRecord()                                  # bucket index -> layout of its state
         self._pending: Dict[int, Tuple[_Kept, FiniteFlag]] = {}        # bucket -> state before, verdict after
         self._spare: Dict[int, torch.Tensor] = {}                      # bucket -> a residual no longer needed
         self.skipped = 0                                               # buckets whose result was not finite
-        self._resuming = False                                         # a checkpoint loaded, its first step to come
 
     # -- the hook ----------------------------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        layout = bucket_layout(bucket, self.numbers)
-        recorded = self._recorded_parts(bucket.index(), layout) if self._resuming else None
-        if bucket.is_last():
-            self._resuming = False
-        if recorded is not None:
-            return self._as_recorded(bucket, layout, recorded)
-        if self.layouts.get(bucket.index(), layout) != layout:
-            self._forget(bucket.index())
-        self.layouts[bucket.index()] = layout
-        return self._run(bucket)
+        return self.buckets.run(bucket, bucket_layout(bucket, self.numbers), self._run, forget=self._forget)
 
-    def _run(self, bucket) -> torch.futures.Future:
-        """``bucket`` averaged on the comm worker (plainly in the warm-up, as factors after it), its state kept to
-        be put back if the result is not finite."""
+    def _run(self, bucket, layout=None) -> torch.futures.Future:
+        """``bucket`` (DDP's, or a recorded one on a resumed run's first step) averaged on the comm worker (plainly
+        in the warm-up, as factors after it), its state kept to be put back if the result is not finite."""
         index, s = bucket.index(), self.torch_state
         self._settle(index)
         kept = self._keep(index)
@@ -165,33 +154,6 @@ class PowerSGD:
             torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))
         s.error_dict[index] = with_feedback.sub_(buffer)  # not the kept residual's memory: that stays as it was
 
-    def _recorded_parts(self, index: int, layout: Hashable) -> Optional[List[int]]:
-        """The recorded buckets a bucket of the first step after a checkpoint was loaded consists of, when it is
-        not one of them itself (DDP's initial bucket): their indices, else ``None``."""
-        if not self.layouts or self.layouts.get(index) == layout:
-            return None
-        recorded = sorted(self.layouts)
-        if sorted(n for i in recorded for n, _ in self.layouts[i]) != sorted(n for n, _ in layout):
-            return None
-        return recorded
-
-    def _as_recorded(self, bucket, layout, parts: List[int]) -> torch.futures.Future:
-        """Run ``bucket`` as the recorded buckets ``parts``: each gathered into a buffer of its own in its recorded
-        order, run in index order; the results written back into ``bucket``'s gradients."""
-        grads = {number: g for (number, _), g in zip(layout, bucket.gradients())}
-        pieces = [_Bucket(i, [grads[n] for n, _ in self.layouts[i]], is_last=bucket.is_last() and i == parts[-1])
-                  for i in parts]
-        futures = [self._run(piece) for piece in pieces]
-
-        def scatter(done: torch.futures.Future) -> torch.Tensor:
-            for piece, fut in zip(pieces, done.value()):
-                fut.value()  # raises what that piece raised
-                for i, n in enumerate(number for number, _ in self.layouts[piece.index()]):
-                    grads[n].copy_(piece.gradients()[i])
-            return bucket.buffer()
-
-        return torch.futures.collect_all(futures).then(scatter)
-
     def _keep(self, index: int) -> _Kept:
         """What the hook may change of bucket ``index``: the residual (replaced, never written into) and P, Q
         (written into)."""
@@ -240,7 +202,8 @@ class PowerSGD:
     def state_dict(self) -> Dict[str, Any]:
         self._settle()
         s = self.torch_state
-        return {"algorithm": "powersgd", "iter": s.iter, "rng": s.rng.get_state(), "layouts": dict(self.layouts),
+        return {"algorithm": "powersgd", "rank": dist.get_rank(), "iter": s.iter, "rng": _rng_state(s.rng),
+                "layouts": self.buckets.state_dict(),
                 "error": {i: t.clone() for i, t in s.error_dict.items()},
                 "p": {i: t.clone() for i, t in s.p_memory_dict.items()},
                 "q": {i: t.clone() for i, t in s.q_memory_dict.items()}, "skipped": self.skipped}
@@ -251,42 +214,38 @@ class PowerSGD:
         self._pending.clear()
         s = self.torch_state
         s.iter = int(state["iter"])
-        s.rng.set_state(state["rng"])
-        self.layouts = dict(state["layouts"])
+        _set_rng_state(s.rng, state["rng"])
+        self.buckets.load_state_dict(state["layouts"])
         self.skipped = int(state.get("skipped", 0))
         s.error_dict = {i: t.clone() for i, t in state["error"].items()}
+        if state.get("rank", dist.get_rank()) != dist.get_rank() and s.error_dict:
+            warn(f"aiak.comm: this checkpoint's PowerSGD residuals are rank {state['rank']}'s, and this is rank "
+                 f"{dist.get_rank()}: each rank's residuals are its own compression error, so save a checkpoint per "
+                 "rank (the optimizer's state_dict() on every rank). They are dropped (the factors, which every rank "
+                 "shares, are kept), and the run is no longer the one the checkpoint continued", everywhere=True)
+            s.error_dict = {}
         s.p_memory_dict = {i: t.clone() for i, t in state["p"].items()}
         s.q_memory_dict = {i: t.clone() for i, t in state["q"].items()}
-        self._resuming = True
 
     def describe(self) -> str:
         topology = "hierarchical" if self.comm.hierarchical else "flat"
         return f"PowerSGD: rank {self.rank}, warm-up {self.warmup_steps} steps, {topology} sums"
 
 
-class _Bucket:
-    """A bucket of the recorded layout, as torch's hook reads one (:meth:`PowerSGD._as_recorded`): a flat buffer of
-    the given gradients, back to back, and its gradients as views of it."""
+def _rng_state(rng) -> Dict[str, Any]:
+    """``numpy.random.RandomState.get_state()`` (PowerSGD's generator) as tensors and numbers: what ``torch.load``
+    reads with its default ``weights_only=True`` (a numpy array is refused there)."""
+    name, key, position, has_gauss, gauss = rng.get_state()
+    return {"name": name, "key": torch.from_numpy(key.astype("int64")), "position": int(position),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
 
-    def __init__(self, index: int, gradients: List[torch.Tensor], is_last: bool):
-        self._index, self._is_last = index, is_last
-        self._buffer = torch.cat([g.reshape(-1) for g in gradients])
-        self._views, offset = [], 0
-        for g in gradients:
-            self._views.append(self._buffer[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> List[torch.Tensor]:
-        return self._views
-
-    def is_last(self) -> bool:
-        return self._is_last
+def _set_rng_state(rng, state) -> None:
+    if isinstance(state, tuple):  # a checkpoint from before: numpy's own tuple
+        rng.set_state(state)
+        return
+    rng.set_state((state["name"], state["key"].numpy().astype("uint32"), state["position"], state["has_gauss"],
+                   state["gauss"]))
 
 
 def _views(memory: torch.Tensor, shapes: List[Tuple[int, int]]) -> List[torch.Tensor]:

@@ -110,6 +110,7 @@ class StepController:
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
         self.ddp = None
         self.comm_algorithm = None   # a synchronisation that runs at real steps (see attach_comm_algorithm)
+        self.comm_state = None       # the DDP hook's state kept across steps (see attach_comm_state)
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
         optimizer._aiak_steps = self
@@ -264,6 +265,12 @@ class StepController:
         ``after_real_step(updated)`` (after the update, or the skip) and ``state_dict()`` / ``load_state_dict()``,
         which travel in the optimizer's checkpoint."""
         self.comm_algorithm = algorithm
+
+    def attach_comm_state(self, state) -> None:
+        """The state of the DDP communication hook (:class:`aiak.comm.hooks.CommState`): what it keeps from step to
+        step (int8 error-feedback residuals) travels in the optimizer's checkpoint through its ``state_dict()`` /
+        ``load_state_dict()``."""
+        self.comm_state = state
 
     def _set_sync(self) -> None:
         if self.ddp is not None:
@@ -450,13 +457,15 @@ class StepController:
 
     def checkpoint_extras(self) -> Dict[str, Any]:
         """What a checkpoint holds besides the optimizer's own state: the position in the accumulation window, the
-        real steps a scheduler has counted, the loss scaler's state (plain JSON values), and the comm algorithm's
-        state (its step count; PowerSGD's residuals and factors are tensors)."""
+        real steps a scheduler has counted, the loss scaler's state (plain JSON values), the comm algorithm's
+        state (its step count; PowerSGD's residuals and factors are tensors) and the comm hook's (int8 residuals)."""
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
         if self.comm_algorithm is not None:
             extra["comm_algorithm"] = self.comm_algorithm.state_dict()
+        if self.comm_state is not None:
+            extra["comm_state"] = self.comm_state.state_dict()
         return extra
 
     def _take_extra(self, optimizer, state_dict):
@@ -478,6 +487,8 @@ class StepController:
             self.scaler.load_state_dict(extra["loss_scaler"])
         if self.comm_algorithm is not None and "comm_algorithm" in extra:
             self.comm_algorithm.load_state_dict(extra["comm_algorithm"])
+        if self.comm_state is not None and "comm_state" in extra:
+            self.comm_state.load_state_dict(extra["comm_state"])
         self._set_sync()
 
 

@@ -360,7 +360,7 @@ def scenario_powersgd(rank):
         "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2, "bucket_mb": 0.3}}})[:2]
     out["buckets"] = []
     train(wide, wide_opt, rank, 6, record=out["buckets"])
-    out["bucket_count"] = {"0.3": len(wide.aiak_comm_algorithm.layouts)}
+    out["bucket_count"] = {"0.3": len(wide.aiak_comm_algorithm.buckets.layouts)}
     # bucket_mb auto: every gradient in one bucket (beside DDP's small first one), whatever comm.bucket_mb says
     torch.manual_seed(0)
     wide = nn.Sequential(*[nn.Linear(12 if i == 0 else 256, 256) for i in range(6)], nn.Linear(256, 5))
@@ -370,7 +370,7 @@ def scenario_powersgd(rank):
             "bucket_mb": 0.3, "algorithm": "powersgd", "powersgd": {"rank": 4, "warmup_steps": 2}}})[:2]
     out["bucket_warnings"] = [str(w.message) for w in caught]
     train(wide, wide_opt, rank, 4)
-    out["bucket_count"]["auto"] = len(wide.aiak_comm_algorithm.layouts)
+    out["bucket_count"]["auto"] = len(wide.aiak_comm_algorithm.buckets.layouts)
 
     # a checkpoint taken after 4 steps and loaded into fresh objects continues bit for bit
     out["checkpoint"] = resumed(rank, {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}},
@@ -398,7 +398,7 @@ def resumed(rank, comm, total, cut, **strategy):
     out = {"straight": straight}
     for name in ("resumed", "without_algorithm_state"):
         ddp, opt = fresh()
-        saved = torch.load(io.BytesIO(blob.getvalue()), weights_only=False)
+        saved = torch.load(io.BytesIO(blob.getvalue()))  # as torch.load does by default: weights only
         if name == "without_algorithm_state":
             saved["optimizer"]["aiak"].pop("comm_algorithm")
         else:
@@ -416,6 +416,60 @@ def scenario_resume(rank):
              "powersgd": {"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}}}
     return {name: resumed(rank, comm, total=7, cut=3, **strategy) for name, comm in comms.items()}
 
+
+
+# -- resume in fresh processes --------------------------------------------------------------------------
+FRESH_RESUMES = {  # name: (comm, strategy, momentum)
+    "int8": ({"compression": "int8", "hierarchical": False}, {"grad_accumulation": 2}, 0.0),
+    "int8_momentum": ({"compression": "int8", "hierarchical": False}, {"grad_accumulation": 2}, 0.9),
+    "int8_buckets": ({"compression": "int8", "hierarchical": False, "bucket_mb": 0.002}, {"grad_accumulation": 2}, 0.9),
+    "int8_hierarchical": ({"compression": "int8", "hierarchical": True, "pipeline_mb": 0.001},
+                          {"grad_accumulation": 2}, 0.9),
+    "int8_o2": ({"compression": "int8", "hierarchical": False},
+                {"precision": {"level": "O2", "dtype": "bf16"}, "grad_accumulation": 2}, 0.9),
+    "powersgd": ({"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}}, {"grad_accumulation": 2}, 0.9),
+}
+
+
+def scenario_resume_fresh(rank):
+    """Phase ``save`` (``AIAK_TEST_PHASE``): 6 real steps straight, and 3 steps then this rank's checkpoint written to
+    ``AIAK_TEST_DIR``; phase ``load``, in new processes: the checkpoint loaded as ``torch.load`` does by default
+    (weights only) into fresh objects, 3 more steps; the same without the comm hook's state, and with the checkpoint
+    of the next rank (its residuals are another rank's)."""
+    phase, folder = os.environ["AIAK_TEST_PHASE"], os.environ["AIAK_TEST_DIR"]
+    out = {}
+    for name, (comm, strategy, momentum) in FRESH_RESUMES.items():
+        def fresh():
+            model = mlp(bn=True)
+            return optimized(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum), comm,
+                             **strategy)
+
+        accumulation = strategy["grad_accumulation"]
+        if phase == "save":
+            ddp, opt = fresh()
+            out[name] = {"straight": weights(train(ddp, opt, rank, 6, accumulation=accumulation))}
+            ddp, opt = fresh()
+            train(ddp, opt, rank, 3, accumulation=accumulation)
+            torch.save({"model": ddp.state_dict(), "optimizer": opt.state_dict()},
+                       os.path.join(folder, f"{name}-rank{rank}.pt"))
+            continue
+        out[name] = {}
+        for how in ("resumed", "without_comm_state", "next_ranks_checkpoint"):
+            ddp, opt = fresh()
+            source = (rank + 1) % dist.get_world_size() if how == "next_ranks_checkpoint" else rank
+            saved = torch.load(os.path.join(folder, f"{name}-rank{source}.pt"))
+            extras = saved["optimizer"]["aiak"]
+            if how == "without_comm_state":
+                extras.pop("comm_algorithm" if name == "powersgd" else "comm_state", None)
+            if how == "resumed":
+                out[name]["extras"] = extras
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ddp.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["optimizer"])
+            out[name][how] = weights(train(ddp, opt, rank, 3, start=3, accumulation=accumulation))
+            out[name][how + "_warnings"] = [str(w.message) for w in caught]
+    return out
 
 
 class WithUnused(nn.Module):
