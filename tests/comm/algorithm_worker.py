@@ -549,6 +549,7 @@ def scenario_refusals(rank):
     attempt("shift_one_odd", {"algorithm": "decentralized"})
     attempt("all_odd", {"algorithm": "decentralized", "decentralized": {"peers": "all"}})
     attempt("no_optimizer", {"algorithm": "powersgd"}, with_optimizer=False)
+    attempt("int8_no_optimizer", {"compression": "int8"}, with_optimizer=False)
     attempt("prewrapped", {"algorithm": "powersgd"}, model=DDP(mlp()))
     model = mlp()  # a second optimizer for a model that synchronises at the first one's steps
     ddp = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.05),

@@ -290,6 +290,9 @@ def test_what_cannot_run_is_refused_whole_and_what_changes_nothing_says_so(launc
     assert "shift_one pairs ranks, and this run has 3 (odd); use peers: all" in r["shift_one_odd"]["error"]
     assert r["all_odd"]["describe"] == "DDP, decentralized SGD: peers all"
     assert "pass the optimizer to aiak.optimize" in r["no_optimizer"]["error"]
+    assert any("without the optimizer given to aiak.optimize a checkpoint leaves them out" in w
+               for w in r["int8_no_optimizer"]["warnings"])  # int8 residuals: applied, and said where they travel
+    assert r["int8_no_optimizer"]["type"] == "DistributedDataParallel"
     assert "needs aiak to wrap the model in DDP" in r["prewrapped"]["error"]
     assert "a second optimizer would synchronise it twice per step" in r["second_optimizer"]
     for name in ("shift_one_odd", "no_optimizer", "prewrapped"):  # all or nothing: nothing was left applied
