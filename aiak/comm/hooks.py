@@ -97,12 +97,40 @@ def _dist(name: str, deprecated: str) -> Callable:
 
 
 def _allreduce(x: torch.Tensor, group, wire: torch.dtype, stage: str = "allreduce") -> _Issued:
-    """Sum of ``x`` over ``group``, into ``x``, sent as ``wire``."""
+    """Sum of ``x`` over ``group``, into ``x``, sent as ``wire`` (a sum past fp16's range is made again: see
+    :func:`_overflowed`)."""
     if x.dtype == wire:
         return _Issued(dist.all_reduce(x, group=group, async_op=True), stage=stage, group=group)
     sent = x.to(wire)
-    return _Issued(dist.all_reduce(sent, group=group, async_op=True), functools.partial(x.copy_, sent), stage,
-                   group)
+    return _Issued(dist.all_reduce(sent, group=group, async_op=True),
+                   functools.partial(_take_sum, x, sent, group, stage), stage, group)
+
+
+def _overflowed(sent: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether the sum of ``sent``, cast to fp16 by aiak from the wider ``source``, came out inf or NaN.
+
+    fp16 holds magnitudes up to 65504: a gradient, a BatchNorm variance of raw features or a change of it past that
+    becomes inf in the cast (or in the sum), and inf, then NaN, in every weight or buffer it reaches. Every rank holds
+    the same sum, so every rank gets the same answer here and makes the same sum again in ``source``'s own dtype: no
+    collective is added while values fit, and one (that sum again) when they do not. The check is one reduction over
+    the fp16 sum (:class:`~aiak.comm.compression.FiniteFlag`); on CUDA the worker waits for it. A non-finite value the
+    model produced itself (an fp16 overflow the loss scaler will skip) is summed again too, and stays non-finite."""
+    return sent.dtype is torch.float16 and source.dtype is not torch.float16 and not bool(FiniteFlag(sent))
+
+
+def _sum_again(x: torch.Tensor, group, stage: str) -> None:
+    """The sum of ``x`` over ``group`` in ``x``'s own dtype, now (after an fp16 sum overflowed)."""
+    _Issued(dist.all_reduce(x, group=group, async_op=True), stage=f"{stage}, again in {x.dtype} (past fp16's range)",
+            group=group).wait()
+
+
+def _take_sum(x: torch.Tensor, sent: torch.Tensor, group, stage: str) -> None:
+    """``x`` = the sum that arrived in ``sent`` (``x`` cast for the wire), or, past fp16's range, ``x`` summed
+    again as it is."""
+    if _overflowed(sent, x):
+        _sum_again(x, group, stage)
+    else:
+        x.copy_(sent)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, stage: str = "reduce-scatter") -> _Issued:
@@ -472,6 +500,9 @@ class _Hierarchical:
         for chunk in self.chunks:
             chunk.inflight.wait()  # the allgathers
         if self.send.data_ptr() != self.x.data_ptr():
+            if self.send is not self.padded and _overflowed(self.send, self.padded):  # compress_intra's fp16
+                _Hierarchical(self.state, "none", self.connections, self.cpu_reduce, self.x, None, None).run()
+                return
             self.x.copy_(self.send[:self.n])
         if self.compression == "int8":  # every rank holds the same bucket now: the same verdict everywhere
             self.state.feedback.commit(self.int8_keys, FiniteFlag(self.x))
@@ -512,6 +543,9 @@ class _Hierarchical:
             self.int8_keys.extend(chunk.int8.keys)
             chunk.int8 = None
         if chunk.host is not None:  # CPU-Reduce: back to the device, on the stream the allgather is issued from
+            if _overflowed(chunk.host, chunk.shard):  # cast to fp16 on its way to the host
+                chunk.host = _host_copy(chunk.shard, chunk.shard.dtype)
+                _sum_again(chunk.host, self.inter, f"allreduce across nodes on the host, chunk {chunk.index}")
             chunk.shard.copy_(chunk.host, non_blocking=True)
             chunk.host = None
         chunk.inflight = _all_gather(chunk.values, chunk.shard, self.intra, f"allgather in node, chunk {chunk.index}")

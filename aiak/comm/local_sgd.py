@@ -17,10 +17,9 @@ per-node subgroup plus ``PeriodicModelAverager``:
 With fp16/bf16 transport the first average sends float32 values and every later one sends the change since the
 previous average (which every rank holds identically, kept in float32): a weight of magnitude 1 sent as fp16 would
 lose everything past its 11th bit, its change over a period loses the same fraction of a far smaller number. A change
-beyond fp16's range (a BatchNorm variance of raw features of standard deviation 3000 rises by ~1e6 in a period, and
-overflowed to inf, then NaN, on every rank) is sent in float32 instead, decided alike on every rank
-(:func:`fits_the_wire`). During
-the local phase DDP's broadcast of buffers from rank 0 at every forward is off (a collective per step, and it
+beyond fp16's range (a BatchNorm variance of raw features of standard deviation 3000 rises by ~1e6 in a period) is
+averaged again in float32 by the hook machinery, as every fp16 sum aiak casts for (it overflowed to inf, then NaN, on
+every rank before). During the local phase DDP's broadcast of buffers from rank 0 at every forward is off (a collective per step, and it
 would overwrite the averaged statistics).
 
 Real steps are counted by the averager itself, so a step skipped for inf/NaN gradients counts (it was a step for
@@ -29,11 +28,9 @@ run averages on the same steps. ``period: 1`` never gets here: synchronising eve
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from aiak.comm.compression import CAST_DTYPES
 from aiak.comm.hooks import CommState, average, copy_into, flat_copy
@@ -90,9 +87,7 @@ class LocalSGD:
             cast = CAST_DTYPES.get(self.state.compression) is not None
             if cast and self.anchor is not None:  # send the change since the last average
                 delta = flat - self.anchor
-                # a change past fp16's range (a BatchNorm variance of raw features) goes in float32 this time
-                with nullcontext() if fits_the_wire(delta, self.state.compression) else _uncompressed(self.state):
-                    average(self.state, delta, key=AVERAGE_KEY).wait()
+                average(self.state, delta, key=AVERAGE_KEY).wait()
                 flat = self.anchor.add_(delta)
             else:
                 with _uncompressed(self.state):
@@ -121,23 +116,6 @@ class LocalSGD:
 
     def describe(self) -> str:
         return f"local SGD: period {self.period}, warm-up {self.warmup_steps} steps"
-
-
-FP16_WIRE_LIMIT = torch.finfo(torch.float16).max / 2
-
-
-def fits_the_wire(values: torch.Tensor, compression: str) -> bool:
-    """Whether every rank's ``values`` can travel in ``compression``'s dtype without overflow: fp16 holds
-    magnitudes up to 65504, and an average's partial sums stay within the largest magnitude any rank sends (each
-    term is divided by the ranks first), so the largest across ranks (one collective of one number) must stay below
-    half of it. bf16 has float32's range: always. Every rank gets the same answer."""
-    if CAST_DTYPES.get(compression) is not torch.float16:
-        return True
-    peak = (torch.linalg.vector_norm(values.float(), float("inf")).reshape(1) if values.numel()   # the largest
-            else values.new_zeros(1, dtype=torch.float32))                                    # magnitude, no copy
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return bool(peak.item() <= FP16_WIRE_LIMIT)  # NaN compares false: it travels in float32, and stays NaN
 
 
 class _uncompressed:

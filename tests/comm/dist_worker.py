@@ -90,6 +90,53 @@ class CollectiveRecorder:
             setattr(dist, name, original)
 
 
+def scenario_fp16_overflow(rank):
+    """fp16 transport where aiak casts for the wire (flat, 4 connections, hierarchical across nodes, in the node with
+    compress_intra, CPU-Reduce's host copies), 2 nodes x 2 ranks: a bucket whose values fit and one where rank 1 holds
+    values past fp16's range; each against the same algorithm uncompressed, the collectives recorded. Then training
+    through aiak.optimize with comm.compression fp16, an fp32 model whose gradients pass 65504 on rank 1."""
+    import aiak
+    from aiak.comm.connections import wide_groups
+    from aiak.comm.hooks import CommState, average
+    from aiak.comm.topology import build_groups
+
+    topology = detect_topology()
+    groups = build_groups(topology)
+    host = build_groups(topology, backend="gloo").inter
+    wide = wide_groups(topology, None, (4,), flat=True, inter=True)
+    variants = {"flat": {}, "flat_4_connections": {"connections": 4},
+                "hierarchical": {"hierarchical": True}, "compress_intra": {"hierarchical": True, "compress_intra": True},
+                "cpu_reduce": {"hierarchical": True, "host_inter": host, "cpu_reduce": True}}
+    out = {}
+    for name, kw in variants.items():
+        for values in ("fit", "past"):
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(100_003, generator=g) * 100
+            if values == "past" and rank == 1:
+                x[::1000] = 3e5  # /4 by average(): 75000 on the wire
+            for c in ("none", "fp16"):
+                state = CommState(None, groups, compression=c, wide=wide, pipeline_mb=0.1, stall_warn_s=0, **kw)
+                y = x.clone()
+                with CollectiveRecorder() as rec:
+                    average(state, y).wait()
+                out[(name, values, c)] = {"result": y, "calls": rec.calls}
+    for compression in ("none", "fp16"):
+        for hierarchical in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(13, 7))  # linear: nothing saturates, the gradient grows with the input
+            ddp, opt = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=1e-9), strategy={
+                "comm": {"compression": compression, "hierarchical": hierarchical}})[:2]
+            for step in range(4):
+                x, y = rank_data(rank, step=step)
+                scale = 1e4 if rank == 1 and step == 2 else 1.0  # gradients of ~1e7
+                nn.functional.mse_loss(ddp(x * scale), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[("training", compression, hierarchical)] = {k: v.detach().clone()
+                                                            for k, v in ddp.module.state_dict().items()}
+    return out
+
+
 def scenario_equivalence(rank):
     out = {"topology": detect_topology().nodes}
     base = wrap_distributed(small_model(), CommConfig(hierarchical=False, bucket_mb=0.25))
