@@ -419,6 +419,17 @@ def scenario_resume(rank):
 
 
 # -- resume in fresh processes --------------------------------------------------------------------------
+class TwoDtypes(nn.Module):
+    """The BatchNorm MLP with a float64 head: DDP buckets each dtype apart (two initial buckets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = mlp(bn=True)[:-1], nn.Linear(24, 5).double()
+
+    def forward(self, x):
+        return self.head(self.body(x).double()).float()
+
+
 FRESH_RESUMES = {  # name: (comm, strategy, momentum)
     "int8": ({"compression": "int8", "hierarchical": False}, {"grad_accumulation": 2}, 0.0),
     "int8_momentum": ({"compression": "int8", "hierarchical": False}, {"grad_accumulation": 2}, 0.9),
@@ -427,6 +438,8 @@ FRESH_RESUMES = {  # name: (comm, strategy, momentum)
                           {"grad_accumulation": 2}, 0.9),
     "int8_o2": ({"compression": "int8", "hierarchical": False},
                 {"precision": {"level": "O2", "dtype": "bf16"}, "grad_accumulation": 2}, 0.9),
+    "int8_two_dtypes": ({"compression": "int8", "hierarchical": False, "bucket_mb": 0.002}, {"grad_accumulation": 2},
+                        0.9),
     "powersgd": ({"algorithm": "powersgd", "powersgd": {"rank": 2, "warmup_steps": 2}}, {"grad_accumulation": 2}, 0.9),
 }
 
@@ -440,7 +453,7 @@ def scenario_resume_fresh(rank):
     out = {}
     for name, (comm, strategy, momentum) in FRESH_RESUMES.items():
         def fresh():
-            model = mlp(bn=True)
+            model = TwoDtypes() if name == "int8_two_dtypes" else mlp(bn=True)
             return optimized(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum), comm,
                              **strategy)
 

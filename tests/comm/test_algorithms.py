@@ -252,14 +252,14 @@ def fresh_resume(launch_ranks, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["int8", "int8_momentum", "int8_buckets", "int8_hierarchical", "int8_o2",
-                                  "powersgd"])
+                                  "int8_two_dtypes", "powersgd"])
 def test_resume_in_fresh_processes_is_bit_identical(fresh_resume, name):
     """grad_accumulation 2, a BatchNorm MLP on 2 nodes x 2 ranks: 6 real steps straight against 3 steps, a
     checkpoint per rank, and 3 more in new processes that load it with torch.load's defaults (weights only). int8
     residuals travel with their buckets' layouts, and the resumed run's first step runs the saved run's buckets
-    (one bucket cut into several; hierarchical chunks; O2's two dtypes). Without the hook's state, or with the next
-    rank's checkpoint (its residuals are that rank's own error: dropped, with a warning on this rank), the run
-    differs."""
+    (one bucket cut into several; hierarchical chunks; a float64 head: two initial buckets, one per dtype). Without
+    the hook's state, or with the next rank's checkpoint (its residuals are that rank's own error: dropped, with a
+    warning on this rank), the run differs."""
     saved, loaded = fresh_resume
     for rank, (before, after) in enumerate(zip(saved, loaded)):
         straight, c = before[name]["straight"], after[name]
