@@ -143,9 +143,10 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         raise ValueError(f"comm.algorithm {s.comm.algorithm} runs with the optimizer's steps (and saves its state in "
                          "the optimizer's state_dict): pass the optimizer to aiak.optimize, or use algorithm allreduce")
     if residuals and controller is None:
-        amp_warn.warn("aiak.comm: int8 compression keeps error-feedback residuals from step to step, and they are saved in the "
-             "optimizer's state_dict(): without the optimizer given to aiak.optimize a checkpoint leaves them out and "
-             "a resumed run differs from an uninterrupted one. Pass the optimizer to aiak.optimize")
+        amp_warn.warn("aiak.comm: int8 compression keeps error-feedback residuals from step to step, and they "
+                      "are saved in the optimizer's state_dict(): without the optimizer given to aiak.optimize a "
+                      "checkpoint leaves them out and a resumed run differs from an uninterrupted one. Pass the "
+                      "optimizer to aiak.optimize")
     wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
     if wrapped is not bare and controller is not None:
         controller.attach_ddp(wrapped)

@@ -284,8 +284,8 @@ class CommState:
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
-                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "buckets", "tuner", "iteration", "worker",
-                 "watch", "wide", "connections", "host_inter", "cpu_reduce", "tuning", "scope", "local_size")
+                 "int8_block", "pipeline_mb", "feedback", "parameter_numbers", "buckets", "tuner", "iteration",
+                 "worker", "watch", "wide", "connections", "host_inter", "cpu_reduce", "tuning", "scope", "local_size")
 
     def __init__(self, process_group=None, groups: Optional[HierarchicalGroups] = None, hierarchical: bool = False,
                  compression: str = "none", compress_intra: bool = False, int8_block: int = 2048,
@@ -386,18 +386,30 @@ class CommState:
         saved = (tuple(state["algorithm"]), state["world_size"], state["local_size"], state["int8_block"],
                  state["pipeline_mb"])
         here = (self.algorithm, self.world_size, self.local_size, self.int8_block, self.pipeline_mb)
-        if state["rank"] != dist.get_rank() or saved != here:
-            why = (f"rank {state['rank']}'s, and this is rank {dist.get_rank()}: each rank's residuals are its own "
-                   "quantization error, so save a checkpoint per rank (the optimizer's state_dict() on every rank)"
-                   if state["rank"] != dist.get_rank() else
-                   f"computed with {describe_algorithm(*saved[0])} on {saved[1]} ranks ({saved[2]} per node), int8 "
-                   f"blocks of {saved[3]}, chunks of {saved[4]:g} MB; this run has {self.describe()} on "
-                   f"{here[1]} ranks ({here[2]} per node), {here[3]}, {here[4]:g} MB")
-            warn(f"aiak.comm: this checkpoint's int8 error-feedback residuals are {why}. They are dropped: the next "
-                 "steps quantize afresh, and the run is no longer the one the checkpoint continued", everywhere=True)
+        if another_ranks(state, "int8 error-feedback residuals"):
+            return
+        if saved != here:
+            warn(f"aiak.comm: this checkpoint's int8 error-feedback residuals were computed with "
+                 f"{describe_algorithm(*saved[0])} on {saved[1]} ranks ({saved[2]} per node), int8 blocks of "
+                 f"{saved[3]}, chunks of {saved[4]:g} MB; this run has {self.describe()} on {here[1]} ranks ({here[2]} "
+                 f"per node), {here[3]}, {here[4]:g} MB. They are dropped: the next steps quantize afresh, and the run "
+                 "is no longer the one the checkpoint continued", everywhere=True)
             return
         self.feedback.load_state_dict(residuals)
         self.buckets.load_state_dict(state["layouts"])
+
+
+def another_ranks(state: Dict[str, object], what: str) -> bool:
+    """Whether ``state`` (a comm state's ``state_dict()``) was saved by another rank than this one, saying so on this
+    rank: ``what`` (residuals: each rank's own compression error) then means nothing here and is dropped. A
+    checkpoint saved by one rank and loaded by all does this."""
+    saved = state.get("rank", dist.get_rank())
+    if saved == dist.get_rank():
+        return False
+    warn(f"aiak.comm: this checkpoint's {what} are rank {saved}'s, and this is rank {dist.get_rank()}: each rank's "
+         f"{what} are its own compression error, so save a checkpoint per rank (the optimizer's state_dict() on every "
+         "rank). They are dropped here, and the run is no longer the one the checkpoint continued", everywhere=True)
+    return True
 
 
 def describe_algorithm(hierarchical: bool, compression: str, connections: int = 1, cpu_reduce: bool = False) -> str:

@@ -19,8 +19,8 @@ previous average (which every rank holds identically, kept in float32): a weight
 lose everything past its 11th bit, its change over a period loses the same fraction of a far smaller number. A change
 beyond fp16's range (a BatchNorm variance of raw features of standard deviation 3000 rises by ~1e6 in a period) is
 averaged again in float32 by the hook machinery, as every fp16 sum aiak casts for (it overflowed to inf, then NaN, on
-every rank before). During the local phase DDP's broadcast of buffers from rank 0 at every forward is off (a collective per step, and it
-would overwrite the averaged statistics).
+every rank before). During the local phase DDP's broadcast of buffers from rank 0 at every forward is off (a
+collective per step, and it would overwrite the averaged statistics).
 
 Real steps are counted by the averager itself, so a step skipped for inf/NaN gradients counts (it was a step for
 the schedule); the count travels in the optimizer's ``state_dict()`` (the step controller's extras), so a resumed

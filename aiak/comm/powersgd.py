@@ -54,8 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from aiak.comm.buckets import BucketRecord, ParameterNumbers, bucket_layout
 from aiak.comm.compression import FiniteFlag
-from aiak.comm.hooks import CommState, copy_into, run_in_worker, sum_now
-from aiak.util.warn import warn
+from aiak.comm.hooks import CommState, another_ranks, copy_into, run_in_worker, sum_now
 
 _Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
 
@@ -218,11 +217,7 @@ class PowerSGD:
         self.buckets.load_state_dict(state["layouts"])
         self.skipped = int(state.get("skipped", 0))
         s.error_dict = {i: t.clone() for i, t in state["error"].items()}
-        if state.get("rank", dist.get_rank()) != dist.get_rank() and s.error_dict:
-            warn(f"aiak.comm: this checkpoint's PowerSGD residuals are rank {state['rank']}'s, and this is rank "
-                 f"{dist.get_rank()}: each rank's residuals are its own compression error, so save a checkpoint per "
-                 "rank (the optimizer's state_dict() on every rank). They are dropped (the factors, which every rank "
-                 "shares, are kept), and the run is no longer the one the checkpoint continued", everywhere=True)
+        if s.error_dict and another_ranks(state, "PowerSGD residuals"):
             s.error_dict = {}
         s.p_memory_dict = {i: t.clone() for i, t in state["p"].items()}
         s.q_memory_dict = {i: t.clone() for i, t in state["q"].items()}
