@@ -234,13 +234,13 @@ def test_demo_shows_a_stopped_side_with_its_reason_and_no_traceback(monkeypatch,
 
 
 def test_demo_runs_as_many_rounds_again_when_the_first_are_too_noisy_and_gives_no_end_to_end_sum(monkeypatch, capsys):
-    # NOISY_SPREAD 1.0 calls every "within noise" interval too wide, as a loaded machine's are. Plain PyTorch
-    # against itself reads within noise: over 20 rounds the min-max interval misses 1.00x only if every round
-    # lands on one side.
+    # Every interval read as too wide, as a loaded machine's are. (Plain PyTorch against itself does not always
+    # read within noise: on a loaded CI machine 20 rounds read "0.98x slower (0.94-0.99x)", an order effect, and
+    # a clear verdict is never extended; so the noise is what the test sets, not what the machine happens to do.)
     from aiak.cli.main import main
     from aiak.measure import rounds
 
-    monkeypatch.setattr(rounds, "NOISY_SPREAD", 1.0)
+    monkeypatch.setattr(rounds.Speedup, "too_noisy", property(lambda self: True))
     code = main(["demo", "--strategy", "default", "--epochs", "1", "--samples", "1024", "--batch-size", "32",
                  "--rounds", "20", "--warmup", "2", "--no-progress"])
     out = capsys.readouterr().out
@@ -249,8 +249,7 @@ def test_demo_runs_as_many_rounds_again_when_the_first_are_too_noisy_and_gives_n
     assert int(rows["baseline"]["steps"]) == int(rows["aiak"]["steps"]) == 32 + 20, out   # 20 more rounds of 1
     assert "the first 20 rounds were too noisy, so 20 more ran" in out and "40 rounds" in out, out
     verdict = next(line for line in out.splitlines() if "speedup of the training steps" in line)
-    # over the 40 rounds: no ratio while still within noise (all are "too noisy" here), or a clear verdict
-    assert "no verdict: the machine was too busy to tell" in verdict or re.search(r"\dx (faster|slower) \(", verdict)
+    assert "no verdict: the machine was too busy to tell" in verdict, verdict  # still too noisy after 40: no ratio
     assert "end to end: not given" in out, out          # a sum over noisy rounds is never printed
 
 
