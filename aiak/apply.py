@@ -128,15 +128,16 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
-    synchronising = distributed and _world_size() > 1 and s.comm.algorithm != "allreduce"
-    residuals = distributed and _world_size() > 1 and (s.comm.compression == "int8" or s.comm.autotune
-                                                         and s.comm.tune_int8)  # saved with the optimizer's state
+    many_ranks = distributed and _world_size() > 1
+    synchronising = many_ranks and s.comm.algorithm != "allreduce"
+    # int8 keeps error-feedback residuals, saved with the optimizer's state (the step controller's extras)
+    residuals = many_ranks and (s.comm.compression == "int8" or s.comm.autotune and s.comm.tune_int8)
     controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
                                 always=synchronising or residuals)
 
     # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
     comm_cfg = s.comm
-    if s.precision.level == "O2" and s.comm.compression == "none" and distributed and _world_size() > 1 \
+    if s.precision.level == "O2" and s.comm.compression == "none" and many_ranks \
             and s.comm.algorithm in ("allreduce", "local_sgd"):
         comm_cfg = replace(s.comm, compression=s.precision.dtype)
     if synchronising and controller is None:
