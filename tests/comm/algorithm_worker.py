@@ -482,6 +482,15 @@ def scenario_resume_fresh(rank):
                 opt.load_state_dict(saved["optimizer"])
             out[name][how] = weights(train(ddp, opt, rank, 3, start=3, accumulation=accumulation))
             out[name][how + "_warnings"] = [str(w.message) for w in caught]
+    if phase == "load":  # the flat int8 checkpoint loaded by a hierarchical int8 run: residuals of another algorithm
+        model = mlp(bn=True)
+        ddp, opt = optimized(model, torch.optim.SGD(model.parameters(), lr=0.05), {"compression": "int8",
+                             "hierarchical": True}, grad_accumulation=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.load_state_dict(torch.load(os.path.join(folder, f"int8-rank{rank}.pt"))["optimizer"])
+        out["other_algorithm"] = {"warnings": [str(w.message) for w in caught],
+                                  "residuals": len(ddp.aiak_comm_state.feedback)}
     return out
 
 

@@ -280,6 +280,31 @@ def test_resume_in_fresh_processes_is_bit_identical(fresh_resume, name):
                        for w in c["next_ranks_checkpoint_warnings"])
 
 
+def test_residuals_of_another_algorithm_are_dropped_saying_what_they_were_computed_with(fresh_resume):
+    for r in fresh_resume[1]:
+        assert r["other_algorithm"]["residuals"] == 0
+        assert any("were computed with flat+int8 on 4 ranks (2 per node)" in w and "hierarchical+int8" in w
+                   for w in r["other_algorithm"]["warnings"]), r["other_algorithm"]["warnings"]
+
+
+def test_powersgd_generator_state_round_trips_as_tensors_and_old_checkpoints_still_load():
+    """The generator's state is saved as a tensor and numbers (torch.load's weights-only reader refuses numpy
+    arrays); a checkpoint written before, holding numpy's own tuple, still loads."""
+    import numpy as np
+
+    from aiak.comm.powersgd import _rng_state, _set_rng_state
+
+    rng = np.random.RandomState(3)
+    rng.randint(10, size=5)
+    saved, old_format = _rng_state(rng), rng.get_state()
+    assert isinstance(saved["key"], torch.Tensor)
+    expected = rng.randint(1_000_000_000, size=4)
+    for state in (saved, old_format):
+        other = np.random.RandomState(0)
+        _set_rng_state(other, state)
+        assert (other.randint(1_000_000_000, size=4) == expected).all()
+
+
 # -- what cannot run, and what makes no difference ---------------------------------------------------
 def test_what_cannot_run_is_refused_whole_and_what_changes_nothing_says_so(launch_ranks):
     """3 ranks on one node."""
