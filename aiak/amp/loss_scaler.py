@@ -39,8 +39,8 @@ class LossScaler:
         return 1.0 if self.stood_aside else self.scale
 
     @staticmethod
-    def check_and_multiply_(grads: Iterable[torch.Tensor], factor: float = 1.0) -> bool:
-        """Multiply ``grads`` by ``factor`` in place (one fused pass per device and dtype; a sparse gradient's
+    def check_and_multiply_(grads: Iterable[torch.Tensor], factor=1.0) -> bool:
+        """Multiply ``grads`` by ``factor`` (a number or a one-element tensor) in place (one fused pass per device and dtype; a sparse gradient's
         values); return True if any of them holds inf or NaN."""
         grads = [g._values() if g.is_sparse else g for g in grads if g is not None]
         found_inf = False
@@ -49,7 +49,8 @@ class LossScaler:
             by_device.setdefault(g.device, []).append(g)
         for device, group in by_device.items():
             flag = torch.zeros(1, device=device)
-            inv = torch.full((1,), factor, device=device)
+            inv = factor.reshape(1).to(device, torch.float32) if isinstance(factor, torch.Tensor) \
+                else torch.full((1,), factor, device=device)
             for dtype in {g.dtype for g in group}:
                 torch._amp_foreach_non_finite_check_and_unscale_([g for g in group if g.dtype == dtype], flag, inv)
             found_inf = found_inf or bool(flag.item())

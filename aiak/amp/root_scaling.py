@@ -1,4 +1,5 @@
-"""fp16 loss scaling at the root of each backward pass, without owning the script's ``backward()`` call.
+"""Factors at the root of each backward pass, without owning the script's ``backward()`` call: fp16 loss scaling,
+and the item counts of an accumulation window.
 
 Loss scaling (Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2) multiplies the loss by S
 before the backward pass so that small gradients survive fp16, and divides every gradient by S once it has left
@@ -31,8 +32,18 @@ outer pass, which divides them where they land). A pass whose root was scaled by
 ``GradScaler`` is left alone (:mod:`aiak.amp.script_scaler`: that model's scaler stands aside). A backward pass
 that reaches no trainable fp16 parameter (the gradient of a frozen fp16 model's input, say) is not scaled.
 
-The cost is one walk of the backward graph per pass while an fp16 model is alive (no walk otherwise): measured by
-``benchmarks/overhead.py``.
+Counted items (:func:`aiak.count_items`) use the same root. A micro-batch whose loss is a mean over ``n`` items
+must enter the window's gradient as ``n`` times its gradient (the window is then divided by the items of all its
+micro-batches, :mod:`aiak.step.window_items`): a pass reaching the parameters of an optimizer whose controller
+has a pending count (:func:`weigh`, :func:`set_pending`) multiplies its root by ``n`` (by ``n / reference`` under
+an fp16 loss scale, the reference a power of two near the first count, so the half-precision graph sees the loss
+scale's magnitude; the landing multiplies by the reference again). Leaves of no counting optimizer land true
+(divided by the root), so a second optimizer's parameters or an adversarial input reached by the same pass are
+not weighted; ``torch.autograd.grad`` is never weighted. One scalar multiply at the root per pass: the counted
+parameters' gradients get no extra pass unless an fp16 scale or a second counting optimizer is on the same pass.
+
+The cost is one walk of the backward graph per pass while an fp16 model is alive or a count is pending (no walk
+otherwise): measured by ``benchmarks/overhead.py``.
 """
 from __future__ import annotations
 
@@ -75,7 +86,9 @@ class _Registry:
 
 
 _scalers = _Registry()
-_in_flight: List[float] = []        # factors of the scaled backward passes running now (innermost last)
+_weighers = _Registry()             # trainable parameter -> weak reference to its counting optimizer's weigher
+_pending: "weakref.WeakSet" = weakref.WeakSet()  # weighers whose micro-batch's items are counted, not yet stepped
+_in_flight: List["_Pass"] = []      # factors of the scaled or weighted backward passes running now (innermost last)
 _lock = threading.Lock()
 _original = None                    # torch's _engine_run_backward while the wrapper is installed
 
@@ -83,6 +96,30 @@ _original = None                    # torch's _engine_run_backward while the wra
 def register(param: torch.Tensor, scaler) -> None:
     """``param`` is computed with in fp16 by a model whose loss scaler is ``scaler``."""
     _scalers[param] = scaler
+
+
+def weigh(params, weigher) -> None:
+    """The gradients of ``params`` are weighted by ``weigher`` (a step controller counting items, held weakly)
+    while it is pending (:func:`set_pending`): ``weigher.root_weight(scaled)`` returns ``(weight, items,
+    reference)``, the root of a pass reaching them is multiplied by ``weight`` (``items / reference``), and their
+    gradients land multiplied by ``items``. ``reference`` is 1 unless ``scaled`` (an fp16 loss scale is on the
+    root too), where a power of two near the items keeps the root's magnitude that of the loss scale."""
+    ref = weakref.ref(weigher)
+    for p in params:
+        _weighers[p] = ref
+
+
+def set_pending(weigher, pending: bool) -> None:
+    """``weigher`` has (or no longer has) a micro-batch's count for the backward passes to come."""
+    if pending:
+        _pending.add(weigher)
+    else:
+        _pending.discard(weigher)
+
+
+def _weigher_of(variable: torch.Tensor):
+    ref = _weighers.get(variable)
+    return ref() if ref is not None else None
 
 
 def watch() -> None:
@@ -120,13 +157,14 @@ def scalers_reached(roots) -> list:
 _ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
 
 
-def _walk(roots) -> Tuple[list, list]:
-    """``(AccumulateGrad nodes, loss scalers)`` reached from ``roots`` (tensors or gradient edges)."""
+def _walk(roots) -> Tuple[list, list, list]:
+    """``(AccumulateGrad nodes, loss scalers, pending weighers)`` reached from ``roots`` (tensors or gradient
+    edges)."""
     if not isinstance(roots, (tuple, list)):  # one root (an iterator is never consumed here: its owner reads it)
         roots = (roots,)
     stack = [r.node if isinstance(r, torch.autograd.graph.GradientEdge) else r.grad_fn
              for r in roots if isinstance(r, (torch.Tensor, torch.autograd.graph.GradientEdge))]
-    seen, leaves, scalers = set(), [], []
+    seen, leaves, scalers, weighers = set(), [], [], []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -137,39 +175,87 @@ def _walk(roots) -> Tuple[list, list]:
             scaler = _scalers.get(node.variable)
             if scaler is not None and all(scaler is not s for s in scalers):
                 scalers.append(scaler)
+            if _pending:
+                weigher = _weigher_of(node.variable)
+                if weigher is not None and weigher in _pending and all(weigher is not w for w in weighers):
+                    weighers.append(weigher)
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves, scalers
+    return leaves, scalers, weighers
 
 
-class _Divide:
-    """An ``AccumulateGrad`` pre-hook: the gradient on its way into a leaf's ``.grad``, divided by the factor."""
+class _Multiply:
+    """An ``AccumulateGrad`` pre-hook: the gradient on its way into a leaf's ``.grad``, multiplied by ``by`` (a number,
+    or a 0-dim tensor when the factor came from a counted tensor)."""
 
-    __slots__ = ("inverse",)
+    __slots__ = ("by",)
 
-    def __init__(self, factor: float):
-        self.inverse = 1.0 / factor
+    def __init__(self, by):
+        self.by = by
 
     def __call__(self, grads: Sequence[Optional[torch.Tensor]]):
         grad = grads[0]  # an AccumulateGrad node has one input
-        return grads if grad is None else (grad * self.inverse,)
+        return grads if grad is None else (_times(grad, self.by),)
+
+
+def _times(grad: torch.Tensor, by) -> torch.Tensor:
+    """``grad * by`` in ``grad``'s dtype (a 0-dim factor tensor would otherwise promote a 0-dim half gradient)."""
+    if isinstance(by, torch.Tensor):
+        return (grad * by.to(grad.device)).to(grad.dtype)
+    return grad * by
+
+
+class _Pass:
+    """The factors of one backward pass. ``root`` multiplies its root gradients: the loss scale, times the weight of
+    the first counting optimizer reached (its micro-batch's items over its reference). A leaf's gradient is
+    multiplied on landing by what brings it to its owner's items (the first owner's: ``reference / scale``, a plain
+    number; another counting owner's: ``items / root``) or, for a leaf of no counting optimizer, to its true value
+    (``1 / root``)."""
+
+    __slots__ = ("root", "_landing", "unowned")
+
+    def __init__(self, scale: float, weights: Dict[Any, Tuple[Any, Any, float]]):
+        self._landing: Dict[int, Any] = {}
+        self.root = scale
+        for i, (owner, (weight, items, reference)) in enumerate(weights.items()):
+            if i == 0:
+                self.root = scale * weight
+                self._landing[id(owner)] = reference / scale
+            else:
+                self._landing[id(owner)] = items / self.root
+        self.unowned = 1.0 / self.root
+
+    def landing(self, variable: torch.Tensor):
+        """The factor for ``variable``'s gradient on landing (1.0: none)."""
+        owner = _weigher_of(variable) if self._landing else None
+        return self._landing.get(id(owner), self.unowned) if owner is not None else self.unowned
+
+
+def _is_one(x) -> bool:
+    return not isinstance(x, torch.Tensor) and x == 1.0
 
 
 def _run_backward(t_outputs, *args: Any, **kwargs: Any):
     original = _original if _original is not None else torch.autograd.graph._engine_run_backward
-    if not _scalers or not args:
+    if not (_scalers or _pending) or not args:
         return original(t_outputs, *args, **kwargs)
     accumulate = kwargs.get("accumulate_grad", True)
     if _in_flight and torch._C._current_graph_task_id() != -1:
         return _nested(original, t_outputs, args, kwargs, accumulate)
-    leaves, scalers = _walk(t_outputs)
-    factor = min((s.grad_scale() for s in scalers), default=1.0)
-    if factor == 1.0:  # no fp16 model reached, or the script's GradScaler scaled this root
+    leaves, scalers, weighers = _walk(t_outputs)
+    scale = min((s.grad_scale() for s in scalers), default=1.0)
+    weights = {w: w.root_weight(scale != 1.0) for w in weighers} if accumulate else {}
+    if scale == 1.0 and not weights:  # no fp16 model or counted items reached, or the script's GradScaler's root
         return original(t_outputs, *args, **kwargs)
-    grads = tuple(g * factor if g is not None else None for g in args[0])
-    divide = _Divide(factor)
-    handles = [leaf.register_prehook(divide) for leaf in leaves] if accumulate else []
-    _in_flight.append(factor)
+    factors = _Pass(scale, weights)
+    grads = tuple(_times(g, factors.root) if g is not None else None for g in args[0])
+    handles = []
+    if accumulate:
+        for leaf in leaves:
+            by = factors.landing(leaf.variable)
+            if not _is_one(by):
+                handles.append(leaf.register_prehook(_Multiply(by)))
+    _in_flight.append(factors)
     try:
         result = original(t_outputs, grads, *args[1:], **kwargs)
     finally:
@@ -178,17 +264,22 @@ def _run_backward(t_outputs, *args: Any, **kwargs: Any):
             handle.remove()
     if accumulate:
         return result
-    return tuple(g * divide.inverse if g is not None else None for g in result)
+    return tuple(_times(g, factors.unowned) if g is not None else None for g in result)
 
 
 def _nested(original, t_outputs, args, kwargs, accumulate: bool):
-    """A backward pass run from inside a scaled one: its gradients are scaled already; divide those that land in
-    parameters, and hand the rest back scaled to the pass that asked for them."""
+    """A backward pass run from inside a scaled one: its gradients are scaled already; bring those that land in
+    parameters to their true (or counted) values, and hand the rest back scaled to the pass that asked for them."""
     if not accumulate:
         return original(t_outputs, *args, **kwargs)
-    divide = _Divide(_in_flight[-1])
-    leaves, _ = _walk(t_outputs)
-    handles = [leaf.register_prehook(divide) for leaf in leaves if isinstance(leaf.variable, nn.Parameter)]
+    factors = _in_flight[-1]
+    leaves, _, _ = _walk(t_outputs)
+    handles = []
+    for leaf in leaves:
+        if isinstance(leaf.variable, nn.Parameter):
+            by = factors.landing(leaf.variable)
+            if not _is_one(by):
+                handles.append(leaf.register_prehook(_Multiply(by)))
     try:
         return original(t_outputs, *args, **kwargs)
     finally:
