@@ -22,6 +22,7 @@ _LAZY = {
     "clip_grad_norm_": ("aiak.step.controller", "clip_grad_norm_"),
     "clip_grad_value_": ("aiak.step.controller", "clip_grad_value_"),
     "stepped": ("aiak.step.controller", "stepped"),
+    "count_items": ("aiak.step.controller", "count_items"),
 }
 _SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "tune", "cli")
 

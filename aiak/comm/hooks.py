@@ -320,6 +320,19 @@ class CommState:
         self.scope = "world"
         self.set_algorithm(hierarchical, compression, connections, cpu_reduce)
 
+    def scope_size(self) -> int:
+        """How many ranks a bucket is averaged over under ``scope``."""
+        return self.world_size if self.scope == "world" else self.local_size if self.scope == "node" else 1
+
+    def sum_items(self, x: torch.Tensor) -> None:
+        """Sum the small ``x`` in place, exactly (its own dtype, one plain allreduce), over the ranks of ``scope``,
+        and wait for it: the step controller's counted items of a window (:mod:`aiak.step.window_items`). It runs
+        on the hook's worker, after the buckets queued there, under the stall watch."""
+        if self.scope_size() == 1:
+            return
+        group = self.process_group if self.scope == "world" else self.groups.intra
+        run_in_worker(self, x, functools.partial(_sum_plainly, group=group), key="the window's item count").wait()
+
     def set_scope(self, scope: str) -> None:
         """Average buckets over ``world``, ``node`` or ``rank`` (see the class); call it between steps."""
         if scope not in SCOPES:
@@ -683,6 +696,10 @@ def copy_into(tensors: List[torch.Tensor], flat: torch.Tensor) -> None:
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def _sum_plainly(x: torch.Tensor, group) -> None:
+    _allreduce(x, group, x.dtype, "sum of the window's items").wait()
 
 
 def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.Tensor], None],

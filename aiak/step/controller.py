@@ -38,11 +38,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from aiak.amp import script_scaler
+from aiak.amp import root_scaling, script_scaler
 from aiak.amp.loss_scaler import LossScaler
 from aiak.step import clip as grad_clip
 from aiak.step import scheduler_steps
 from aiak.step.stacking import framework_accumulation
+from aiak.step.window_items import WindowItems
 from aiak.util.warn import warn, warn_once
 
 logger = logging.getLogger("aiak")
@@ -111,6 +112,10 @@ class StepController:
         self.ddp = None
         self.comm_algorithm = None   # a synchronisation that runs at real steps (see attach_comm_algorithm)
         self.comm_state = None       # the DDP hook's state kept across steps (see attach_comm_state)
+        self.items = WindowItems()   # counted items of the window (see count_items)
+        self._counting = False       # the parameters are registered for item weights (root_scaling.weigh)
+        self._closing = False        # the coming step() closes the window: the epoch's last batch (close_window)
+        self.sees_epoch_ends = False  # a loader aiak returned calls close_window (else: said at the first step)
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
         optimizer._aiak_steps = self
@@ -134,6 +139,8 @@ class StepController:
         if self._params_for != groups:
             self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
             self._params_for = groups
+            if self._counting:
+                root_scaling.weigh(self._params, self)
             if self.accumulation > 1 or not self._framework_checked:
                 for p in self._params:
                     if id(p) not in self._hooked and p.requires_grad:
@@ -177,7 +184,7 @@ class StepController:
                       f"loop), aiak's grad_accumulation: {self.accumulation} multiplies with it: a real step every "
                       f"{passes * self.accumulation} batches. Set only one of them (grad_accumulation: 1 in the "
                       "strategy, or 1 in the script)")
-        if self.accumulation > 1 and self.micro_step + 1 < self.accumulation:
+        if self.accumulation > 1 and self.micro_step + 1 < self.accumulation and not self._closing:
             for p in self._params_of_groups():
                 seen = self._after_backward.get(id(p))
                 if seen is not None and p.grad is seen[0] and p.grad is not None and p.grad._version != seen[1]:
@@ -274,7 +281,28 @@ class StepController:
 
     def _set_sync(self) -> None:
         if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = (self.micro_step == self.accumulation - 1)
+            self.ddp.require_backward_grad_sync = self.micro_step == self.accumulation - 1 or self._closing
+
+    # -- the window's end and its items --------------------------------------------------------------
+    def close_window(self) -> None:
+        """The coming ``step()`` is the last of its window, whatever its length: the loader's epoch ends with the
+        batch about to be computed (:class:`aiak.loaders.window_loader.WindowLoader` calls it before yielding
+        it, so DDP synchronises that batch's backward)."""
+        self._closing = True
+        self._set_sync()
+
+    def count_items(self, n) -> None:
+        """The coming micro-batch's loss averages over ``n`` items (see :func:`count_items`)."""
+        self.items.count(n)
+        if not self._counting:
+            self._counting = True
+            root_scaling.watch()
+            root_scaling.weigh(self._params_of_groups(), self)
+        root_scaling.set_pending(self, True)
+
+    def root_weight(self, scaled: bool):
+        """For :mod:`aiak.amp.root_scaling`: the pending count as ``(weight, items, reference)``."""
+        return self.items.root_weight(scaled)
 
     # -- the patched methods ------------------------------------------------------------------
     def step(self, closure=None):
@@ -286,22 +314,30 @@ class StepController:
                 loss = closure()
         self._check_framework_accumulation()
         self._check_the_scripts_loop()
+        if self.step_calls == 0 and self.accumulation > 1 and not self.sees_epoch_ends:
+            warn_once("no-loader-epochs", f"aiak: grad_accumulation {self.accumulation} without the loader given "
+                      "to aiak.optimize: a window open at an epoch's end runs on into the next epoch (an evaluation "
+                      "or a checkpoint there sees part of a window). Pass the loader to aiak.optimize and iterate the "
+                      "one it returns, so that windows close with each epoch")
         self._restore_partial_sum()
+        self.items.micro_step_done(self.micro_step, self.accumulation)
+        root_scaling.set_pending(self, False)
         self.step_calls += 1
         self.micro_step += 1
         self.stepped = False
-        if self.micro_step < self.accumulation:
+        if self.micro_step < self.accumulation and not self._closing:
             self._set_sync()
             self._keep_partial_sum()
             return loss
-        self.micro_step = 0
+        micro_steps, self.micro_step, self._closing = self.micro_step, 0, False
         self._set_sync()
         self.step_events += 1
         if self.comm_algorithm is not None:
             self.comm_algorithm.at_real_step()
 
-        found_inf = self._prepare_grads()
+        found_inf = self._prepare_grads(micro_steps)
         self._prepared = None
+        self.items.new_window()
         if self.scaler is not None:
             self.scaler.update(found_inf)
             if found_inf:
@@ -318,24 +354,68 @@ class StepController:
             self.comm_algorithm.after_real_step(True)
         return loss
 
-    def _prepare_grads(self) -> bool:
-        """The window's summed gradients divided by ``accumulation`` and, under loss scaling, checked for inf/NaN
-        in the same fused pass; True if any is inf/NaN. Once per real step."""
+    def _prepare_grads(self, micro_steps: Optional[int] = None) -> bool:
+        """The window's summed gradients averaged (over its ``micro_steps``, or its counted items) and, under loss
+        scaling, checked for inf/NaN in the same fused pass; True if any is inf/NaN. Once per real step; called
+        before ``step()`` (a clip), the window ends with the coming micro-step."""
         if self._prepared is None:
             self._restore_partial_sum()
             grads = [p.grad for p in self._params_of_groups() if p.grad is not None]
+            factor = self._window_factor(micro_steps if micro_steps is not None else self.micro_step + 1)
             if self.scaler is not None:
-                self._prepared = LossScaler.check_and_multiply_(grads, 1.0 / self.accumulation)
+                self._prepared = LossScaler.check_and_multiply_(grads, factor)
             else:  # no loss scaler, nothing to check: average without reading a flag back (no host sync)
-                if self.accumulation > 1:
+                if isinstance(factor, torch.Tensor) or factor != 1.0:
                     dense = [g for g in grads if not g.is_sparse]
                     if dense:
-                        torch._foreach_mul_(dense, 1.0 / self.accumulation)
+                        torch._foreach_mul_(dense, factor.to(dense[0].device) if isinstance(factor, torch.Tensor)
+                                            else factor)
                     for g in grads:
                         if g.is_sparse:
-                            g.mul_(1.0 / self.accumulation)
+                            g.mul_(factor)
                 self._prepared = False
         return self._prepared
+
+    def _window_factor(self, micro_steps: int):
+        """What the window's summed gradients are multiplied by: ``1 / micro_steps`` (timm's rule: a window the
+        epoch's end closed early is averaged over the micro-batches it holds), or for a counted window ``ranks /
+        items``, its items summed over the ``ranks`` whose gradients were averaged (each micro-batch's gradient
+        entered the sum times its items: :mod:`aiak.step.window_items`)."""
+        if not self.items.is_counted():
+            return 1.0 / micro_steps
+        ranks, items = self._items_over_ranks(self.items.window_items())
+        if isinstance(items, torch.Tensor):
+            return (ranks / items.clamp_min(1.0)).reshape(()).float()
+        return ranks / max(items, 1.0)
+
+    def _items_over_ranks(self, items):
+        """``(ranks, items summed over them)``: the ranks a gradient is averaged over (the comm hook's scope: every
+        rank, the node's or this one; DDP without aiak's hook: its group). One scalar sum per real step, on the
+        hook's worker after its buckets when aiak's hook runs."""
+        import torch.distributed as dist
+
+        state, ddp = self.comm_state, self.ddp
+        if state is not None:
+            ranks = state.scope_size()
+            if ranks > 1:
+                total = self._items_tensor(items, state.process_group)
+                state.sum_items(total)
+                return ranks, total
+            return 1, items
+        if ddp is not None and dist.is_initialized() and dist.get_world_size(ddp.process_group) > 1:
+            total = self._items_tensor(items, ddp.process_group)
+            dist.all_reduce(total, group=ddp.process_group)
+            return dist.get_world_size(ddp.process_group), total
+        return 1, items
+
+    def _items_tensor(self, items, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        nccl = dist.get_backend(group) == "nccl"
+        params = self._params_of_groups()
+        device = params[0].device if nccl and params else torch.device("cpu")
+        return torch.as_tensor(items, dtype=torch.float64).to(device).reshape(1) if not isinstance(items, torch.Tensor) \
+            else items.detach().to(device, torch.float64).reshape(1)
 
     # -- gradient clipping: the one implementation (aiak.step.clip routes torch's functions here) --------
     def active(self) -> bool:
@@ -350,7 +430,7 @@ class StepController:
     def _in_window(self) -> bool:
         """The coming ``step()`` is an accumulation micro-step (the gradients are still a partial sum)."""
         self._check_the_scripts_accumulation()
-        return self.micro_step + 1 < self.accumulation
+        return self.micro_step + 1 < self.accumulation and not self._closing
 
     def _step_side(self, tensors) -> List[torch.Tensor]:
         """``tensors`` (tensors the real step uses, as :meth:`clip_targets` pairs them), or all the optimizer's."""
@@ -384,13 +464,17 @@ class StepController:
 
     @torch.no_grad()
     def _partial_norm(self, tensors: List[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """Norm of the gradients summed so far in the window, divided by ``accumulation``."""
+        """Norm of the gradients summed so far in the window, divided by ``accumulation`` (a counted window: by this
+        rank's items so far)."""
         self._restore_partial_sum()
         self._keep_partial_sum()
         grads = [t.grad for t in tensors if t.grad is not None]
         if not grads:
             return torch.tensor(0.0)
         total = grad_clip.call_original("get_total_norm", grads, norm_type, False, None)
+        if self.items.is_counted():
+            items = self.items.window_items()
+            return total / (items.clamp_min(1.0) if isinstance(items, torch.Tensor) else max(items, 1.0))
         return total / self.accumulation
 
     def clip_grads_with_norm_(self, tensors, max_norm: float, total_norm: torch.Tensor,
@@ -460,6 +544,8 @@ class StepController:
         real steps a scheduler has counted, the loss scaler's state (plain JSON values), the comm algorithm's
         state (its step count; PowerSGD's residuals and factors are tensors) and the comm hook's (int8 residuals)."""
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
+        if self._counting:
+            extra["items"] = self.items.state_dict()
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
         if self.comm_algorithm is not None:
@@ -485,6 +571,8 @@ class StepController:
         scheduler_steps.rebase(self)
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
+        if "items" in extra:
+            self.items.load_state_dict(extra["items"])
         if self.comm_algorithm is not None and "comm_algorithm" in extra:
             self.comm_algorithm.load_state_dict(extra["comm_algorithm"])
         if self.comm_state is not None and "comm_state" in extra:
@@ -517,6 +605,36 @@ def stepped(optimizer) -> bool:
     """
     controller = controller_of(optimizer)
     return controller.stepped if controller is not None and controller.active() else True
+
+
+def count_items(optimizer, n) -> None:
+    """Say, before a micro-batch's backward, that its loss is a mean over ``n`` items (tokens, samples): a number or
+    a one-element tensor (``(labels != -100).sum()``, left on its device).
+
+    A window whose micro-batches are all counted is averaged by items: the real step's gradient is
+    ``sum_i n_i g_i / sum_i n_i``, with the items summed over the ranks the gradients are averaged over, which for
+    mean losses is the gradient of the big batch's mean over all its items (what the Hugging Face Trainer's
+    ``num_items_in_batch`` gives), not the mean of the micro-batches' means. Every micro-batch of a window is
+    counted, or none; under DDP every rank counts (the items are summed at each real step). A second call before the
+    same ``step()`` replaces the first. ``aiak.optimize(..., count_items=fn)`` calls it with ``fn(batch)`` for each
+    batch of the loader it returns.
+
+    On an optimizer aiak gave no step controller (no accumulation, no fp16 loss scale) a single process has nothing
+    to weigh (a window of one micro-batch is its own mean); on several ranks it raises: pass ``count_items=True`` (or a
+    function of the batch) to ``aiak.optimize``.
+    """
+    controller = controller_of(optimizer)
+    if controller is not None and controller.active():
+        controller.count_items(n)
+        return
+    WindowItems.check(n)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("aiak.count_items: this optimizer has no aiak step controller, so DDP averages each rank's "
+                           "gradient alike and the counts cannot weigh them: pass count_items=True (you call "
+                           "aiak.count_items) or count_items=fn (a function of the batch) to aiak.optimize with this "
+                           "optimizer")
 
 
 def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

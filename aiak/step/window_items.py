@@ -1,0 +1,105 @@
+"""The items an accumulation window averages over, for ``aiak.count_items``: the big batch's gradient for losses that
+are means over a varying number of items (tokens, samples).
+
+A language-model loss is usually a mean over a micro-batch's real tokens. Averaging ``k`` such means weighs a
+micro-batch of 5 tokens like one of 500, so the accumulated gradient is not the big batch's. The big batch's mean
+over all its items is ``sum_i n_i g_i / sum_i n_i`` (``g_i`` the gradient of micro-batch ``i``'s mean, ``n_i`` its
+items): the Hugging Face Trainer's ``num_items_in_batch`` (2024) computes it by dividing loss sums by the window's
+count, fetched ahead. aiak leaves the script's loop as it is, so it weighs each micro-batch as its backward runs
+(:mod:`aiak.amp.root_scaling` multiplies the root by ``n_i``) and divides at the real step by the window's items,
+summed over the ranks the gradients are averaged over.
+
+:class:`WindowItems` is the bookkeeping of one step controller: the count declared for the coming backward
+(``pending``), the items of the window's micro-batches so far (``total``, this rank's), whether the window is
+counted at all (every micro-batch of a window is counted, or none), and the fp16 reference (a power of two fixed
+at the first count, see :func:`aiak.amp.root_scaling.weigh`). Counts are numbers or 0-dim tensors (a count computed
+on the device stays there: no host sync per micro-step).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, Optional
+
+import torch
+
+
+class WindowItems:
+    """The counted items of one controller's accumulation window (see the module docstring)."""
+
+    __slots__ = ("pending", "total", "counted", "reference")
+
+    def __init__(self):
+        self.pending: Any = None       # items of the micro-batch whose backward comes next
+        self.total: Any = 0.0          # items of the window's micro-batches already stepped (this rank)
+        self.counted: Optional[bool] = None  # None: the window has no micro-step yet
+        self.reference: Optional[float] = None  # the fp16 root's reference (see root_weight)
+
+    @staticmethod
+    def check(n: Any) -> Any:
+        """``n`` as a count: a non-negative int or float, or a tensor of one element (kept where it is, as float)."""
+        if isinstance(n, bool) or not isinstance(n, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"aiak.count_items: n must be a number or a one-element tensor (the items this "
+                            f"micro-batch's loss averages over), got {type(n).__name__}")
+        if isinstance(n, torch.Tensor):
+            if n.numel() != 1:
+                raise ValueError(f"aiak.count_items: n must be one number, got a tensor of shape {tuple(n.shape)}; "
+                                 "sum it first, e.g. (labels != -100).sum()")
+            return n.detach().reshape(()).float()
+        if not math.isfinite(n) or n < 0:
+            raise ValueError(f"aiak.count_items: n must be a finite count >= 0, got {n}")
+        return float(n)
+
+    def count(self, n: Any) -> None:
+        """The coming micro-batch's loss averages over ``n`` items (a later call before the same ``step()`` replaces
+        it: a micro-batch is counted once)."""
+        self.pending = self.check(n)
+
+    def root_weight(self, scaled: bool):
+        """``(weight, items, reference)`` for :func:`aiak.amp.root_scaling.weigh`: the pending count, and under an
+        fp16 loss scale its ratio to a power of two fixed at the first count (read once from the device)."""
+        n = self.pending
+        if not scaled:
+            return n, n, 1.0
+        if self.reference is None:
+            first = float(n) if isinstance(n, torch.Tensor) else n
+            self.reference = 2.0 ** math.floor(math.log2(first)) if first >= 1 else 1.0
+        return n / self.reference, n, self.reference
+
+    def micro_step_done(self, done: int, accumulation: int) -> None:
+        """One ``step()`` call of the window, after ``done`` others: its count joins the window's (raises if only
+        some of the window's micro-batches are counted)."""
+        counted = self.pending is not None
+        if self.counted is None:
+            self.counted = counted
+        elif self.counted != counted:
+            raise RuntimeError(
+                f"aiak.count_items: micro-step {done + 1} of this {accumulation}-step accumulation window was "
+                f"{'' if counted else 'not '}counted, and the {done} before it were{' not' if counted else ''}: a "
+                "window is averaged by items only when each of its micro-batches says how many it holds. Call "
+                "aiak.count_items(optimizer, n) before every backward (or give optimize() count_items=fn), or never")
+        if counted:
+            self.total = self.total + self.pending
+        self.pending = None
+
+    def window_items(self) -> Any:
+        """This rank's items in the window, the pending micro-batch's included (a clip before ``step()``)."""
+        return self.total + self.pending if self.pending is not None else self.total
+
+    def is_counted(self) -> bool:
+        """The window's micro-batches are counted (the pending one decides before the first ``step()``)."""
+        return self.counted if self.counted is not None else self.pending is not None
+
+    def new_window(self) -> None:
+        self.total, self.counted = 0.0, None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain numbers: the window's items so far (read from the device) and the fp16 reference."""
+        total = self.total.item() if isinstance(self.total, torch.Tensor) else self.total
+        return {"total": total, "counted": self.counted, "reference": self.reference}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.total = float(state.get("total", 0.0))
+        self.counted = state.get("counted")
+        self.reference = state.get("reference")
+        self.pending = None
