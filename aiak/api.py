@@ -25,7 +25,7 @@ logger = logging.getLogger("aiak")
 
 
 def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "auto", scheduler=None,
-             device: Any = None):
+             device: Any = None, count_items: Any = None):
     """Apply a strategy to a training setup; returns ``(model, optimizer, loader)`` (+ ``scheduler`` if given), each
     ``None`` where it was not given, so a script always unpacks three names (four with a scheduler); a line that
     unpacks another number is told so before anything is applied.
@@ -47,8 +47,14 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     A framework's optimizer wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
     seen through: the optimizer inside is the one patched, and the wrapper comes back
     (:mod:`aiak.step.wrappers`).
+
+    ``count_items``: a function of a batch returning the items its loss averages over (``lambda b: (b["labels"] !=
+    -100).sum()``), called by the returned loader for each batch, or ``True`` when the script calls
+    :func:`aiak.count_items` itself: accumulation windows (and, under DDP, the ranks' gradients) are then averaged
+    by items, the big batch's gradient for mean-over-items losses (:mod:`aiak.step.window_items`).
     """
     check_unpacking(scheduler is not None)
+    _check_count_items(count_items, optimizer, loader)
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
     check_arguments(model, optimizer, scheduler)
     bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
@@ -66,7 +72,8 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         s, loader = tuning.strategy, tuning.loader
     snapshot = Snapshot(model, optimizer, scheduler, given_loader, given_optimizer)
     try:
-        applied = apply_strategy(s, model, optimizer, loader, scheduler, device, model_applied=before)
+        applied = apply_strategy(s, model, optimizer, loader, scheduler, device, model_applied=before,
+                                 count_items=count_items or None)
     except BaseException:
         snapshot.restore()
         if tuning is not None and tuning.restore_rng is not None:
@@ -86,6 +93,21 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     warn_if_unsharded(applied.loader)
     result = (applied.model, rewrap_optimizer(wrappers, applied.optimizer), applied.loader)
     return result + (scheduler,) if scheduler is not None else result
+
+
+def _check_count_items(count_items: Any, optimizer, loader) -> None:
+    """``count_items`` is None, a bool or a function, with what it needs (checked before anything is applied)."""
+    if count_items is None or count_items is False:
+        return
+    if not (count_items is True or callable(count_items)):
+        raise TypeError(f"aiak.optimize: count_items must be a function of a batch (the items its loss averages "
+                        f"over), True (the script calls aiak.count_items) or None; got {type(count_items).__name__}")
+    if optimizer is None:
+        raise ValueError("aiak.optimize: count_items weighs the optimizer's accumulation windows by items: pass the "
+                         "optimizer too")
+    if callable(count_items) and loader is None:
+        raise ValueError("aiak.optimize: count_items=fn is called by the loader aiak returns, for each batch: pass the "
+                         "loader too (or count_items=True and call aiak.count_items(optimizer, n) in the loop)")
 
 
 def _comm_tuning(model: nn.Module):

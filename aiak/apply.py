@@ -82,17 +82,20 @@ class Applied:
 
 
 def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
-                   *, distributed: bool = True, model_applied: Optional[ModelRecord] = None) -> Applied:
+                   *, distributed: bool = True, model_applied: Optional[ModelRecord] = None,
+                   count_items: Any = None) -> Applied:
     """Steps 2-7 of applying a validated strategy (switches, surgery, optimizer and precision, DDP, compile,
     loader).
 
     The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.runtime.rollback.Snapshot`),
     and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
     ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only the optimizer's and the
-    loader's steps run.
+    loader's steps run. ``count_items``: ``True`` (the script calls ``aiak.count_items``) or a function of a batch
+    the loader calls (:func:`_window_loader_args`); either way the optimizer gets a step controller.
     """
     if model_applied is not None:
-        return _apply_to_another_optimizer(s, model, optimizer, loader, scheduler, device, model_applied)
+        return _apply_to_another_optimizer(s, model, optimizer, loader, scheduler, device, model_applied,
+                                           count_items)
     dev = model_device(model, device)
     if model is not None and device is not None:
         model.to(dev)
@@ -133,7 +136,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     # int8 keeps error-feedback residuals, saved with the optimizer's state (the step controller's extras)
     residuals = many_ranks and (s.comm.compression == "int8" or s.comm.autotune and s.comm.tune_int8)
     controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
-                                always=synchronising or residuals)
+                                always=synchronising or residuals or bool(count_items))
 
     # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
     comm_cfg = s.comm
@@ -164,10 +167,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     summary.add("compile", s.compile, amp.apply_compile(model, dev) if s.compile else "off")
 
     # 7. loader
-    if loader is not None:
-        loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last)
-    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
-                type(loader).__name__ if loader is not None else "no loader")
+    loader = _wrap_loader(s, loader, dev, controller, count_items, summary)
 
     summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
     return Applied(model, optimizer, loader, summary, controller, precision.scaler)
@@ -190,7 +190,7 @@ def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scal
 
 
 def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler, device,
-                                record: ModelRecord) -> Applied:
+                                record: ModelRecord, count_items: Any = None) -> Applied:
     """The optimizer's and the loader's steps of :func:`apply_strategy`, for a model optimized before."""
     summary = Summary()
     bare = model.module if is_ddp(model) else model
@@ -203,15 +203,37 @@ def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler
         summary.add(knob, getattr(s, knob), "kept as the first optimize() call of this model applied it")
     user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
     summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
-    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, record.scaler, summary)
+    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, record.scaler, summary,
+                                always=bool(count_items))
     ddp = model if is_ddp(model) else framework_ddp(bare)
     if controller is not None and ddp is not None:
         controller.attach_ddp(ddp)
-    if loader is not None:
-        loader = loaders.wrap_loader(loader, s.loader, model_device(model, device), channels_last=s.channels_last)
-    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
-                type(loader).__name__ if loader is not None else "no loader")
+    loader = _wrap_loader(s, loader, model_device(model, device), controller, count_items, summary)
     return Applied(model, optimizer, loader, summary, controller, record.scaler)
+
+
+def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController], count_items: Any,
+                 summary: Summary):
+    """Step 7: the strategy's ``loader:`` section, then the step controller's signals: windows closed at each
+    epoch's end under accumulation, each batch's items counted with a ``count_items`` function
+    (:class:`aiak.loaders.WindowLoader`). Without a loader the windows cannot see an epoch end: the controller
+    says so at its first step, if no framework's accumulation took over by then."""
+    accumulation = controller.accumulation if controller is not None else 1
+    if loader is None:
+        summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")), "no loader")
+        return None
+    if controller is not None:
+        controller.sees_epoch_ends = True
+    count = count_items if callable(count_items) else None
+    loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last, accumulation=accumulation,
+                                 close_window=controller.close_window if controller is not None else None,
+                                 count=count, counted=controller.count_items if count is not None else None)
+    inner = loader.loader if isinstance(loader, loaders.WindowLoader) else loader
+    signals = [what for what, on in (("windows closed at each epoch's end", accumulation > 1),
+                                     ("items counted per batch", count is not None)) if on]
+    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
+                type(inner).__name__ + (f"; {', '.join(signals)}" if signals else ""))
+    return loader
 
 
 def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold: str) -> None:

@@ -6,7 +6,7 @@ usable on its own. Importing this package needs only torch (DALI is imported ins
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -14,15 +14,18 @@ from aiak.loaders.balanced_sampler import BalancedBatchSampler, PadCollate, toke
 from aiak.loaders.balanced_loader import BalancedDataLoader, balance_loader, sample_lengths
 from aiak.loaders.dali import DaliLoader, dali_loader
 from aiak.loaders.prefetch import PrefetchLoader
+from aiak.loaders.window_loader import WindowLoader, check_epochs_alike
 from aiak.util.warn import warn
 
 __all__ = ["PrefetchLoader", "dali_loader", "DaliLoader", "BalancedBatchSampler", "PadCollate", "tokens_per_rank",
-           "BalancedDataLoader", "balance_loader", "sample_lengths", "wrap_loader"]
+           "BalancedDataLoader", "balance_loader", "sample_lengths", "WindowLoader", "wrap_loader"]
 
 logger = logging.getLogger("aiak")
 
 
-def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = False) -> Any:
+def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = False, accumulation: int = 1,
+                close_window: Optional[Callable[[], None]] = None, count: Optional[Callable[[Any], Any]] = None,
+                counted: Optional[Callable[[Any], None]] = None) -> Any:
     """Apply a ``LoaderConfig`` (``prefetch``, ``pin_memory``, ``balanced``) to the user's loader and return it.
 
     * ``balanced``: a torch ``DataLoader`` over variable-length samples is rebuilt around a
@@ -35,6 +38,9 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
       normalization: ``mean``/``std`` turn uint8 images into the inputs the model was written for), whatever
       ``prefetch`` says; never stacked. ``balanced`` rebuilds the loader inside it.
     * ``pin_memory`` only matters with a CUDA device; elsewhere a warning says it is skipped.
+    * ``close_window`` (``accumulation > 1``) and ``count``: the result is wrapped last in a :class:`WindowLoader`
+      that calls ``close_window()`` before each epoch's last batch (the epoch's length checked alike on every rank
+      first) and hands ``count(batch)`` of each batch to ``counted``.
 
     Keys a later schema may add are read when present: ``max_tokens`` (token budget per rank for ``balanced``),
     ``mean`` / ``std`` (on-device normalization of uint8 NCHW images by the prefetcher).
@@ -44,7 +50,20 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
         return None
     device = torch.device(device) if device is not None else torch.device("cpu")
     if isinstance(loader, PrefetchLoader):
-        return _keep_scripts_prefetcher(loader, cfg)
+        loader = _keep_scripts_prefetcher(loader, cfg)
+    else:
+        loader = _wrap(loader, cfg, device, channels_last)
+    if accumulation == 1:
+        close_window = None
+    if close_window is not None:
+        check_epochs_alike(loader, accumulation)
+    if close_window is not None or count is not None:
+        loader = WindowLoader(loader, close_window, count, counted)
+    return loader
+
+
+def _wrap(loader: Any, cfg: Any, device: torch.device, channels_last: bool) -> Any:
+    """``balanced``, ``pin_memory`` and ``prefetch`` applied to a loader that is not a ``PrefetchLoader``."""
     if cfg.balanced:
         loader = balance_loader(loader, max_tokens=getattr(cfg, "max_tokens", None))
     if cfg.pin_memory and device.type != "cuda":
