@@ -16,6 +16,15 @@ Trainer loads the optimizer's state before any callback runs, so what aiak adds 
 ``trainer_state.json`` and taken back when training begins. The callback runs in one process; under torchrun the Trainer has already wrapped the
 model in DDP, so use the recipe (aiak's own DDP) there instead.
 
+With aiak's ``grad_accumulation: N`` and the Trainer's ``gradient_accumulation_steps=1``, the callback makes
+aiak's windows what the Trainer's own would be: each window closes at the epoch's last batch (``on_step_begin``
+tells aiak before that batch's forward), and each micro-batch is weighed by the items the Trainer counted for it
+(its ``num_items_in_batch``, the real tokens of a language model's labels, passed to a model that takes loss
+keyword arguments: a forward pre-hook hands it to :func:`aiak.count_items`), so a loss that is a mean over tokens
+accumulates to the big batch's mean over all its tokens, as the Trainer's own accumulation gives. With the
+Trainer's accumulation (``gradient_accumulation_steps > 1``) the Trainer already divides by the window's items;
+aiak's accumulation then steps aside and the callback counts nothing, so nothing is weighed twice.
+
 A complete script (callback)::
 
     import torch
@@ -55,6 +64,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 import aiak
 from aiak.util.versions import install_hint
 from aiak.step.controller import controller_of
@@ -81,6 +92,8 @@ class AiakTrainerCallback(TrainerCallback, ExportableState):
         self.strategy = strategy
         self.applied = False
         self._optimizer = None
+        self._batches_per_epoch = None  # aiak accumulates over the Trainer's single-batch steps: windows to close
+        self._counting = None           # the forward pre-hook counting the Trainer's num_items_in_batch
 
     def state(self) -> dict:
         """What the Trainer writes into a checkpoint for this callback (plain JSON values)."""
@@ -108,6 +121,35 @@ class AiakTrainerCallback(TrainerCallback, ExportableState):
         controller = controller_of(optimizer)
         if extras is not None and controller is not None:  # resumed: the Trainer loaded the optimizer without them
             controller.restore_checkpoint_extras(extras)
+        if controller is not None and controller.accumulation > 1 and args.gradient_accumulation_steps == 1:
+            self._take_over_the_trainers_windows(model, controller, kwargs.get("train_dataloader"))
+
+    def _take_over_the_trainers_windows(self, model, controller, loader) -> None:
+        """aiak accumulates over the Trainer's one-batch steps: close its windows where the Trainer's epochs end,
+        and weigh each micro-batch by the items the Trainer counts for it."""
+        try:
+            self._batches_per_epoch = len(loader) if loader is not None else None
+        except TypeError:
+            self._batches_per_epoch = None
+        controller.sees_epoch_ends = self._batches_per_epoch is not None
+        self._counting = model.register_forward_pre_hook(self._count_items, with_kwargs=True)
+
+    def _count_items(self, module, args, kwargs):
+        """A training forward the Trainer passed ``num_items_in_batch`` to: that micro-batch's items."""
+        n = kwargs.get("num_items_in_batch")
+        if n is not None and module.training and torch.is_grad_enabled():
+            aiak.count_items(self._optimizer, n)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        """Before the epoch's last batch (the Trainer steps once per batch here), aiak's window closes with it."""
+        batches = self._batches_per_epoch
+        if batches and (state.global_step + 1) % batches == 0:
+            controller_of(self._optimizer).close_window()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._counting is not None:
+            self._counting.remove()
+            self._counting = None
 
 
 def _saved_extras(state, name: str):
