@@ -142,3 +142,73 @@ def test_resuming_from_a_checkpoint_with_the_callback_continues_bit_for_bit(tmp_
     import json
     saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["AiakTrainerCallback"]
     assert saved["attributes"]["checkpoint_extras"]["loss_scaler"]["skipped_steps"] >= 1
+
+
+class _Sequences(torch.utils.data.Dataset):
+    """20 token sequences of 2 to 15 tokens: a causal LM's micro-batches hold from a few to dozens of real tokens."""
+
+    def __init__(self, n=20):
+        g = torch.Generator().manual_seed(3)
+        self.rows = [torch.randint(0, 32, (int(torch.randint(2, 16, (1,), generator=g)),), generator=g)
+                     for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def _pad(rows):
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = r["input_ids"], r["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _causal_lm_trainer(tmp_path, name, accumulation, callbacks, epochs=2):
+    config = transformers.GPT2Config(vocab_size=32, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    arguments = transformers.TrainingArguments(output_dir=str(tmp_path / name), report_to=[], use_cpu=True,
+                                               per_device_train_batch_size=2, num_train_epochs=epochs,
+                                               gradient_accumulation_steps=accumulation, optim="sgd",
+                                               learning_rate=0.5, lr_scheduler_type="constant", save_strategy="no",
+                                               disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Sequences(), data_collator=_pad,
+                                   callbacks=callbacks)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.train()
+    return trainer, aiak_warnings(record)
+
+
+def test_a_causal_lm_on_variable_lengths_accumulated_by_aiak_equals_the_trainers_own_accumulation(tmp_path):
+    """GPT-2 (random weights) on sequences of 2-15 tokens, 10 batches per epoch, two epochs. The Trainer's own
+    gradient_accumulation_steps=4 divides each window by its tokens and closes it at the epoch's end (windows 4, 4,
+    2). aiak's grad_accumulation: 4 under the callback (Trainer steps of one batch) weighs each micro-batch by the
+    tokens the Trainer counted for it and closes at the same batches: equal to 1e-6. Uncounted (the mean of the
+    micro-batches' means) it is not; with both accumulations the Trainer's wins and nothing is weighed twice."""
+    from aiak.integrations.transformers import AiakTrainerCallback
+
+    trainers, _ = _causal_lm_trainer(tmp_path, "trainer", 4, [])
+    assert trainers.model_accepts_loss_kwargs  # the Trainer divides by the window's tokens itself
+    aiaks, said = _causal_lm_trainer(tmp_path, "aiak", 1, [AiakTrainerCallback({"grad_accumulation": 4,
+                                                                                 "tune": False})])
+    assert not said, said  # the callback closes the windows at the epoch's end: nothing to warn about
+    assert max_abs_diff(aiaks.model, trainers.model) < 1e-6
+    both, said = _causal_lm_trainer(tmp_path, "both", 4, [AiakTrainerCallback({"grad_accumulation": 4,
+                                                                               "tune": False})])
+    assert len(said) == 1 and "gradient_accumulation_steps" in said[0], said
+    assert max_abs_diff(both.model, trainers.model) < 1e-6
+
+    class NoCount(AiakTrainerCallback):  # the control: the same windows, each micro-batch's mean weighed alike
+        def _count_items(self, module, args, kwargs):
+            pass
+
+    uncounted, _ = _causal_lm_trainer(tmp_path, "uncounted", 1, [NoCount({"grad_accumulation": 4, "tune": False})])
+    assert max_abs_diff(uncounted.model, trainers.model) > 1e-4

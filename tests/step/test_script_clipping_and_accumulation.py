@@ -36,7 +36,7 @@ def _agc_run(clip, accumulation, batches):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     if accumulation:
-        model, opt, _ = aiak.optimize(model, opt, strategy={"grad_accumulation": accumulation})
+        model, opt, batches = aiak.optimize(model, opt, batches, strategy={"grad_accumulation": accumulation})
     for x, y in batches:
         nn.functional.cross_entropy(model(x), y).backward()
         clip(model.parameters())
@@ -103,10 +103,10 @@ def test_the_scripts_own_accumulation_with_aiaks_is_said_once_with_the_fix():
 def test_one_backward_per_step_says_nothing():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, opt, _ = aiak.optimize(model, opt, strategy={"grad_accumulation": 2})
+    model, opt, loader = aiak.optimize(model, opt, _batches(6), strategy={"grad_accumulation": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for x, y in _batches(6):
+        for x, y in loader:
             nn.functional.cross_entropy(model(x), y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # routed: changes nothing mid-window
             opt.step()

@@ -1,0 +1,108 @@
+"""One rank of the multi-rank tests of windows that close with the epoch and windows averaged by items
+(``tests/step/test_window_ends_and_items.py``), launched as torchrun would by ``tests/comm/conftest.launch``.
+
+``AIAK_TEST_STRATEGY``: the strategy as JSON; ``AIAK_TEST_COUNT``: ``fn`` (count_items=fn), ``none``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.comm.dist_worker import main  # noqa: E402
+from tests.step import window_data  # noqa: E402
+
+
+def _strategy():
+    return json.loads(os.environ.get("AIAK_TEST_STRATEGY", "{}"))
+
+
+def scenario_items(rank):
+    """Each rank trains on its own variable-length micro-batches, counted by the loader (or not)."""
+    import aiak
+
+    world = dist.get_world_size()
+    model = window_data.token_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    batches = window_data.rank_batches(rank, world)
+    count = window_data.count_tokens if os.environ.get("AIAK_TEST_COUNT") == "fn" else None
+    model, opt, loader = aiak.optimize(model, opt, batches, strategy=_strategy(), count_items=count)
+    for batch in loader:
+        window_data.token_loss(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(os.environ.get("AIAK_TEST_CLIP", "1e9")))
+        opt.step()
+        opt.zero_grad()
+    bare = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return {k: v.clone() for k, v in bare.state_dict().items()}
+
+
+def scenario_epochs(rank):
+    """Two epochs of a DistributedSampler's shards, 10 batches per rank and epoch, accumulation 4."""
+    import aiak
+
+    world = dist.get_world_size()
+    model = window_data.image_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    sampler = torch.utils.data.DistributedSampler(window_data.samples(), num_replicas=world, rank=rank, seed=3)
+    loader = torch.utils.data.DataLoader(window_data.samples(), batch_size=2, sampler=sampler)
+    model, opt, loader = aiak.optimize(model, opt, loader, strategy=_strategy())
+    stepped_at_epoch_end = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        stepped_at_epoch_end.append(aiak.stepped(opt))
+    return {"state": {k: v.clone() for k, v in model.module.state_dict().items()},
+            "stepped": stepped_at_epoch_end}
+
+
+def scenario_equal_counts(rank):
+    """Micro-batches counted alike and not counted, under the strategy's comm algorithm. ``AIAK_TEST_NODE_COUNTS``:
+    each node counts its own number (alike inside a node), so only a sum over the ranks the algorithm averages
+    gradients over (a node for local SGD, the rank itself for decentralized SGD) leaves the result unchanged."""
+    import aiak
+
+    per_node = os.environ.get("AIAK_TEST_NODE_COUNTS") == "1"
+    items = 2 * (rank // 2 + 1) if per_node else 2  # per node: 2 on node 0, 4 on node 1
+    out = {}
+    for counted in (False, True):
+        model = window_data.image_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(2, 6, generator=g), torch.randint(0, 3, (2,), generator=g)) for _ in range(12)]
+        model, opt, loader = aiak.optimize(model, opt, batches, strategy=_strategy(),
+                                           count_items=(lambda b: items) if counted else None)
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[counted] = {k: v.clone() for k, v in model.module.state_dict().items()}
+    return out
+
+
+def scenario_unequal(rank):
+    """The last rank's loader has one batch fewer: optimize() refuses on every rank, naming the lengths."""
+    import aiak
+
+    world = dist.get_world_size()
+    batches = window_data.rank_batches(rank, world)[: 8 - (rank == world - 1)]
+    model = window_data.token_model()
+    try:
+        aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), batches,
+                      strategy={"grad_accumulation": 4, "tune": False})
+    except ValueError as e:
+        return {"error": str(e), "wrapped": isinstance(model, nn.parallel.DistributedDataParallel)}
+    return {"error": None}
+
+
+if __name__ == "__main__":
+    main(globals())
