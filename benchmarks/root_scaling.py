@@ -1,6 +1,7 @@
-"""What fp16 loss scaling at the backward's root costs per backward pass (:mod:`aiak.amp.root_scaling`).
+"""What a factor at the backward's root costs per backward pass (:mod:`aiak.amp.root_scaling`): fp16 loss scaling,
+and counted items (``aiak.count_items``).
 
-    python benchmarks/root_scaling.py [--rounds 15] [--models mlp,deep,resnet50]
+    python benchmarks/root_scaling.py [--rounds 15] [--models mlp,deep,resnet50] [--factors fp16,items]
 
 For an fp16 model, every backward pass that reaches its parameters walks the autograd graph once (to find the
 leaves and the loss scalers), multiplies the root gradients by the scale and registers a pre-hook on each leaf's
@@ -16,6 +17,10 @@ It prints, per model, the forward + backward time of each (median of rounds), th
 of the per-round differences, with their min-max) and the ratio root / bare. fp16 is emulated on most CPUs, so
 the forward and backward themselves are slow here; the difference is what the wrapper adds, whatever the device.
 Also printed: how many graph nodes and leaves the walk visits.
+
+``--factors items`` times the same two ways for an fp32 model under ``grad_accumulation: 4`` with a count
+pending (``aiak.count_items(optimizer, 32)``): the walk and one multiply at the root, no hook on the counted
+parameters. That is what counting adds to each micro-step's backward.
 """
 from __future__ import annotations
 
@@ -60,13 +65,19 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def measure(name: str, build, rounds: int, repeats: int) -> dict:
+STRATEGIES = {"fp16": {"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 128}, "tune": False},
+              "items": {"grad_accumulation": 4, "tune": False}}
+
+
+def measure(name: str, build, rounds: int, repeats: int, factor: str = "fp16") -> dict:
     torch.manual_seed(0)
     model, x = build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _, _ = aiak.optimize(model, strategy={"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 128},
-                                                     "tune": False}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        model, optimizer, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                            strategy=STRATEGIES[factor], count_items=factor == "items" or None)
+    if factor == "items":
+        aiak.count_items(optimizer, 32)  # pending until a step(), which this timing never takes
     wrapped = torch.autograd.graph._engine_run_backward
     bare = root_scaling._original
 
@@ -81,7 +92,7 @@ def measure(name: str, build, rounds: int, repeats: int) -> dict:
             torch.autograd.graph._engine_run_backward = torch.autograd._engine_run_backward = wrapped
 
     out = model(x).float().square().mean()
-    leaves, _ = root_scaling._walk([out])
+    leaves = root_scaling._walk([out])[0]
     seen = _count_nodes(out)
     out.backward()
     for fn in (run_root, run_bare, run_root, run_bare):   # warm-up
@@ -93,7 +104,7 @@ def measure(name: str, build, rounds: int, repeats: int) -> dict:
             (root_s if fn is run_root else bare_s).append(_time(fn, repeats))
     diffs = [a - b for a, b in zip(root_s, bare_s)]
     ratios = [a / b for a, b in zip(root_s, bare_s)]
-    return {"model": name, "nodes": seen, "leaves": len(leaves), "root_ms": statistics.median(root_s) * 1e3,
+    return {"model": f"{name} {factor}", "nodes": seen, "leaves": len(leaves), "root_ms": statistics.median(root_s) * 1e3,
             "bare_ms": statistics.median(bare_s) * 1e3, "diff_us": statistics.median(diffs) * 1e6,
             "diff_min_us": min(diffs) * 1e6, "diff_max_us": max(diffs) * 1e6,
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
@@ -116,18 +127,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="forward + backward passes per sample")
     ap.add_argument("--models", default="mlp,deep,resnet50")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--factors", default="fp16,items", help="fp16 (O2 fp16, static scale 128) and/or items (fp32, "
+                                                             "accumulation 4, a count pending)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     builders = _models()
-    print(f"O2 fp16 (static scale 128), forward + backward; {args.rounds} alternating rounds of {args.repeats} passes, "
+    print(f"forward + backward; {args.rounds} alternating rounds of {args.repeats} passes, "
           f"{args.threads} thread(s); median (min-max over rounds)")
-    print(f"{'model':<10} {'nodes':>6} {'leaves':>6} {'root ms':>9} {'bare ms':>9} {'root - bare us':>24} "
+    print(f"{'model':<16} {'nodes':>6} {'leaves':>6} {'root ms':>9} {'bare ms':>9} {'root - bare us':>24} "
           f"{'root / bare':>22}")
-    for name in args.models.split(","):
-        row = measure(name, builders[name], args.rounds, args.repeats)
-        print(f"{row['model']:<10} {row['nodes']:>6} {row['leaves']:>6} {row['root_ms']:>9.2f} {row['bare_ms']:>9.2f} "
-              f"{row['diff_us']:>9.0f} ({row['diff_min_us']:.0f} to {row['diff_max_us']:.0f}) "
-              f"{row['ratio']:>8.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})")
+    for factor in args.factors.split(","):
+        for name in args.models.split(","):
+            row = measure(name, builders[name], args.rounds, args.repeats, factor)
+            print(f"{row['model']:<16} {row['nodes']:>6} {row['leaves']:>6} {row['root_ms']:>9.2f} "
+                  f"{row['bare_ms']:>9.2f} {row['diff_us']:>9.0f} ({row['diff_min_us']:.0f} to "
+                  f"{row['diff_max_us']:.0f}) {row['ratio']:>8.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})")
 
 
 if __name__ == "__main__":
