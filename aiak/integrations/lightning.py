@@ -7,6 +7,9 @@ scheduler goes through ``aiak.optimize(scheduler=...)``, so with ``grad_accumula
 step. Lightning steps with ``optimizer.step(closure)`` and clips with ``torch.nn.utils.clip_grad_norm_`` inside
 that closure; both reach aiak's step controller, which clips the true gradient (unscaled, the whole window's
 average). With ``Trainer(accumulate_grad_batches=N)`` as well, Lightning's accumulation wins (one warning).
+With aiak's ``grad_accumulation`` alone, the callback closes aiak's window at each epoch's last batch (Lightning's
+``num_training_batches``, told before that batch's forward), averaged over the micro-batches it holds as timm's
+``train.py`` does (Lightning's own accumulation divides a short last window by ``accumulate_grad_batches``).
 
 A complete script::
 
@@ -47,9 +50,11 @@ strategy to the module, each further call (and every call when ``configure_optim
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import aiak
+from aiak.step.controller import controller_of
 from aiak.util.versions import install_hint
 
 try:
@@ -121,6 +126,7 @@ class AiakCallback(pl.Callback):
 
     def __init__(self, strategy: Any = "auto"):
         self.strategy = strategy
+        self._closing = []  # step controllers whose windows close at each epoch's last batch
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit" or getattr(pl_module, "_aiak_callback_wrapped", False):
@@ -133,3 +139,16 @@ class AiakCallback(pl.Callback):
 
         pl_module.configure_optimizers = configure_optimizers
         pl_module._aiak_callback_wrapped = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """The controllers that accumulate, told that their windows will close with Lightning's epochs."""
+        controllers = [controller_of(o) for o in trainer.optimizers]
+        self._closing = [c for c in controllers if c is not None and c.accumulation > 1] \
+            if math.isfinite(trainer.num_training_batches) else []
+        for controller in self._closing:
+            controller.sees_epoch_ends = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx == trainer.num_training_batches - 1:
+            for controller in self._closing:
+                controller.close_window()

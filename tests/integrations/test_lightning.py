@@ -233,3 +233,35 @@ def test_a_training_step_calling_self_net_computes_in_o2_like_the_plain_loop(dty
         assert scaler.grad_scale() == 2.0 ** 16 and scaler.skipped_steps == 0
     fp32 = _fit(CallsItsSubmodule(), gradient_clip_val=0.5)
     assert 1e-4 < max_abs_diff(fitted, fp32) < {"bf16": 2e-2, "fp16": 2.5e-3}[dtype]
+
+
+def test_the_callback_closes_aiaks_window_at_each_epochs_last_batch():
+    """11 batches per epoch (the last of 4 samples), aiak's grad_accumulation: 4 under the callback, two epochs:
+    windows of 4, 4 and 3 batches, the last averaged over its 3 (timm's rule), equal to a plain loop doing that
+    (1e-6), with nothing to warn about. Before, the third window ran on into the next epoch."""
+    from aiak.integrations.lightning import AiakCallback
+
+    def loader():
+        x, y = tensors()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=6)
+
+    module = Classifier()
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AiakCallback({"grad_accumulation": 4, "tune": False})])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_dataloaders=loader())
+    assert not aiak_warnings(record), aiak_warnings(record)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    batches = list(loader())
+    assert len(batches) == 11
+    for _ in range(2):
+        for start in range(0, 11, 4):
+            window = batches[start:start + 4]
+            for x, y in window:
+                (nn.functional.cross_entropy(net(x), y) / len(window)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert max_abs_diff(module.net, net) < 1e-6
