@@ -377,45 +377,10 @@ class StepController:
         return self._prepared
 
     def _window_factor(self, micro_steps: int):
-        """What the window's summed gradients are multiplied by: ``1 / micro_steps`` (timm's rule: a window the
-        epoch's end closed early is averaged over the micro-batches it holds), or for a counted window ``ranks /
-        items``, its items summed over the ``ranks`` whose gradients were averaged (each micro-batch's gradient
-        entered the sum times its items: :mod:`aiak.step.window_items`)."""
-        if not self.items.is_counted():
-            return 1.0 / micro_steps
-        ranks, items = self._items_over_ranks(self.items.window_items())
-        if isinstance(items, torch.Tensor):
-            return (ranks / items.clamp_min(1.0)).reshape(()).float()
-        return ranks / max(items, 1.0)
-
-    def _items_over_ranks(self, items):
-        """``(ranks, items summed over them)``: the ranks a gradient is averaged over (the comm hook's scope: every
-        rank, the node's or this one; DDP without aiak's hook: its group). One scalar sum per real step, on the
-        hook's worker after its buckets when aiak's hook runs."""
-        import torch.distributed as dist
-
-        state, ddp = self.comm_state, self.ddp
-        if state is not None:
-            ranks = state.scope_size()
-            if ranks > 1:
-                total = self._items_tensor(items, state.process_group)
-                state.sum_items(total)
-                return ranks, total
-            return 1, items
-        if ddp is not None and dist.is_initialized() and dist.get_world_size(ddp.process_group) > 1:
-            total = self._items_tensor(items, ddp.process_group)
-            dist.all_reduce(total, group=ddp.process_group)
-            return dist.get_world_size(ddp.process_group), total
-        return 1, items
-
-    def _items_tensor(self, items, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        nccl = dist.get_backend(group) == "nccl"
+        """What the window's summed gradients are multiplied by (:meth:`WindowItems.factor`): ``1 / micro_steps``,
+        or for a counted window its ranks over its items summed over them."""
         params = self._params_of_groups()
-        device = params[0].device if nccl and params else torch.device("cpu")
-        return torch.as_tensor(items, dtype=torch.float64).to(device).reshape(1) if not isinstance(items, torch.Tensor) \
-            else items.detach().to(device, torch.float64).reshape(1)
+        return self.items.factor(micro_steps, self.comm_state, self.ddp, params[0].device if params else None)
 
     # -- gradient clipping: the one implementation (aiak.step.clip routes torch's functions here) --------
     def active(self) -> bool:

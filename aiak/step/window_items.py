@@ -22,6 +22,7 @@ import numbers
 from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 
 class WindowItems:
@@ -90,6 +91,18 @@ class WindowItems:
         """The window's micro-batches are counted (the pending one decides before the first ``step()``)."""
         return self.counted if self.counted is not None else self.pending is not None
 
+    def factor(self, micro_steps: int, comm_state=None, ddp=None, device=None):
+        """What the window's summed gradients are multiplied by at the real step: ``1 / micro_steps`` (timm's rule:
+        a window the epoch's end closed early is averaged over the micro-batches it holds), or, counted, ``ranks /
+        items``: its items summed over the ``ranks`` its gradients were averaged over (each micro-batch's gradient
+        entered the sum times its items), clamped to at least 1 item."""
+        if not self.is_counted():
+            return 1.0 / micro_steps
+        ranks, items = sum_over_ranks(self.window_items(), comm_state, ddp, device)
+        if isinstance(items, torch.Tensor):
+            return (ranks / items.clamp_min(1.0)).reshape(()).float()
+        return ranks / max(items, 1.0)
+
     def new_window(self) -> None:
         self.total, self.counted = 0.0, None
 
@@ -103,3 +116,30 @@ class WindowItems:
         self.counted = state.get("counted")
         self.reference = state.get("reference")
         self.pending = None
+
+
+def sum_over_ranks(items, comm_state=None, ddp=None, device=None):
+    """``(ranks, items summed over them)``: the ranks a gradient is averaged over. With aiak's comm hook, its scope
+    (every rank, the node's, or this one alone), summed on the hook's worker after its buckets
+    (``comm_state.sum_items``); with a DDP without aiak's hook, its process group; else this rank alone. One
+    8-byte sum per real step; ``device``: where the gradients are (an NCCL group sums on it)."""
+    if comm_state is not None:
+        ranks = comm_state.scope_size()
+        if ranks == 1:
+            return 1, items
+        total = _as_sent(items, comm_state.process_group, device)
+        comm_state.sum_items(total)
+        return ranks, total
+    if ddp is not None and dist.is_initialized() and dist.get_world_size(ddp.process_group) > 1:
+        total = _as_sent(items, ddp.process_group, device)
+        dist.all_reduce(total, group=ddp.process_group)
+        return dist.get_world_size(ddp.process_group), total
+    return 1, items
+
+
+def _as_sent(items, group, device) -> torch.Tensor:
+    """``items`` as a float64 tensor of one element, on the device ``group``'s backend sums on."""
+    on = device if dist.get_backend(group) == "nccl" and device is not None else torch.device("cpu")
+    if isinstance(items, torch.Tensor):
+        return items.detach().to(on, torch.float64).reshape(1)
+    return torch.tensor([float(items)], dtype=torch.float64, device=on)
