@@ -3,9 +3,11 @@
 ``aiak.optimize`` patches the user's optimizer *in place* (the same object comes back, so ``isinstance``
 checks and schedulers built earlier keep working). Its ``step()`` then:
 
-1. counts micro-steps and really steps only on every ``accumulation``-th call; under DDP, gradients are
+1. counts micro-steps and really steps only on every ``accumulation``-th call, or on the call that ends an epoch
+   (:meth:`StepController.close_window`, called by the loader ``optimize`` returned); under DDP, gradients are
    synchronised only on the last micro-step (``no_sync`` semantics);
-2. on the real step, divides the summed gradients by ``accumulation`` (they are the model's fp32 parameters'
+2. on the real step, divides the summed gradients by the window's micro-steps, or by its counted items summed over
+   the ranks (:func:`count_items`, :mod:`aiak.step.window_items`; they are the model's fp32 parameters'
    own gradients under every precision, summed in fp32) and, under fp16 loss scaling, checks them for inf/NaN
    in the same fused pass (:mod:`aiak.amp.root_scaling` has already unscaled them during the backward); an
    overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
