@@ -82,14 +82,14 @@ class _SizedBatches(_Batches):
         return self.length
 
 
-def test_a_loader_without_len_keeps_windows_running_on_and_says_so_once():
+def test_a_loader_without_len_keeps_windows_running_on_and_says_so_once(warnings_said_again):
     batches = list(_loader())
     with pytest.warns(UserWarning, match="no exact len"):
         model, stepped, _ = _aiak_epochs(_Batches(batches), {"grad_accumulation": 4}, checkpoint=False)
     assert stepped == [False, True]  # 10 + 10 micro-batches: the first epoch's end is inside a window
 
 
-def test_an_epoch_that_ends_where_len_did_not_say_is_said():
+def test_an_epoch_that_ends_where_len_did_not_say_is_said(warnings_said_again):
     batches = list(_loader())
     with pytest.warns(UserWarning, match="had 10 batches where its len.. says 12"):
         _, stepped, _ = _aiak_epochs(_SizedBatches(batches, 12), {"grad_accumulation": 4}, epochs=1,
@@ -112,7 +112,7 @@ def test_the_returned_loader_is_the_users_for_everything_but_iteration():
     assert own.mixup_enabled is False
 
 
-def test_without_a_loader_the_first_step_says_windows_run_on():
+def test_without_a_loader_the_first_step_says_windows_run_on(warnings_said_again):
     model = data.image_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, _ = aiak.optimize(model, opt, strategy={**NO_TUNE, "grad_accumulation": 2})
