@@ -170,6 +170,67 @@ def root_scaling_row(dev) -> dict:
                 "min cosine, max norm off (goal .99, 5%)", f"{cos:.4f}, {off:.2%}")
 
 
+def counted_items_row(dev, dtype: str = "fp16") -> dict:
+    """Accumulation averaged by counted items (``count_items=fn``, the counts 0-dim tensors on ``dev``) under
+    ``dtype`` O1 with its loss scaling, against plain fp32 PyTorch on one big batch per window (one mean over all
+    its tokens). Goal: the final weights within 2e-3 of it, where the mean of the micro-batches' means is further
+    off than that, and no step skipped for overflow."""
+    import torch
+    from torch import nn
+
+    import aiak
+    from aiak.step.controller import controller_of
+
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(8):
+        length = int(torch.randint(2, 40, (1,), generator=g))
+        ids, labels = torch.randint(0, 16, (4, length), generator=g), torch.randint(0, 16, (4, length), generator=g)
+        labels[:, int(torch.randint(1, length + 1, (1,), generator=g)):] = -100
+        batches.append({"ids": ids.to(dev), "labels": labels.to(dev)})
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(16, 32), nn.Tanh(), nn.Linear(32, 16)).to(dev)
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def loss_of(model, b, reduction="mean"):
+        return nn.functional.cross_entropy(model(b["ids"]).flatten(0, 1).float(), b["labels"].flatten(),
+                                           ignore_index=-100, reduction=reduction)
+
+    big, big_opt = build()
+    means, means_opt = build()
+    for w in range(0, 8, 4):
+        window = batches[w:w + 4]
+        tokens = sum(int((b["labels"] != -100).sum()) for b in window)
+        (sum(loss_of(big, b, "sum") for b in window) / tokens).backward()
+        for b in window:
+            (loss_of(means, b) / 4).backward()
+        for opt in (big_opt, means_opt):
+            opt.step()
+            opt.zero_grad()
+    model, opt = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = aiak.optimize(model, opt, batches, count_items=lambda b: (b["labels"] != -100).sum(),
+                                           strategy={"grad_accumulation": 4, "tune": False,
+                                                     "precision": {"level": "O1", "dtype": dtype}})
+    for b in loader:
+        loss_of(model, b).backward()
+        opt.step()
+        opt.zero_grad()
+    scaler = controller_of(opt).scaler
+    skipped = scaler.skipped_steps if scaler is not None else 0
+
+    def off(a):
+        return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), big.parameters()))
+
+    got, unweighted = off(model), off(means)
+    return _row(f"amp: counted items under O1 {dtype}", got <= 2e-3 < unweighted and skipped == 0,
+                "max |w - big batch|, mean of means, skipped (goal <= 2e-3 < it, 0)",
+                f"{got:.1e}, {unweighted:.1e}, {skipped}")
+
+
 def gpu_checks() -> list:
     """CUDA checks of aiak.amp, one row each with its goal: run by ``benchmarks/gpu_check.py`` on a GPU."""
     import copy
@@ -244,6 +305,8 @@ def gpu_checks() -> list:
                      "|w-w_ref|/|w_ref-w0| (goal <= 0.06)", f"{float(off / moved):.4f}"))
 
     rows.append(root_scaling_row(dev))
+    rows.append(counted_items_row(dev, "fp16"))
+    rows.append(counted_items_row(dev, "bf16"))
 
     # compile: true with inductor runs compiled (no eager fallback) and computes what eager does
     torch.manual_seed(0)

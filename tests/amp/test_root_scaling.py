@@ -100,3 +100,16 @@ def test_the_gpu_checks_root_scaling_row_holds_on_cpu():
     spec.loader.exec_module(module)
     row = module.root_scaling_row(torch.device("cpu"))
     assert row["ok"], row
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_the_gpu_checks_counted_items_row_holds_on_cpu(dtype):
+    """``benchmarks/gpu_check.py``'s counted-items rows (accumulation averaged by tensor counts under O1 with loss
+    scaling, against one fp32 big batch per window), run on this CPU."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "precision_cpu.py"
+    spec = importlib.util.spec_from_file_location("precision_cpu_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    row = module.counted_items_row(torch.device("cpu"), dtype)
+    assert row["ok"], row
