@@ -91,7 +91,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
     ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only the optimizer's and the
     loader's steps run. ``count_items``: ``True`` (the script calls ``aiak.count_items``) or a function of a batch
-    the loader calls (:func:`_window_loader_args`); either way the optimizer gets a step controller.
+    the loader calls (:func:`_wrap_loader`); either way the optimizer gets a step controller.
     """
     if model_applied is not None:
         return _apply_to_another_optimizer(s, model, optimizer, loader, scheduler, device, model_applied,

@@ -45,7 +45,7 @@ from aiak.amp.loss_scaler import LossScaler
 from aiak.step import clip as grad_clip
 from aiak.step import scheduler_steps
 from aiak.step.stacking import framework_accumulation
-from aiak.step.window_items import WindowItems
+from aiak.step.window_items import WindowItems, at_least_one
 from aiak.util.warn import warn, warn_once
 
 logger = logging.getLogger("aiak")
@@ -323,7 +323,8 @@ class StepController:
                       "one it returns, so that windows close with each epoch")
         self._restore_partial_sum()
         self.items.micro_step_done(self.micro_step, self.accumulation)
-        root_scaling.set_pending(self, False)
+        if self._counting:
+            root_scaling.set_pending(self, False)
         self.step_calls += 1
         self.micro_step += 1
         self.stepped = False
@@ -440,8 +441,7 @@ class StepController:
             return torch.tensor(0.0)
         total = grad_clip.call_original("get_total_norm", grads, norm_type, False, None)
         if self.items.is_counted():
-            items = self.items.window_items()
-            return total / (items.clamp_min(1.0) if isinstance(items, torch.Tensor) else max(items, 1.0))
+            return total / at_least_one(self.items.window_items())
         return total / self.accumulation
 
     def clip_grads_with_norm_(self, tensors, max_norm: float, total_norm: torch.Tensor,

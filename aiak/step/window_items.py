@@ -99,9 +99,8 @@ class WindowItems:
         if not self.is_counted():
             return 1.0 / micro_steps
         ranks, items = sum_over_ranks(self.window_items(), comm_state, ddp, device)
-        if isinstance(items, torch.Tensor):
-            return (ranks / items.clamp_min(1.0)).reshape(()).float()
-        return ranks / max(items, 1.0)
+        factor = ranks / at_least_one(items)
+        return factor.reshape(()).float() if isinstance(factor, torch.Tensor) else factor
 
     def new_window(self) -> None:
         self.total, self.counted = 0.0, None
@@ -116,6 +115,11 @@ class WindowItems:
         self.counted = state.get("counted")
         self.reference = state.get("reference")
         self.pending = None
+
+
+def at_least_one(items):
+    """``items``, or 1 if fewer (a window of no items divides by 1: its zero gradients stay zero)."""
+    return items.clamp_min(1.0) if isinstance(items, torch.Tensor) else max(items, 1.0)
 
 
 def sum_over_ranks(items, comm_state=None, ddp=None, device=None):
