@@ -31,6 +31,15 @@ def test_overhead_quick_reports_the_ratio():
     assert "default / plain =" in out.stdout
 
 
+def test_root_scaling_times_both_factors():
+    """benchmarks/root_scaling.py, one round on the small MLP: a row for fp16's factor and one for counted items (it
+    once broke when the graph walk grew a third result, with no test to say so)."""
+    out = subprocess.run([sys.executable, "benchmarks/root_scaling.py", "--models", "mlp", "--rounds", "1",
+                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mlp fp16" in out.stdout and "mlp items" in out.stdout
+
+
 def test_auto_quick_sweeps_the_space_and_charges_auto_its_tuning(tmp_path):
     report = tmp_path / "auto.json"
     out = subprocess.run([sys.executable, "benchmarks/auto.py", "--quick", "--json", str(report)], cwd=ROOT,

@@ -6,6 +6,7 @@ property is not vacuous (the old behaviour differs by far more than that)."""
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -281,6 +282,8 @@ def test_bad_counts_and_arguments_get_one_clear_error():
         aiak.count_items(opt, torch.ones(2))
     with pytest.raises(TypeError, match="a number or a one-element tensor"):
         aiak.count_items(opt, "12")
+    aiak.count_items(opt, np.int64(12))  # a count numpy computed is a number
+    assert controller_of(opt).items.pending == 12.0
 
 
 # -- 2x2 gloo ranks -----------------------------------------------------------------------------------------
