@@ -345,6 +345,13 @@ def test_counts_alike_over_the_averaging_ranks_change_nothing_under_every_comm_a
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_counted_windows_under_a_ddp_without_aiaks_hook_sum_the_items_over_its_group():
+    reference = _global_reference(2)
+    assert all(_close(state, reference) for state in _launch("items_framework_ddp", world=2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_counted_windows_on_ranks_clip_the_global_big_batchs_gradient():
     reference = _global_reference(4, clip=0.05)
     assert not _close(reference, _global_reference(4), 1e-3)

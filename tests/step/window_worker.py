@@ -43,6 +43,27 @@ def scenario_items(rank):
     return {k: v.clone() for k, v in bare.state_dict().items()}
 
 
+def scenario_items_framework_ddp(rank):
+    """A DDP built without aiak's hook (as Lightning builds its own) under a step controller: the items are summed
+    over its process group."""
+    import aiak
+    from aiak.step.controller import StepController
+
+    world = dist.get_world_size()
+    model = window_data.token_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    controller = StepController(opt, 4, model=model)
+    controller.attach_ddp(ddp)
+    for batch in window_data.rank_batches(rank, world):
+        aiak.count_items(opt, window_data.count_tokens(batch))
+        window_data.token_loss(ddp, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    assert controller.comm_state is None
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def scenario_epochs(rank):
     """Two epochs of a DistributedSampler's shards, 10 batches per rank and epoch, accumulation 4."""
     import aiak
