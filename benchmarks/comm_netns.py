@@ -86,7 +86,7 @@ def worker(args) -> None:
     import torch.nn as nn
 
     from aiak.comm import CommState, average, build_groups, detect_topology, wrap_distributed
-    from aiak.comm.connections import wide_groups
+    from aiak.comm.allreduce.connections import wide_groups
     from aiak.strategy.schema import CommConfig
 
     torch.set_num_threads(1)
@@ -206,7 +206,7 @@ def _int8_step(x, block: int = 2048):
 def _bound(x, compression: str):
     """What ``average`` on one rank may change ``x`` by: a step per int8 block (two half-step roundings: the
     local and the shard quantization), or fp16 rounding."""
-    from aiak.comm.compression import pad_to_multiple
+    from aiak.comm.allreduce.compression import pad_to_multiple
 
     if compression == "int8":
         padded, n = pad_to_multiple(x, 2048)
@@ -230,7 +230,7 @@ def _gpu_sleep_cycles(seconds: float) -> int:
 def _codec_rows(device) -> list:
     import torch
 
-    from aiak.comm.compression import dequantize_int8, quantize_int8
+    from aiak.comm.allreduce.compression import dequantize_int8, quantize_int8
 
     x = torch.randn(4 * 2**20, device=device)  # 16 MB
     y = dequantize_int8(quantize_int8(x, 2048), x.numel(), 2048)
@@ -304,11 +304,11 @@ def _pipeline_rows(device, groups, host_inter) -> list:
 
 
 def _socket_rows(device) -> list:
-    """NCCL's socket-count candidates timed in fresh child processes (aiak.comm.nccl_sockets), here on one GPU:
+    """NCCL's socket-count candidates timed in fresh child processes (aiak.comm.allreduce.nccl_sockets), here on one GPU:
     each child joins its own one-rank NCCL group on this device, checks a sum, sees its variables and times the
     buckets. (One node has no sockets to tune: this checks the children, not a speed-up.)"""
-    from aiak.comm.env_trials import time_env_candidates
-    from aiak.comm.nccl_sockets import CANDIDATES, label
+    from aiak.comm.allreduce.env_trials import time_env_candidates
+    from aiak.comm.allreduce.nccl_sockets import CANDIDATES, label
 
     saved = os.environ.get("MASTER_ADDR")
     os.environ["MASTER_ADDR"] = "127.0.0.1"   # where the children reach this process's store
@@ -341,12 +341,12 @@ def _autotune_rows(device) -> list:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from aiak.comm import CommChoice, CommState, StepTuner, cache_key, comm_hook, read_choice, tune_comm
-    from aiak.comm.autotune import algorithm_candidates, decide
+    from aiak.comm.allreduce.autotune import algorithm_candidates, decide
     from aiak.util.cache import TuneCache
     from aiak.util.dist import rank0_object
     from aiak.measure.clock import StepClock
     from aiak.util.dist import group_device
-    from aiak.comm.compression import COMPRESSIONS
+    from aiak.comm.allreduce.compression import COMPRESSIONS
 
     rows = []
     where = group_device()
@@ -449,8 +449,8 @@ def _algorithm_rows(device) -> list:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from aiak.comm import CommState, comm_hook
-    from aiak.comm.decentralized import Decentralized
-    from aiak.comm.powersgd import PowerSGD, powersgd_hook
+    from aiak.comm.algorithms.decentralized import Decentralized
+    from aiak.comm.algorithms.powersgd import PowerSGD, powersgd_hook
 
     def model():
         torch.manual_seed(0)
@@ -512,7 +512,7 @@ def gpu_checks() -> list:
     import torch
     import torch.distributed as dist
 
-    from aiak.comm.topology import HierarchicalGroups, Topology
+    from aiak.comm.allreduce.topology import HierarchicalGroups, Topology
 
     if not torch.cuda.is_available():
         return [_row("comm: CUDA paths", False, "skipped", "no CUDA device")]

@@ -1,6 +1,6 @@
 """What watching for stalls costs aiak's communication path: ``comm.stall_warn_s`` 60 (the default) against 0.
 
-Two gloo ranks on this machine average the same buckets through aiak's worker (:func:`aiak.comm.hooks.average`),
+Two gloo ranks on this machine average the same buckets through aiak's worker (:func:`aiak.comm.allreduce.hooks.average`),
 flat and hierarchical-sized small buckets, the watched and the unwatched state alternating in rounds on the
 one timing engine (:func:`aiak.measure.rounds.alternate`, the slowest rank's figures). Small buckets put the
 per-collective cost (numbering, describing, the timed wait) at its largest share.
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world: int, port: int, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from aiak.comm.hooks import CommState, average
+    from aiak.comm.allreduce.hooks import CommState, average
     from aiak.measure.rounds import Contender, alternate, speedup
 
     buffers = [torch.randn(args.numel) for _ in range(args.buckets)]

@@ -1,20 +1,24 @@
-"""aiak.comm: communication under DDP (hierarchical allreduce, gradient compression, autotuner,
-CPU affinity, deadlock guard).
+"""aiak.comm: communication under DDP, in three rooms.
 
-``optimize()`` calls :func:`apply_cpu_affinity` (step 2) and :func:`wrap_distributed` (step 5); the
-other names are for users who assemble the pieces themselves. Importing this package touches neither
-CUDA nor a process group.
+- :mod:`aiak.comm.allreduce`: how gradients travel when every rank averages them (the hook's stages: flat,
+  hierarchical, compressed, several connections, CPU-Reduce; topology, buckets, the comm autotuner);
+- :mod:`aiak.comm.algorithms`: what is synchronised (``comm.algorithm``): the :class:`CommAlgorithm` interface and
+  its registry by name (allreduce, local SGD, decentralized SGD, PowerSGD);
+- :mod:`aiak.comm.diagnostics`: watching communication go wrong (the stall watch, the deadlock guard).
+
+``optimize()`` calls :func:`wrap_distributed` (step 5); the other names are for users who assemble the pieces
+themselves. Importing this package touches neither CUDA nor a process group.
 """
-from aiak.comm.affinity import apply_cpu_affinity
-from aiak.comm.autotune import CommChoice, StepTuner, cache_key, model_signature, read_choice, tune_comm
-from aiak.comm.compression import ErrorFeedback, dequantize_int8, quantize_int8
+from aiak.comm.allreduce.autotune import CommChoice, StepTuner, cache_key, model_signature, read_choice, tune_comm
+from aiak.comm.allreduce.compression import ErrorFeedback, dequantize_int8, quantize_int8
+from aiak.comm.allreduce.hooks import CommState, average, comm_hook
+from aiak.comm.allreduce.topology import HierarchicalGroups, Topology, build_groups, detect_topology
 from aiak.comm.ddp import describe_comm, resolve_options, use_plain_state_dict_keys, wrap_distributed
-from aiak.comm.deadlock import CollectiveMismatchError, deadlock_guard, disable_deadlock_guard, enable_deadlock_guard
-from aiak.comm.hooks import CommState, average, comm_hook
-from aiak.comm.topology import HierarchicalGroups, Topology, build_groups, detect_topology
+from aiak.comm.diagnostics.deadlock import (CollectiveMismatchError, deadlock_guard, disable_deadlock_guard,
+                                            enable_deadlock_guard)
 
 __all__ = [
-    "wrap_distributed", "describe_comm", "apply_cpu_affinity", "resolve_options", "use_plain_state_dict_keys",
+    "wrap_distributed", "describe_comm", "resolve_options", "use_plain_state_dict_keys",
     "CommState", "comm_hook", "average",
     "Topology", "HierarchicalGroups", "detect_topology", "build_groups",
     "ErrorFeedback", "quantize_int8", "dequantize_int8",

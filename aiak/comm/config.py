@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from aiak.comm.compression import COMPRESSIONS
-from aiak.comm.stall import STALL_WARN_S
+from aiak.comm.allreduce.compression import COMPRESSIONS
+from aiak.comm.diagnostics.stall import STALL_WARN_S
 from aiak.util.config import StrategyError, Where, choices, section_problems
 
 ALGORITHMS = ("allreduce", "local_sgd", "decentralized", "powersgd")
@@ -88,10 +88,10 @@ class CommConfig:
     fp32 values; int8 chunks hold twice as many values; 0 = whole buckets); ``compress_intra`` also compresses
     the intra-node steps (fp16/bf16); ``int8_block`` is the number of values sharing one min/scale.
     ``stall_warn_s``: a collective of aiak's communication hook that has waited this long warns which ranks
-    have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.stall`; 0 = off). DDP's
+    have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.diagnostics.stall`; 0 = off). DDP's
     own allreduce (flat fp32 with nothing else set) runs without aiak's hook, so it is not watched.
     ``connections``: TCP connections per peer for the stage that crosses nodes (gloo; each cut into that many
-    pieces sent at once, :mod:`aiak.comm.connections`): an integer, or ``auto``: the comm autotuner measures one
+    pieces sent at once, :mod:`aiak.comm.allreduce.connections`): an integer, or ``auto``: the comm autotuner measures one
     against several (one without autotuning). NCCL's sockets are NCCL's own settings (``aiak doctor``).
     ``cpu_reduce``: ACSpeed's CPU-Reduce for NCCL jobs (GPUs sharing PCIe with the NIC): the hierarchical
     algorithm with its cross-node stage on pinned host copies over gloo. ``auto``: the comm autotuner measures it
@@ -103,8 +103,8 @@ class CommConfig:
     later) needs it under every algorithm, or torch stops at "Expected to have finished reduction".
     ``algorithm``: how ranks synchronise (:data:`ALGORITHM_TRADES`): ``allreduce`` (the hooks above), or one that
     changes the training and is only ever named by a profile or the user: ``local_sgd``
-    (:mod:`aiak.comm.local_sgd`), ``decentralized`` (:mod:`aiak.comm.decentralized`), ``powersgd``
-    (:mod:`aiak.comm.powersgd`), each with its section of settings.
+    (:mod:`aiak.comm.algorithms.local_sgd`), ``decentralized`` (:mod:`aiak.comm.algorithms.decentralized`), ``powersgd``
+    (:mod:`aiak.comm.algorithms.powersgd`), each with its section of settings.
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))

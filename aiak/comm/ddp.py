@@ -3,8 +3,8 @@
 What ``aiak.optimize`` calls in its step 5 (distributed wrapping). Without an initialized process group
 of more than one rank, the model is returned unchanged. Otherwise the model is wrapped in
 :class:`~torch.nn.parallel.DistributedDataParallel` with ``bucket_cap_mb`` from the strategy, the
-:func:`aiak.comm.hooks.comm_hook` is registered with the chosen algorithm (or the comm autotuner picks it,
-see :mod:`aiak.comm.autotune`), and ``state_dict()`` / ``load_state_dict()`` of the returned DDP object
+:func:`aiak.comm.allreduce.hooks.comm_hook` is registered with the chosen algorithm (or the comm autotuner picks it,
+see :mod:`aiak.comm.allreduce.autotune`), and ``state_dict()`` / ``load_state_dict()`` of the returned DDP object
 use the user's own keys (no ``module.`` prefix; ``module.``-prefixed checkpoints still load).
 Gradient-accumulation micro-steps are the caller's: toggle ``ddp.require_backward_grad_sync``.
 """
@@ -19,17 +19,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from aiak.comm import nccl_sockets
-from aiak.comm.autotune import CommTuning, StepTuner, TuneInputs, cached_choice, gradient_bucket_sizes, tune_comm
+from aiak.comm.allreduce import nccl_sockets
+from aiak.comm.allreduce.autotune import CommTuning, StepTuner, TuneInputs, cached_choice, gradient_bucket_sizes, tune_comm
 from aiak.comm.config import CommConfig, check_comm
-from aiak.comm.connections import connection_counts, connections_available, wide_groups
-from aiak.comm.deadlock import enable_deadlock_guard
-from aiak.comm.decentralized import Decentralized
-from aiak.comm.hooks import CommState, comm_hook
-from aiak.comm.local_sgd import LocalSGD
-from aiak.comm.powersgd import PowerSGD, powersgd_hook
+from aiak.comm.allreduce.connections import connection_counts, connections_available, wide_groups
+from aiak.comm.diagnostics.deadlock import enable_deadlock_guard
+from aiak.comm.algorithms.decentralized import Decentralized
+from aiak.comm.allreduce.hooks import CommState, comm_hook
+from aiak.comm.algorithms.local_sgd import LocalSGD
+from aiak.comm.algorithms.powersgd import PowerSGD, powersgd_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
-from aiak.comm.topology import build_groups, detect_topology
+from aiak.comm.allreduce.topology import build_groups, detect_topology
 from aiak.util.cache import TuneCache
 from aiak.util.dist import on_rank0
 from aiak.util.warn import warn
@@ -301,7 +301,7 @@ def _hook_existing(ddp, opts: CommConfig):
 
 
 def _connection_counts(opts: CommConfig, topology, process_group):
-    """:func:`aiak.comm.connections.connection_counts` for this run; a number given that cannot apply says why."""
+    """:func:`aiak.comm.allreduce.connections.connection_counts` for this run; a number given that cannot apply says why."""
     crosses = topology.num_nodes > 1
     available = connections_available(process_group)
     if opts.connections != "auto" and opts.connections > 1 and not (crosses and available):

@@ -16,7 +16,7 @@ once and then the candidate once measures the machine's drift as much as the can
   verdict says so.
 
 :func:`alternate` is the one round runner: ``aiak demo``, ``aiak bench``, the comm autotuner
-(:mod:`aiak.comm.autotune`) and the auto-selector's trials (:mod:`aiak.tune.trials`, which bring their own
+(:mod:`aiak.comm.allreduce.autotune`) and the auto-selector's trials (:mod:`aiak.tune.trials`, which bring their own
 stop rules through ``until``).
 """
 from __future__ import annotations
@@ -154,7 +154,7 @@ class Contender:
     :func:`alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
     steps in each round), ``steps`` (all steps run, warm-up included) and ``loss`` (the last loss, a float); a
     contender stopped early has ``stopped`` set to the reason. With ``reports_seconds``, ``step()`` returns the
-    seconds it measured itself instead of a loss (work timed in other processes, :mod:`aiak.comm.env_trials`):
+    seconds it measured itself instead of a loss (work timed in other processes, :mod:`aiak.comm.allreduce.env_trials`):
     they replace the clock's, which would count the waiting for those processes too.
     """
 

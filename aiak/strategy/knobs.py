@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from aiak.comm.affinity import apply_cpu_affinity
+from aiak.runtime.affinity import apply_cpu_affinity
 from aiak.runtime.switches import apply_cudnn_benchmark, apply_tf32
 
-PROCESS = "process"        # process-wide switches (runtime/, comm/affinity.py)
+PROCESS = "process"        # process-wide switches (runtime/, runtime/affinity.py)
 MODEL = "model"            # the model's modules, hooks, layout or precision (ops/, amp/, runtime/)
 DDP = "ddp"                # the DistributedDataParallel wrapping and its communication hook (comm/)
 OPTIMIZER = "optimizer"    # one optimizer's update and stepping (optim/, step/)

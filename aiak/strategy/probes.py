@@ -11,7 +11,7 @@
 
 Probes only observe. Importing this module reads no file and never touches CUDA; :func:`probe` touches CUDA
 only when the model's device is a CUDA device. With an initialized process group, :func:`probe` is a
-collective (the topology is gathered from every rank, :func:`aiak.comm.topology.detect_topology`), so every
+collective (the topology is gathered from every rank, :func:`aiak.comm.allreduce.topology.detect_topology`), so every
 rank calls it, as ``optimize()`` does.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 from torch import nn
 from torch.utils.data import IterableDataset
 
-from aiak.comm.topology import detect_topology
+from aiak.comm.allreduce.topology import detect_topology
 from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.surgery import is_window_attention
 from aiak.util.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores

@@ -9,7 +9,7 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
 * ``tuning_seconds`` and ``cache_hit``;
 * ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
-  :class:`aiak.comm.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice made
+  :class:`aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice made
   during the first steps shows once made;
 
 plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why nothing was measured, if
@@ -221,7 +221,7 @@ def _jsonable(value: Any) -> Any:
 def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None, comm: Any = None) -> Decision:
     """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied),
     ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did), ``comm`` (the comm
-    autotuner's :class:`~aiak.comm.autotune.CommTuning`, or None)."""
+    autotuner's :class:`~aiak.comm.allreduce.autotune.CommTuning`, or None)."""
     measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)

@@ -155,7 +155,7 @@ def scenario_local_sgd_large_buffers(rank):
 
 def scenario_local_sgd_collectives(rank):
     """4 nodes x 1 rank: past the warm-up a step that does not average sends nothing."""
-    from aiak.comm import hooks
+    from aiak.comm.allreduce import hooks
 
     calls = []
     original = dist.all_reduce

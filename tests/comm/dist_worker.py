@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aiak.comm import CollectiveMismatchError, detect_topology, wrap_distributed
-from aiak.comm.deadlock import deadlock_guard, disable_deadlock_guard
+from aiak.comm.diagnostics.deadlock import deadlock_guard, disable_deadlock_guard
 from aiak.strategy.schema import CommConfig
 
 ALGORITHMS = [(h, c) for h in (False, True) for c in ("none", "fp16", "bf16", "int8")]
@@ -96,9 +96,9 @@ def scenario_fp16_overflow(rank):
     values past fp16's range; each against the same algorithm uncompressed, the collectives recorded. Then training
     through aiak.optimize with comm.compression fp16, an fp32 model whose gradients pass 65504 on rank 1."""
     import aiak
-    from aiak.comm.connections import wide_groups
-    from aiak.comm.hooks import CommState, average
-    from aiak.comm.topology import build_groups
+    from aiak.comm.allreduce.connections import wide_groups
+    from aiak.comm.allreduce.hooks import CommState, average
+    from aiak.comm.allreduce.topology import build_groups
 
     topology = detect_topology()
     groups = build_groups(topology)
@@ -550,9 +550,9 @@ def scenario_stall_algorithms(rank):
 def scenario_connections(rank):
     """Integer-valued buckets averaged with 1 and with 4 connections per peer (2 nodes x 2 ranks): flat and
     hierarchical, uncompressed, fp16 and bf16 (exact for these integers), and int8; the collectives recorded."""
-    from aiak.comm.connections import wide_groups
-    from aiak.comm.hooks import CommState, average
-    from aiak.comm.topology import build_groups
+    from aiak.comm.allreduce.connections import wide_groups
+    from aiak.comm.allreduce.hooks import CommState, average
+    from aiak.comm.allreduce.topology import build_groups
 
     topology = detect_topology()
     groups = build_groups(topology)
@@ -576,9 +576,9 @@ def scenario_cpu_reduce(rank):
     """Integer-valued buckets averaged with the hierarchical algorithm and with CPU-Reduce (its cross-node stage on
     host copies over a gloo group of its own), 2 nodes x 2 ranks, the collectives and their groups recorded; what
     wrap_distributed says of comm.cpu_reduce on a gloo job; the comm autotuner measuring CPU-Reduce candidates."""
-    from aiak.comm.autotune import CommTuning, tune_comm
-    from aiak.comm.hooks import CommState, average
-    from aiak.comm.topology import build_groups
+    from aiak.comm.allreduce.autotune import CommTuning, tune_comm
+    from aiak.comm.allreduce.hooks import CommState, average
+    from aiak.comm.allreduce.topology import build_groups
 
     topology = detect_topology()
     groups = build_groups(topology)

@@ -137,7 +137,7 @@ def test_decentralized_exchange_runs_while_the_backward_computes(run):
 
 
 def test_shift_one_pairs_every_rank_with_every_rank_of_the_other_half():
-    from aiak.comm.decentralized import shift_one_peer
+    from aiak.comm.algorithms.decentralized import shift_one_peer
 
     for world in (2, 4, 6, 8):
         half = world // 2
@@ -292,7 +292,7 @@ def test_powersgd_generator_state_round_trips_as_tensors_and_old_checkpoints_sti
     arrays); a checkpoint written before, holding numpy's own tuple, still loads."""
     import numpy as np
 
-    from aiak.comm.powersgd import _rng_state, _set_rng_state
+    from aiak.comm.algorithms.powersgd import _rng_state, _set_rng_state
 
     rng = np.random.RandomState(3)
     rng.randint(10, size=5)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aiak.comm.autotune import CommChoice, cache_key, gradient_bucket_sizes, read_choice
-from aiak.comm.connections import AUTO_CANDIDATES
+from aiak.comm.allreduce.autotune import CommChoice, cache_key, gradient_bucket_sizes, read_choice
+from aiak.comm.allreduce.connections import AUTO_CANDIDATES
 from aiak.util.cache import TuneCache
 from aiak.util.cache import default_cache_path
 
@@ -124,7 +124,7 @@ def test_tuner_tensors_go_where_the_backend_can_take_them(backend, device_type):
 def test_decide_and_cache_lookup_on_a_gloo_group_use_cpu(tmp_path):
     import torch.distributed as dist
 
-    from aiak.comm.autotune import decide, read_choice
+    from aiak.comm.allreduce.autotune import decide, read_choice
     from aiak.util.dist import rank0_object
     from aiak.util.dist import group_device
 
@@ -160,7 +160,7 @@ def test_comm_mode_times_the_candidates_in_alternating_rounds(tmp_path, monkeypa
     import torch.distributed as dist
 
     from aiak.comm import CommState
-    from aiak.comm.autotune import algorithm_candidates, tune_comm
+    from aiak.comm.allreduce.autotune import algorithm_candidates, tune_comm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -185,7 +185,7 @@ def test_step_mode_rotates_the_candidates_from_step_to_step(tmp_path, monkeypatc
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from aiak.comm import CommState, StepTuner, comm_hook
-    from aiak.comm.autotune import algorithm_candidates
+    from aiak.comm.allreduce.autotune import algorithm_candidates
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

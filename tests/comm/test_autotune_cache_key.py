@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiak.comm.autotune import CommChoice, TuneInputs, cached_choice, read_choice
+from aiak.comm.allreduce.autotune import CommChoice, TuneInputs, cached_choice, read_choice
 from aiak.util.cache import TuneCache
 from aiak.strategy.schema import CommConfig
 from tests.ranks import spawn_ranks

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from aiak.comm.compression import (ErrorFeedback, FiniteFlag, check_compression, dequantize_int8, int8_packed_bytes,
+from aiak.comm.allreduce.compression import (ErrorFeedback, FiniteFlag, check_compression, dequantize_int8, int8_packed_bytes,
                                    pad_to_multiple, quantize_int8)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from aiak.comm.config import CommConfig
-from aiak.comm.connections import AUTO_CANDIDATES, connection_counts
+from aiak.comm.allreduce.connections import AUTO_CANDIDATES, connection_counts
 from aiak.strategy.schema import Strategy, StrategyError
 
 
@@ -69,7 +69,7 @@ def test_a_bad_setting_is_named_with_what_is_valid():
 
 
 def test_the_link_a_measurement_was_made_on_names_the_nodes_and_the_interfaces(monkeypatch):
-    from aiak.comm.topology import Topology
+    from aiak.comm.allreduce.topology import Topology
 
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")

@@ -5,7 +5,7 @@ benchmarks/gpu_check.py."""
 import pytest
 import torch
 
-from aiak.comm.autotune import CommChoice, TuneInputs, algorithm_candidates
+from aiak.comm.allreduce.autotune import CommChoice, TuneInputs, algorithm_candidates
 from aiak.comm.config import CommConfig
 from aiak.strategy.schema import Strategy, StrategyError
 

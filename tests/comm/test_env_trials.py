@@ -1,4 +1,4 @@
-"""Environment candidates timed in fresh processes (:mod:`aiak.comm.env_trials`), on real gloo ranks.
+"""Environment candidates timed in fresh processes (:mod:`aiak.comm.allreduce.env_trials`), on real gloo ranks.
 
 ``GLOO_SOCKET_IFNAME`` is read when a gloo group is created: ``lo`` gives one device, ``lo,lo`` two, and an
 interface that does not exist makes the group's creation fail (``Unable to find address for: ...``).
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aiak.comm.env_trials import EnvTrial, time_env_candidates
+from aiak.comm.allreduce.env_trials import EnvTrial, time_env_candidates
 from tests.ranks import spawn_ranks
 
 CANDIDATES = [{"GLOO_SOCKET_IFNAME": "lo"}, {"GLOO_SOCKET_IFNAME": "lo,lo"},
@@ -27,7 +27,7 @@ def _trial_children() -> list:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue   # gone meanwhile
-        if ppid == os.getpid() and (b"aiak.comm.env_trials" in cmdline or not cmdline):
+        if ppid == os.getpid() and (b"aiak.comm.allreduce.env_trials" in cmdline or not cmdline):
             found.append(int(stat.parent.name))
     return found
 

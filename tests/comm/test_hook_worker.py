@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aiak.comm import CommState, average, hooks
-from aiak.comm.topology import HierarchicalGroups, Topology
+from aiak.comm import CommState, average
+from aiak.comm.allreduce import hooks
+from aiak.comm.allreduce.topology import HierarchicalGroups, Topology
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aiak.comm.compression import ErrorFeedback, FiniteFlag
+from aiak.comm.allreduce.compression import ErrorFeedback, FiniteFlag
 from tests.ranks import spawn_ranks
 
 BLOCK = 32  # one int8 block per weight row and per bias: a block never mixes two parameters' ranges
@@ -37,7 +37,7 @@ class UsedOutOfOrder(nn.Module):
 
 
 def _three_steps_after_a_rebuild(rank, world):
-    from aiak.comm.hooks import CommState, comm_hook
+    from aiak.comm.allreduce.hooks import CommState, comm_hook
 
     model, reference = UsedOutOfOrder(), UsedOutOfOrder()
     names = {id(p): name for name, p in model.named_parameters()}

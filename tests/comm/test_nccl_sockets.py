@@ -6,8 +6,8 @@ interface that does not exist), and the NCCL children have a row in benchmarks/g
 import json
 import warnings
 
-from aiak.comm import nccl_sockets
-from aiak.comm.autotune import CommTuning
+from aiak.comm.allreduce import nccl_sockets
+from aiak.comm.allreduce.autotune import CommTuning
 from aiak.util.cache import TuneCache
 from tests.ranks import spawn_ranks
 

@@ -2,7 +2,7 @@
 import pytest
 from torch.testing import assert_close
 
-from aiak.comm.topology import Topology
+from aiak.comm.allreduce.topology import Topology
 
 
 def test_topology_properties():

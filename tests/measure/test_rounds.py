@@ -237,7 +237,7 @@ def test_plan_rounds_refuses_too_few_steps():
 
 
 def test_a_contender_that_reports_its_own_seconds_is_timed_by_them_not_by_the_clock():
-    """Work timed in other processes (aiak.comm.env_trials): the parent's clock would count its waiting too."""
+    """Work timed in other processes (aiak.comm.allreduce.env_trials): the parent's clock would count its waiting too."""
     reported = iter([5.0, 1.0, 2.0, 3.0])
     waited = Contender("children", lambda: next(reported), reports_seconds=True)
     alternate([waited], warmup=1, rounds=3, steps_per_round=1, across_ranks=False)

@@ -129,7 +129,7 @@ def test_the_comm_autotuners_candidates_are_in_the_record_and_its_table():
     step-mode choice made after ``optimize()`` returned shows."""
     from dataclasses import replace
 
-    from aiak.comm.autotune import CommChoice, CommTuning
+    from aiak.comm.allreduce.autotune import CommChoice, CommTuning
 
     record = CommTuning("step")
     decision = replace(explain(*setup()), comm=record)

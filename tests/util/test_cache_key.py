@@ -18,7 +18,7 @@ def test_both_tuners_key_their_entries_through_it(tmp_path):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from aiak.comm.autotune import cache_key
+    from aiak.comm.allreduce.autotune import cache_key
     from aiak.tune.trials import decision_key
 
     model = torch.nn.Linear(4, 2)

@@ -24,7 +24,7 @@ def test_the_comm_worker_finishes_its_job_before_the_interpreter_exits(tmp_path)
     _run("""
         import sys, time
         import torch
-        from aiak.comm.hooks import _Worker
+        from aiak.comm.allreduce.hooks import _Worker
 
         def job():
             time.sleep(0.5)  # the script's main thread is exiting meanwhile

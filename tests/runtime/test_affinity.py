@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from aiak.comm.affinity import apply_cpu_affinity, even_split
+from aiak.runtime.affinity import apply_cpu_affinity, even_split
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def test_disabled_does_nothing():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_each_local_rank_is_bound_to_its_share():
     allowed = sorted(os.sched_getaffinity(0))
-    code = ("import os, torch; from aiak.comm import apply_cpu_affinity; d = apply_cpu_affinity(True); "
+    code = ("import os, torch; from aiak.runtime.affinity import apply_cpu_affinity; d = apply_cpu_affinity(True); "
             "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads()); print(d)")
     seen = []
     for local_rank in range(2):

@@ -11,7 +11,7 @@ together on a group of ``k`` devices travel on ``k`` different connections. torc
 device per entry of ``GLOO_SOCKET_IFNAME`` for the whole process; :func:`group_with_connections` builds one
 group with ``k`` devices, through a backend registered under :data:`BACKEND` (the same ``ProcessGroupGloo``,
 with ``k`` devices and ``2k`` worker threads, so the ``k`` collectives also run at once). The comm hook splits
-each cross-node stage into ``k`` pieces issued together (:mod:`aiak.comm.hooks`).
+each cross-node stage into ``k`` pieces issued together (:mod:`aiak.comm.allreduce.hooks`).
 
 NCCL is configured by environment variables read when its communicator is created; ``aiak doctor`` checks them.
 """
@@ -80,7 +80,7 @@ def connection_counts(setting: Any, autotune: bool, crosses_nodes: bool, availab
 
 
 def wide_groups(topology, process_group, counts: Sequence[int], flat: bool, inter: bool) -> Dict[Tuple[str, int], Any]:
-    """The groups :class:`aiak.comm.hooks.CommState` crosses nodes on with ``k`` > 1 connections, keyed
+    """The groups :class:`aiak.comm.allreduce.hooks.CommState` crosses nodes on with ``k`` > 1 connections, keyed
     ``("flat", k)`` (the ranks of ``process_group``) and ``("inter", k)`` (this rank's inter-node group: local
     rank ``i`` of every node). Collective: every rank creates every group, in the same order."""
     wide: Dict[Tuple[str, int], Any] = {}
@@ -96,7 +96,7 @@ def wide_groups(topology, process_group, counts: Sequence[int], flat: bool, inte
     return wide
 
 
-_GROUPS: Dict[Tuple, Any] = {}   # created once per layout and count, as aiak.comm.topology.build_groups does
+_GROUPS: Dict[Tuple, Any] = {}   # created once per layout and count, as aiak.comm.allreduce.topology.build_groups does
 
 
 def _cached(key: Tuple, create) -> Any:

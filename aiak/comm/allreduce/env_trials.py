@@ -41,7 +41,7 @@ from aiak.util.text import describe_error
 
 __all__ = ["EnvTrial", "time_env_candidates"]
 
-CHILD = ("import json, sys; from aiak.comm.env_trials import _child_main; "
+CHILD = ("import json, sys; from aiak.comm.allreduce.env_trials import _child_main; "
          "sys.exit(_child_main(json.loads(sys.argv[1])))")   # ``python -c``: no runpy warning once aiak.comm imports us
 KEY_PREFIX = "aiak-env-trial"
 POLL_S = 0.02          # between two looks at the store while a parent waits for its child

@@ -3,7 +3,7 @@
 Follows ACSpeed (tuning bucket size and allreduce algorithm during warm-up, cached per model, size and
 cluster). Two perf modes:
 
-* ``comm``: before DDP is built, time :func:`aiak.comm.hooks.average` on buffers shaped like the model's
+* ``comm``: before DDP is built, time :func:`aiak.comm.allreduce.hooks.average` on buffers shaped like the model's
   real gradient buckets (parameters in reverse order, as DDP fills them), for each algorithm
   (flat/hierarchical x none/fp16/bf16[/int8]) at the configured bucket size, then each bucket size with the
   best algorithm. Communication only; nothing of the user's step runs.
@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from aiak.comm.compression import COMPRESSIONS
-from aiak.comm.hooks import CommState, average, describe_algorithm
+from aiak.comm.allreduce.compression import COMPRESSIONS
+from aiak.comm.allreduce.hooks import CommState, average, describe_algorithm
 from aiak.measure.clock import StepClock
 from aiak.measure.rounds import Contender, alternate
 from aiak.util.cache import TuneCache
@@ -53,8 +53,8 @@ class CommChoice:
     hierarchical: bool
     compression: str
     bucket_mb: float
-    connections: int = 1   # TCP connections per peer on the stage that crosses nodes (aiak.comm.connections)
-    cpu_reduce: bool = False   # hierarchical, its cross-node stage on host copies over gloo (aiak.comm.hooks)
+    connections: int = 1   # TCP connections per peer on the stage that crosses nodes (aiak.comm.allreduce.connections)
+    cpu_reduce: bool = False   # hierarchical, its cross-node stage on host copies over gloo (aiak.comm.allreduce.hooks)
 
     @property
     def algorithm(self) -> Tuple[bool, str, int, bool]:

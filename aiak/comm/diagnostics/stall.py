@@ -17,7 +17,7 @@ silent hang. Here:
   it with ``store.add``). Which collective each rank waits in is published too, so a rank that has not reached
   it because it waits in an earlier one is followed to the ranks it waits for: the warning names the rank
   actually late. The collective is not touched: the worker keeps waiting. The process group's own
-  timeout and the debug deadlock guard (:mod:`aiak.comm.deadlock`) are unchanged.
+  timeout and the debug deadlock guard (:mod:`aiak.comm.diagnostics.deadlock`) are unchanged.
 
 On CPU (gloo) the comm worker blocks in ``wait()``, so every collective is watched. On CUDA buckets the watch
 stays out of the way: NCCL's ``wait()`` only orders the comm stream, and a ``wait(timeout)`` would block the

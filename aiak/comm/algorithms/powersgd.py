@@ -14,11 +14,11 @@ What aiak changes around torch's arithmetic:
   matrices), then the Ps, then the Qs, each after the last. The uncompressed tensors need nothing from the Ps, so
   here they travel in one buffer with them: two round trips a bucket.
 - **hierarchical sums.** On a run of several nodes of several ranks each (``comm.hierarchical``: ``auto`` or
-  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.hooks.sum_now`): inside the
+  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.allreduce.hooks.sum_now`): inside the
   node, then one rank per node across, then inside again; on a far link two messages cross it per sum instead of
   the 2(n-1) of a flat ring over n ranks. The sums are the same up to the order of addition (float rounding).
 - **on aiak's comm worker.** Each bucket's work (factors, sums, decompression) is one job of the comm worker
-  (:func:`aiak.comm.hooks.run_in_worker`): jobs run one after another, so every rank issues the collectives in
+  (:func:`aiak.comm.allreduce.hooks.run_in_worker`): jobs run one after another, so every rank issues the collectives in
   one order (torch's hook, with several buckets in flight, issued them in different orders on different ranks:
   gloo "Received data size doesn't match expected size", measured on a 25M-parameter MLP on 4 ranks), while the
   backward goes on producing the next buckets.
@@ -29,7 +29,7 @@ What aiak changes around torch's arithmetic:
 - **a non-finite bucket leaves the state as it was.** torch's hook has no inf/NaN guard: one fp16 overflow puts
   NaN into the bucket's residual and its warm-started Q, and every later step of that bucket is NaN. Here the
   residual, P and Q of a bucket are kept before the bucket runs; the averaged bucket's finiteness is checked
-  (:class:`~aiak.comm.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and a
+  (:class:`~aiak.comm.allreduce.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and a
   non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
 - **residuals in the gradients' own units.** aiak's loss scaling is undone before a gradient reaches
   its ``.grad`` (:mod:`aiak.amp.root_scaling`), so the hook sees unscaled gradients and a residual means the same after
@@ -43,7 +43,7 @@ What aiak changes around torch's arithmetic:
 - **checkpoints.** The state (step count, residuals, P and Q, the random generator, the layouts) travels in the
   optimizer's ``state_dict()`` (the step controller's extras). A resumed run's DDP starts from its initial buckets
   again (one bucket of every parameter, in another order); its first step runs the recorded buckets
-  (:class:`~aiak.comm.buckets.BucketRecord`), so the resumed run continues bit for bit.
+  (:class:`~aiak.comm.allreduce.buckets.BucketRecord`), so the resumed run continues bit for bit.
 """
 import functools
 from typing import Any, Dict, List, Optional, Tuple
@@ -52,16 +52,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize, _should_compress
 
-from aiak.comm.buckets import BucketRecord, ParameterNumbers, bucket_layout
-from aiak.comm.compression import FiniteFlag
-from aiak.comm.hooks import CommState, another_ranks, copy_into, run_in_worker, sum_now
+from aiak.comm.allreduce.buckets import BucketRecord, ParameterNumbers, bucket_layout
+from aiak.comm.allreduce.compression import FiniteFlag
+from aiak.comm.allreduce.hooks import CommState, another_ranks, copy_into, run_in_worker, sum_now
 
 _Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
 
 
 class PowerSGD:
     """The communication state of one DDP model: torch's ``PowerSGDState`` plus the guard and the layouts; its
-    sums go through ``comm`` (the model's :class:`~aiak.comm.hooks.CommState`: topology and worker)."""
+    sums go through ``comm`` (the model's :class:`~aiak.comm.allreduce.hooks.CommState`: topology and worker)."""
 
     def __init__(self, module: torch.nn.Module, comm: CommState, rank: int, warmup_steps: int, seed: int = 0):
         self.comm = comm

@@ -152,7 +152,7 @@ class ErrorFeedback:
 
     Keys are ``(bucket index, stage)``. A residual holds the error of particular parameters at particular offsets,
     so it is kept only while its bucket's ``layout`` (which parameters, in which order, with which shapes: see
-    :func:`aiak.comm.buckets.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
+    :func:`aiak.comm.allreduce.buckets.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
     iteration, in the order the gradients became ready: a bucket of the same size may then hold other parameters
     at each offset, and a residual matched by shape alone was added to them (measured: 13% gradient error against
     0.7% for a fresh quantisation). A residual whose layout changed is dropped, not misapplied.

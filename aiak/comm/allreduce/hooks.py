@@ -27,14 +27,14 @@ node's reduce-scatter and allgather stay on NCCL.
 Compression wraps the inter-node step only by default (``compress_intra=False``): that is where the
 bandwidth is scarce. int8 is Bagua's ByteGrad: reduce-scatter in compressed form (all-to-all of
 quantized chunks), decompress and sum, compress the summed chunk, allgather; both quantizations keep an
-error-feedback residual per bucket and chunk (:class:`~aiak.comm.compression.ErrorFeedback`); a bucket that
+error-feedback residual per bucket and chunk (:class:`~aiak.comm.allreduce.compression.ErrorFeedback`); a bucket that
 comes out non-finite (an fp16 overflow, which the loss scaler skips) leaves them as they were. The residuals
 are tied to the bucket's layout (:func:`bucket_layout`: which parameters, in which order), so when DDP rebuilds
 its buckets after the first iteration they are dropped rather than added to other parameters.
 
 Averaging matches DDP's default: divide by the world size before communicating (also keeps fp16 from
 overflowing). Collectives are looked up in ``torch.distributed`` at call time, so the deadlock guard
-(:mod:`aiak.comm.deadlock`), which replaces them there, sees every one.
+(:mod:`aiak.comm.diagnostics.deadlock`), which replaces them there, sees every one.
 """
 import contextlib
 import functools
@@ -45,11 +45,11 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from aiak.comm.buckets import BucketRecord, Layout, ParameterNumbers, bucket_layout
-from aiak.comm.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
+from aiak.comm.allreduce.buckets import BucketRecord, Layout, ParameterNumbers, bucket_layout
+from aiak.comm.allreduce.compression import (CAST_DTYPES, ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
-from aiak.comm.stall import STALL_WARN_S, StallWatch, next_watch_name
-from aiak.comm.topology import HierarchicalGroups
+from aiak.comm.diagnostics.stall import STALL_WARN_S, StallWatch, next_watch_name
+from aiak.comm.allreduce.topology import HierarchicalGroups
 from aiak.util.threads_at_exit import stop_at_exit
 from aiak.util.warn import warn
 
@@ -65,7 +65,7 @@ class _Issued:
     """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output).
 
     Issued inside the comm worker's job for a bucket, it is numbered by that state's
-    :class:`~aiak.comm.stall.StallWatch` (the job's, in :data:`_job`), which is told while the worker waits in
+    :class:`~aiak.comm.diagnostics.stall.StallWatch` (the job's, in :data:`_job`), which is told while the worker waits in
     it: a wait past ``comm.stall_warn_s`` is reported with the ranks that have not reached it."""
 
     __slots__ = ("work", "then", "watch", "where")
@@ -113,7 +113,7 @@ def _overflowed(sent: torch.Tensor, source: torch.Tensor) -> bool:
     becomes inf in the cast (or in the sum), and inf, then NaN, in every weight or buffer it reaches. Every rank holds
     the same sum, so every rank gets the same answer here and makes the same sum again in ``source``'s own dtype: no
     collective is added while values fit, and one (that sum again) when they do not. The check is one reduction over
-    the fp16 sum (:class:`~aiak.comm.compression.FiniteFlag`); on CUDA the worker waits for it. A non-finite value the
+    the fp16 sum (:class:`~aiak.comm.allreduce.compression.FiniteFlag`); on CUDA the worker waits for it. A non-finite value the
     model produced itself (an fp16 overflow the loss scaler will skip) is summed again too, and stays non-finite."""
     return sent.dtype is torch.float16 and source.dtype is not torch.float16 and not bool(FiniteFlag(sent))
 
@@ -174,7 +174,7 @@ def _pieces(x: torch.Tensor, k: int) -> List[torch.Tensor]:
 
 def _allreduce_over(x: torch.Tensor, group, wire: torch.dtype, connections: int, stage: str):
     """:func:`_allreduce` of ``x`` cut into one piece per connection, all issued at once (on a group of
-    ``connections`` gloo contexts each piece travels on its own TCP connection: :mod:`aiak.comm.connections`)."""
+    ``connections`` gloo contexts each piece travels on its own TCP connection: :mod:`aiak.comm.allreduce.connections`)."""
     if connections == 1:
         return _allreduce(x, group, wire, stage)
     return _Together([_allreduce(piece, group, wire, f"{stage}, piece {i} of {connections}")
@@ -259,7 +259,7 @@ class CommState:
 
     Args:
         process_group: the flat group (DDP's; ``None`` = world).
-        groups: intra/inter groups from :func:`aiak.comm.topology.build_groups`; ``None`` = flat only.
+        groups: intra/inter groups from :func:`aiak.comm.allreduce.topology.build_groups`; ``None`` = flat only.
         hierarchical: run the two-level algorithm (needs ``groups``).
         compression: ``none | fp16 | bf16 | int8``.
         compress_intra: also compress the intra-node reduce-scatter/allgather (fp16/bf16 only).
@@ -267,9 +267,9 @@ class CommState:
         pipeline_mb: chunk size of the hierarchical pipeline (float32 MB); ``0`` = one chunk per bucket.
         error_feedback: keep int8 residuals (turning it off is for experiments only).
         stall_warn_s: a collective waiting this long names the ranks that have not reached it
-            (:mod:`aiak.comm.stall`); 0 = off.
+            (:mod:`aiak.comm.diagnostics.stall`); 0 = off.
         wide: groups whose collectives spread over several TCP connections per peer
-            (:func:`aiak.comm.connections.group_with_connections`), keyed ``("flat" | "inter", connections)``:
+            (:func:`aiak.comm.allreduce.connections.group_with_connections`), keyed ``("flat" | "inter", connections)``:
             copies of ``process_group`` and of ``groups.inter``.
         connections: how many connections the cross-node stage uses (1: the plain groups).
         host_inter: a gloo group of this rank's inter-node ranks (``groups.inter_ranks``), for CPU-Reduce: the
@@ -279,8 +279,8 @@ class CommState:
 
     ``scope`` says over which ranks the hook averages a bucket: ``world`` (every rank, with the algorithm above),
     ``node`` (this rank's node only: an allreduce in ``groups.intra``, nothing at all with one rank per node; local
-    SGD between its averages, :mod:`aiak.comm.local_sgd`) or ``rank`` (no communication: each rank keeps its own
-    gradient; decentralized SGD, :mod:`aiak.comm.decentralized`).
+    SGD between its averages, :mod:`aiak.comm.algorithms.local_sgd`) or ``rank`` (no communication: each rank keeps its own
+    gradient; decentralized SGD, :mod:`aiak.comm.algorithms.decentralized`).
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
@@ -293,7 +293,7 @@ class CommState:
                  wide: Optional[Dict[Tuple[str, int], object]] = None, connections: int = 1, host_inter=None,
                  cpu_reduce: bool = False, local_size: int = 1):
         if hierarchical and groups is None:
-            raise ValueError("hierarchical=True needs groups (aiak.comm.topology.build_groups); it returns None "
+            raise ValueError("hierarchical=True needs groups (aiak.comm.allreduce.topology.build_groups); it returns None "
                              "for uneven nodes, in which case pass hierarchical=False")
         if int8_block < 1:
             raise ValueError(f"int8_block must be >= 1, got {int8_block}")
@@ -309,8 +309,8 @@ class CommState:
         self.feedback = ErrorFeedback(error_feedback)
         self.parameter_numbers = ParameterNumbers()  # names the parameters in a bucket's layout (number() the model)
         self.buckets = BucketRecord()  # the layout of each bucket the int8 residuals were computed on
-        self.tuner = None  # an aiak.comm.autotune.StepTuner while tuning
-        self.tuning = None  # an aiak.comm.autotune.CommTuning: what the autotuner measured and chose (autotune only)
+        self.tuner = None  # an aiak.comm.allreduce.autotune.StepTuner while tuning
+        self.tuning = None  # an aiak.comm.allreduce.autotune.CommTuning: what the autotuner measured and chose (autotune only)
         self.iteration = 0
         self.worker = _Worker()
         self.watch = StallWatch(stall_warn_s, next_watch_name())
@@ -338,7 +338,7 @@ class CommState:
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         if scope == "node" and self.local_size > 1 and self.groups is None:
-            raise ValueError("the node scope needs the intra-node groups (aiak.comm.topology.build_groups)")
+            raise ValueError("the node scope needs the intra-node groups (aiak.comm.allreduce.topology.build_groups)")
         self.scope = scope
 
     def set_algorithm(self, hierarchical: bool, compression: str, connections: int = 1,
@@ -378,7 +378,7 @@ class CommState:
     def state_dict(self) -> Dict[str, object]:
         """What the hook carries from one step to the next, for a checkpoint (call it with no bucket in flight):
         this rank's int8 error-feedback residuals with the layout of the bucket each belongs to
-        (:class:`~aiak.comm.buckets.BucketRecord`), and what they were computed under (rank, algorithm, ranks,
+        (:class:`~aiak.comm.allreduce.buckets.BucketRecord`), and what they were computed under (rank, algorithm, ranks,
         block and chunk sizes). Everything else in the state is settings or is rebuilt the same way."""
         return {"rank": dist.get_rank(), "algorithm": self.algorithm, "world_size": self.world_size,
                 "local_size": self.local_size, "int8_block": self.int8_block, "pipeline_mb": self.pipeline_mb,
@@ -652,7 +652,7 @@ def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor
                 scope: str = "world") -> None:
     """The worker's job for one bucket of ``step``: sum ``tensor`` (already divided) in place, then complete or
     fail ``fut``."""
-    _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.stall
+    _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.diagnostics.stall
     if _job.watch is not None:
         _job.watch.at(step, key)
     hierarchical, compression, connections, cpu_reduce = algorithm
@@ -727,7 +727,7 @@ def wait_watched(work, stage: str, group=None) -> None:
 def sum_now(state: CommState, x: torch.Tensor) -> None:
     """Sum the 1-D ``x`` in place over every rank, uncompressed, with ``state``'s topology (the hierarchical or the
     flat algorithm, one connection), waiting for the result: for a job of :func:`run_in_worker` that computes
-    between its collectives (PowerSGD's factors, :mod:`aiak.comm.powersgd`)."""
+    between its collectives (PowerSGD's factors, :mod:`aiak.comm.algorithms.powersgd`)."""
     if state.hierarchical:
         _Hierarchical(state, "none", 1, False, x, key=None, layout=None).run()
     else:

@@ -7,9 +7,9 @@ from several streams, Bagua-net (an NCCL plugin with several) +83% communication
 once per process, at its first connection over the network (its parameters are cached at the first read), which
 happens before aiak runs: so nothing inside the training process can vary or apply them. With ``comm.autotune``
 and ``comm.connections: auto`` on an NCCL job across nodes whose environment leaves both unset, :func:`advise`
-times :data:`CANDIDATES` in child processes (:func:`aiak.comm.env_trials.time_env_candidates`) on the model's
+times :data:`CANDIDATES` in child processes (:func:`aiak.comm.allreduce.env_trials.time_env_candidates`) on the model's
 bucket sizes, keeps more sockets only when they are at least
-:data:`~aiak.comm.autotune.CONNECTIONS_MARGIN` faster, puts every figure in the decision record, caches the
+:data:`~aiak.comm.allreduce.autotune.CONNECTIONS_MARGIN` faster, puts every figure in the decision record, caches the
 pick per link and bucket sizes, and warns with what to export before the next launch. Set in the environment,
 they are the user's choice: nothing is measured.
 """
@@ -19,8 +19,8 @@ import math
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-from aiak.comm.autotune import CONNECTIONS_MARGIN, CommTuning, decide
-from aiak.comm.env_trials import time_env_candidates
+from aiak.comm.allreduce.autotune import CONNECTIONS_MARGIN, CommTuning, decide
+from aiak.comm.allreduce.env_trials import time_env_candidates
 from aiak.util.cache import TuneCache
 from aiak.util.dist import on_rank0, rank0_object
 from aiak.util.warn import warn
