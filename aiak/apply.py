@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
+from aiak.comm.algorithms import algorithm_class
 from aiak.step.controller import StepController
 from aiak.step.framework_ddp import framework_ddp
 from aiak.strategy import knobs
@@ -132,7 +133,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     many_ranks = distributed and _world_size() > 1
-    synchronising = many_ranks and s.comm.algorithm != "allreduce"
+    synchronising = many_ranks and algorithm_class(s.comm.algorithm).steps_with_optimizer
     # int8 keeps error-feedback residuals, saved with the optimizer's state (the step controller's extras)
     residuals = many_ranks and (s.comm.compression == "int8" or s.comm.autotune and s.comm.tune_int8)
     controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
@@ -141,7 +142,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
     comm_cfg = s.comm
     if s.precision.level == "O2" and s.comm.compression == "none" and many_ranks \
-            and s.comm.algorithm in ("allreduce", "local_sgd"):
+            and algorithm_class(s.comm.algorithm).half_gradients:
         comm_cfg = replace(s.comm, compression=s.precision.dtype)
     if synchronising and controller is None:
         raise ValueError(f"comm.algorithm {s.comm.algorithm} runs with the optimizer's steps (and saves its state in "

@@ -4,76 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from aiak.comm.algorithms import REGISTRY, AllReduce
+from aiak.comm.algorithms.decentralized import DecentralizedConfig
+from aiak.comm.algorithms.local_sgd import LocalSGDConfig
+from aiak.comm.algorithms.powersgd import PowerSGDConfig
 from aiak.comm.allreduce.compression import COMPRESSIONS
 from aiak.comm.diagnostics.stall import STALL_WARN_S
 from aiak.util.config import StrategyError, Where, choices, section_problems
-
-ALGORITHMS = ("allreduce", "local_sgd", "decentralized", "powersgd")
-
-# What each value of ``comm.algorithm`` trades (``aiak explain`` shows it; none is ever chosen by ``auto``).
-ALGORITHM_TRADES = {
-    "allreduce": "every step's gradients averaged across all ranks (DDP's arithmetic): nothing traded",
-    "local_sgd": "after warm-up, gradients averaged inside each node only and the weights (and floating buffers) "
-                 "averaged across nodes every `period` steps: 1/period of the cross-node traffic for replicas that "
-                 "drift apart between averages (Lin et al., 2020, 'Don't Use Large Mini-Batches, Use Local SGD')",
-    "decentralized": "no gradient allreduce: each step every rank averages its weights with its peers (one peer that "
-                     "changes each step, or all), overlapped with the forward and backward: latency hidden and one "
-                     "peer's traffic for replicas that agree only on average (Lian et al., 2017, D-PSGD)",
-    "powersgd": "gradients sent as rank-r factors with error feedback after warm-up: traffic cut to "
-                "r*(rows+cols) per matrix for a low-rank approximation, two sums per bucket in sequence, "
-                "hierarchical across nodes (Vogels et al., 2019, PowerSGD)",
-}
-
-
-@dataclass
-class LocalSGDConfig:
-    """``comm.local_sgd``: after ``warmup_steps`` real steps of ``allreduce``, gradients are averaged inside each
-    node every step and the weights and floating buffers across nodes every ``period`` real steps (the first
-    average right after the warm-up's last step, as torch's ``PeriodicModelAverager``). ``period: 1`` synchronises
-    every step: that is ``allreduce``, and it runs as ``allreduce``."""
-
-    period: int = 8
-    warmup_steps: int = 100
-
-    def _problems(self, where: Where, path: str) -> List[str]:
-        return [f"{where(path + key)} must be >= {low}, got {getattr(self, key)}"
-                for key, low in (("period", 1), ("warmup_steps", 0)) if getattr(self, key) < low]
-
-
-@dataclass
-class DecentralizedConfig:
-    """``comm.decentralized``: ``peers: shift_one`` averages with one peer that changes each step (the ranks of
-    the lower half paired with those of the upper half, the pairing shifted by one each step; an even number of
-    ranks), ``all`` with every rank (an allreduce of the weights)."""
-
-    peers: str = field(default="shift_one", metadata=choices("shift_one", "all"))
-
-
-@dataclass
-class PowerSGDConfig:
-    """``comm.powersgd``: rank ``rank`` approximations after ``warmup_steps`` real steps of plain allreduce
-    (at least 2: DDP rebuilds its buckets after the first step, and the error feedback is tied to them).
-
-    ``bucket_mb``: DDP's bucket size under PowerSGD (``comm.bucket_mb`` is allreduce's). A bucket costs two
-    sums one after the other, of a few kilobytes each: on a far link each is a round trip, so ``auto`` puts
-    every gradient in one bucket (DDP, given a bucket size, makes its first bucket that size too). A number gives
-    buckets of that many MB: more overlap of the backward with the communication, where round trips are cheap
-    (a fast network) and the low-rank arithmetic is slow."""
-
-    rank: int = 4
-    warmup_steps: int = 100
-    bucket_mb: Union[str, float] = field(default="auto", metadata=choices("auto", also="a number of MB > 0"))
-
-    def _problems(self, where: Where, path: str) -> List[str]:
-        problems = []
-        if self.rank < 1:
-            problems.append(f"{where(path + 'rank')} must be >= 1, got {self.rank}")
-        if self.bucket_mb != "auto" and self.bucket_mb <= 0:
-            problems.append(f"{where(path + 'bucket_mb')} must be 'auto' or a number of MB > 0, got {self.bucket_mb}")
-        if self.warmup_steps < 2:
-            problems.append(f"{where(path + 'warmup_steps')} must be >= 2 (DDP rebuilds its buckets after the first "
-                            f"step, and PowerSGD's residuals are tied to them), got {self.warmup_steps}")
-        return problems
 
 
 @dataclass
@@ -101,10 +38,9 @@ class CommConfig:
     ``find_unused_parameters``: passed to the DistributedDataParallel aiak builds, as a script passes it to its
     own: a model with parameters its forward does not use on every step (a conditional branch, a head kept for
     later) needs it under every algorithm, or torch stops at "Expected to have finished reduction".
-    ``algorithm``: how ranks synchronise (:data:`ALGORITHM_TRADES`): ``allreduce`` (the hooks above), or one that
-    changes the training and is only ever named by a profile or the user: ``local_sgd``
-    (:mod:`aiak.comm.algorithms.local_sgd`), ``decentralized`` (:mod:`aiak.comm.algorithms.decentralized`), ``powersgd``
-    (:mod:`aiak.comm.algorithms.powersgd`), each with its section of settings.
+    ``algorithm``: how ranks synchronise, a name of :data:`aiak.comm.algorithms.REGISTRY`: ``allreduce`` (the hooks
+    above), or one that changes the training and is only ever named by a profile or the user, each with its section
+    of settings (the field of the same name).
     """
 
     hierarchical: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
@@ -124,7 +60,7 @@ class CommConfig:
     connections: Union[str, int] = field(default="auto", metadata=choices("auto", also="an integer >= 1"))
     cpu_reduce: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
     find_unused_parameters: bool = False
-    algorithm: str = field(default="allreduce", metadata=choices(*ALGORITHMS))
+    algorithm: str = field(default=AllReduce.name, metadata=choices(*REGISTRY))
     local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
     decentralized: DecentralizedConfig = field(default_factory=DecentralizedConfig)
     powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
@@ -143,32 +79,9 @@ class CommConfig:
             problems.append(f"{where(path + 'cpu_reduce')}: true is a form of the hierarchical algorithm, but "
                             f"{path}hierarchical is false; set hierarchical to auto or true, or "
                             "cpu_reduce to auto or false")
-        problems.extend(self._algorithm_problems(where, path))
-        return problems
-
-    def _algorithm_problems(self, where: Where, path: str) -> List[str]:
-        """The settings ``algorithm`` cannot run with, each with what to change."""
-        algorithm, problems = self.algorithm, []
-        if algorithm == "allreduce":
-            return problems
-        at = where(path + "algorithm")
-        if self.autotune:
-            problems.append(f"{at}: {algorithm} does not run with {path}autotune true (the autotuner times allreduce "
-                            f"algorithms against each other); set autotune false or algorithm allreduce")
-        if self.cpu_reduce is True:
-            problems.append(f"{at}: {algorithm} does not run with {path}cpu_reduce true (a form of the allreduce "
-                            "algorithm); set cpu_reduce to auto or false")
-        if algorithm == "decentralized" and self.hierarchical is True:
-            problems.append(f"{at}: decentralized exchanges weights between ranks directly; {path}hierarchical true "
-                            "applies to the allreduce algorithms: set it to auto or false")
-        if algorithm in ("decentralized", "powersgd"):
-            if self.compression != "none":
-                what = "exchanges weights in full precision" if algorithm == "decentralized" else \
-                    "is a compression of its own"
-                problems.append(f"{at}: {algorithm} {what}; set {path}compression to none")
-        if algorithm == "local_sgd" and self.compression == "int8":
-            problems.append(f"{at}: local_sgd averages weights across nodes, and int8's error feedback is for "
-                            f"gradients; set {path}compression to none, fp16 or bf16")
+        algorithm = REGISTRY.get(self.algorithm)  # (an unknown name is reported with the choices)
+        if algorithm is not None:
+            problems.extend(algorithm.problems(self, where, path))
         return problems
 
 

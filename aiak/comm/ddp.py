@@ -19,15 +19,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from aiak.comm.algorithms import REGISTRY, algorithm_class
 from aiak.comm.allreduce import nccl_sockets
 from aiak.comm.allreduce.autotune import CommTuning, StepTuner, TuneInputs, cached_choice, gradient_bucket_sizes, tune_comm
 from aiak.comm.config import CommConfig, check_comm
 from aiak.comm.allreduce.connections import connection_counts, connections_available, wide_groups
 from aiak.comm.diagnostics.deadlock import enable_deadlock_guard
-from aiak.comm.algorithms.decentralized import Decentralized
 from aiak.comm.allreduce.hooks import CommState, comm_hook
-from aiak.comm.algorithms.local_sgd import LocalSGD
-from aiak.comm.algorithms.powersgd import PowerSGD, powersgd_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.allreduce.topology import build_groups, detect_topology
 from aiak.util.cache import TuneCache
@@ -137,9 +135,9 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         return _hook_existing(model, opts)
 
     topology = detect_topology(process_group)
-    algorithm = _algorithm_here(opts, topology, process_group)
+    algorithm = algorithm_class(opts.algorithm).runs_here(opts, topology, process_group)
     want_groups = opts.hierarchical is True or opts.cpu_reduce is True \
-        or (opts.hierarchical == "auto" or opts.autotune or algorithm == "local_sgd") and topology.hierarchical_useful
+        or (opts.hierarchical == "auto" or opts.autotune or algorithm.wants_node_groups) and topology.hierarchical_useful
     if process_group is not None and process_group is not dist.group.WORLD:
         if opts.hierarchical is True or opts.cpu_reduce is True:
             warn("aiak.comm: hierarchical allreduce (and CPU-Reduce, a form of it) is built on the default (world) "
@@ -163,32 +161,21 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                       stall_warn_s=opts.stall_warn_s, wide=wide, connections=counts[0], host_inter=host_inter,
                       cpu_reduce=host_inter is not None and opts.cpu_reduce is True, local_size=topology.local_size)
     state.parameter_numbers.number(model)  # module order: a bucket's layout means the same in a resumed run
-    exchange_group = dist.new_group(list(range(topology.world_size)), backend=dist.get_backend(process_group)) \
-        if algorithm == "decentralized" else None  # collective: every rank creates it here
-    bucket_mb, tuner = opts.bucket_mb, None
-    if algorithm == "powersgd":
-        bucket_mb = _powersgd_bucket_mb(model, opts.powersgd.bucket_mb)
+    bucket_mb, tuner = algorithm.bucket_mb(model, opts), None
     if opts.autotune:
         bucket_mb, tuner = _autotune(model, state, opts, topology, device_ids, process_group, counts)
 
     ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, process_group=process_group,
               find_unused_parameters=opts.find_unused_parameters)
-    ddp.aiak_comm_algorithm = None
-    if algorithm == "powersgd":
-        ddp.aiak_comm_algorithm = PowerSGD(model, state, opts.powersgd.rank, opts.powersgd.warmup_steps)
-        ddp.register_comm_hook(ddp.aiak_comm_algorithm, powersgd_hook)
-    elif not opts.autotune and not opts.deadlock_guard and algorithm == "allreduce" \
-            and state.algorithm == (False, "none", 1, False):
-        pass  # DDP's built-in C++ allreduce is the fastest flat fp32 path
-    else:
-        state.tuner = tuner
-        ddp.register_comm_hook(state, comm_hook)
-    if algorithm == "local_sgd":
-        ddp.aiak_comm_algorithm = LocalSGD(ddp, state, opts.local_sgd.period, opts.local_sgd.warmup_steps)
-    elif algorithm == "decentralized":
-        ddp.aiak_comm_algorithm = Decentralized(ddp, state, opts.decentralized.peers, exchange_group)
-    if algorithm in ("local_sgd", "decentralized"):
-        _refuse_join(ddp, algorithm)
+    state.tuner = tuner
+    synchronising = algorithm.from_settings(ddp, state, opts)
+    hook = synchronising.bucket_hook(opts)
+    if hook is not None:  # (None: DDP's own allreduce)
+        ddp.register_comm_hook(*hook)
+    # what the step controller calls at real steps and saves with the optimizer's state (None: nothing to call)
+    ddp.aiak_comm_algorithm = synchronising if algorithm.steps_with_optimizer else None
+    if algorithm.join_would_miss:
+        _refuse_join(ddp, synchronising)
     ddp.aiak_comm_state = state
     use_plain_state_dict_keys(ddp)
     mark_built_by_aiak(ddp)  # the script's own DDP line, after the aiak line, returns this DDP
@@ -200,29 +187,22 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
     return ddp
 
 
-def _refuse_join(ddp, algorithm: str) -> None:
+def _refuse_join(ddp, algorithm) -> None:
     """``ddp.join()`` (uneven inputs) raises at once, on every rank, instead of hanging: a rank that ran out of
-    batches would have to shadow the weight averages (local SGD) or exchanges (decentralized) that its peers make
-    at their optimizer steps, which Join's shadowing of DDP's gradient allreduce does not do."""
+    batches would have to shadow what ``algorithm`` sends at its peers' optimizer steps (local SGD's weight
+    averages, decentralized SGD's exchanges), which Join's shadowing of DDP's gradient allreduce does not do."""
+    joining = " or ".join(name for name, cls in REGISTRY.items() if not cls.join_would_miss)
+
     def refuse(*args, **kwargs):
         raise RuntimeError(
             f"aiak.comm: DistributedDataParallel.join() (uneven inputs) does not run with comm.algorithm "
-            f"{algorithm}: the ranks that ran out of batches would miss the weight "
-            f"{'averages' if algorithm == 'local_sgd' else 'exchanges'} that the others make at their optimizer steps, "
+            f"{algorithm.name}: the ranks that ran out of batches would miss the {algorithm.join_would_miss} that the "
+            "others make at their optimizer steps, "
             "and every rank would wait for them. Give every rank the same number of batches (a DistributedSampler "
-            "with drop_last=True, or stop all ranks at the shortest), or use algorithm allreduce or powersgd, "
-            "which Join supports")
+            f"with drop_last=True, or stop all ranks at the shortest), or use algorithm {joining}, which Join "
+            "supports")
     ddp.join = refuse
     ddp.join_hook = refuse
-
-
-def _powersgd_bucket_mb(model: torch.nn.Module, setting) -> float:
-    """DDP's bucket size under PowerSGD: ``setting`` in MB, or for ``auto`` one bucket larger than every gradient
-    together (:class:`~aiak.comm.config.PowerSGDConfig`)."""
-    if setting != "auto":
-        return float(setting)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return gradient_bytes / 2**20 + 1.0
 
 
 def describe_comm(ddp) -> str:
@@ -230,48 +210,14 @@ def describe_comm(ddp) -> str:
     allreduce algorithm of its hook."""
     algorithm, state = getattr(ddp, "aiak_comm_algorithm", None), getattr(ddp, "aiak_comm_state", None)
     if algorithm is not None:
-        return algorithm.describe() + (f", {state.describe()} in warm-up and averages"
-                                       if isinstance(algorithm, LocalSGD) else "")
+        return algorithm.describe_with_transport()
     return state.describe() if state is not None else "built-in allreduce"
-
-
-def _algorithm_here(opts: CommConfig, topology, process_group) -> str:
-    """``comm.algorithm`` as it runs on this topology: ``local_sgd`` where it would synchronise every step anyway
-    (one node, or ``period: 1``) is ``allreduce``; what cannot run here is refused with the reason."""
-    algorithm = opts.algorithm
-    if algorithm == "allreduce":
-        return algorithm
-    if process_group is not None and process_group is not dist.group.WORLD:
-        raise ValueError(f"aiak.comm: comm.algorithm {algorithm} runs on the default (world) group; this DDP was "
-                         "given a process_group of its own: leave process_group out, or use algorithm allreduce")
-    if algorithm == "local_sgd":
-        if opts.local_sgd.period == 1:
-            logger.info("aiak.comm: local_sgd with period 1 synchronises every step: allreduce")
-            return "allreduce"
-        if topology.num_nodes == 1:
-            warn(f"aiak.comm: comm.algorithm local_sgd averages across nodes, and this run has one node "
-                 f"({topology.describe()}): every step is synchronous, allreduce runs; use decentralized or "
-                 "powersgd to send less inside a node")
-            return "allreduce"
-        if not topology.uniform:
-            raise ValueError(f"aiak.comm: comm.algorithm local_sgd needs nodes of equal size (gradients are averaged "
-                             f"inside each node); this run's are {[len(n) for n in topology.nodes]}")
-    if algorithm in ("decentralized", "powersgd") and opts.connections not in ("auto", 1):
-        warn(f"aiak.comm: comm.connections: {opts.connections} applies to the allreduce algorithms' cross-node stage; "
-             f"{algorithm} sends over one connection per peer")
-    if algorithm == "powersgd" and opts.bucket_mb != CommConfig.bucket_mb:
-        warn(f"aiak.comm: comm.bucket_mb: {opts.bucket_mb:g} is the allreduce algorithms' bucket size; powersgd's is "
-             f"comm.powersgd.bucket_mb ({opts.powersgd.bucket_mb}): set that one instead")
-    if algorithm == "decentralized" and opts.decentralized.peers == "shift_one" and topology.world_size % 2:
-        raise ValueError(f"aiak.comm: comm.decentralized.peers shift_one pairs ranks, and this run has "
-                         f"{topology.world_size} (odd); use peers: all, or an even number of ranks")
-    return algorithm
 
 
 def _hook_existing(ddp, opts: CommConfig):
     """A DistributedDataParallel the script built itself: its buckets stay as they are (bucket_mb cannot change
     now); aiak's communication hook is registered if the DDP has none yet and the settings need one."""
-    if opts.algorithm != "allreduce":
+    if algorithm_class(opts.algorithm).needs_aiak_ddp:
         raise ValueError(f"aiak.comm: comm.algorithm {opts.algorithm} needs aiak to wrap the model in DDP, and the "
                          "model is already a DistributedDataParallel: call aiak.optimize on the bare model (aiak "
                          "wraps it itself under torchrun) and drop your DistributedDataParallel line, or keep it "

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
+from aiak.comm.algorithms import REGISTRY
 from aiak.runtime.affinity import apply_cpu_affinity
 from aiak.runtime.switches import apply_cudnn_benchmark, apply_tf32
 
@@ -87,9 +88,8 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("comm.cpu_reduce",       DDP,       False,   True,   False),
     Knob("comm.find_unused_parameters", DDP, False,   True,   False),
     Knob("comm.algorithm",        DDP,       True,    False,  False),
-    Knob("comm.local_sgd",        DDP,       True,    False,  False),
-    Knob("comm.decentralized",    DDP,       True,    False,  False),
-    Knob("comm.powersgd",         DDP,       True,    False,  False),
+    *(Knob(f"comm.{name}",        DDP,       True,    False,  False)   # each algorithm's settings section
+      for name, algorithm in REGISTRY.items() if algorithm.settings is not None),
     Knob("tune.enabled",          SELECTION, False,   True,   False),
     Knob("tune.candidates",       SELECTION, False,   True,   False),
     Knob("tune.steps",            SELECTION, False,   True,   False),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from aiak.apply import skipped_reason
-from aiak.comm.config import ALGORITHM_TRADES
+from aiak.comm.algorithms import algorithm_class
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
 from aiak.tune.candidates import differences
@@ -246,8 +246,8 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
         else:
             knobs[path] = {"value": value, "source": "default", "reason": "plain PyTorch's setting"}
     algorithm = knobs.get("comm.algorithm")
-    if algorithm is not None and algorithm["value"] != "allreduce":  # it changes the training: say what it trades
-        algorithm["reason"] += f"; trades: {ALGORITHM_TRADES[algorithm['value']]}"
+    if algorithm is not None and algorithm_class(algorithm["value"]).changes_training:  # say what it trades
+        algorithm["reason"] += f"; trades: {algorithm_class(algorithm['value']).trades}"
     probes = selection.probes.to_dict() if hasattr(selection.probes, "to_dict") else {}
     tuning_note = ""
     if tuning is None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from aiak.api import explain
-from aiak.comm.config import ALGORITHM_TRADES, ALGORITHMS
+from aiak.comm.algorithms import REGISTRY
 from aiak.strategy import knobs
 from aiak.strategy.schema import Strategy, StrategyError
 
@@ -54,11 +54,11 @@ def test_what_composes_is_accepted(comm):
     assert Strategy.from_dict({"comm": comm}).comm.algorithm == comm["algorithm"]
 
 
-@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "allreduce"])
+@pytest.mark.parametrize("algorithm", [a for a in REGISTRY if a != "allreduce"])
 def test_explain_says_what_each_algorithm_trades(algorithm):
     model = torch.nn.Linear(3, 3)
     record = explain(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy={"comm": {"algorithm": algorithm}})
-    assert record.knobs["comm.algorithm"]["reason"].endswith("; trades: " + ALGORITHM_TRADES[algorithm])
+    assert record.knobs["comm.algorithm"]["reason"].endswith("; trades: " + REGISTRY[algorithm].trades)
     assert "trades" not in explain(model, strategy={}).knobs["comm.algorithm"]["reason"]
 
 

@@ -24,14 +24,27 @@ asynchronous variant is not built (it hung and raced there, and assumes endless 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from aiak.comm.algorithms.base import CommAlgorithm
 from aiak.comm.allreduce.hooks import CommState, Future, copy_into, flat_copy, run_in_worker, wait_watched
+from aiak.util.config import choices
+from aiak.util.warn import warn
 
 PEERS = ("shift_one", "all")
+
+
+@dataclass
+class DecentralizedConfig:
+    """``comm.decentralized``: ``peers: shift_one`` averages with one peer that changes each step (the ranks of
+    the lower half paired with those of the upper half, the pairing shifted by one each step; an even number of
+    ranks), ``all`` with every rank (an allreduce of the weights)."""
+
+    peers: str = field(default="shift_one", metadata=choices(*PEERS))
 
 
 def shift_one_peer(rank: int, world: int, exchange: int) -> int:
@@ -42,8 +55,15 @@ def shift_one_peer(rank: int, world: int, exchange: int) -> int:
     return (rank - half - exchange) % half
 
 
-class Decentralized:
+class Decentralized(CommAlgorithm):
     """The weight exchange of one DDP model; attached to its optimizer's step controller by ``aiak.optimize``."""
+
+    name = "decentralized"
+    trades = ("no gradient allreduce: each step every rank averages its weights with its peers (one peer that "
+              "changes each step, or all), overlapped with the forward and backward: latency hidden and one "
+              "peer's traffic for replicas that agree only on average (Lian et al., 2017, D-PSGD)")
+    settings = DecentralizedConfig
+    join_would_miss = "weight exchanges"
 
     def __init__(self, ddp: torch.nn.Module, state: CommState, peers: str, group):
         if peers not in PEERS:
@@ -58,6 +78,36 @@ class Decentralized:
         state.set_scope("rank")
         ddp.broadcast_buffers = False
         self._hook = ddp.register_forward_pre_hook(self._on_forward)
+
+    # -- before anything is built ------------------------------------------------------------------------
+    @classmethod
+    def problems(cls, comm: Any, where: Callable[[str], str], path: str) -> List[str]:
+        problems, at = super().problems(comm, where, path), where(path + "algorithm")
+        if comm.hierarchical is True:
+            problems.append(f"{at}: decentralized exchanges weights between ranks directly; {path}hierarchical true "
+                            "applies to the allreduce algorithms: set it to auto or false")
+        if comm.compression != "none":
+            problems.append(f"{at}: decentralized exchanges weights in full precision; set {path}compression to none")
+        return problems
+
+    @classmethod
+    def runs_here(cls, comm: Any, topology, process_group) -> type:
+        super().runs_here(comm, topology, process_group)
+        if comm.connections not in ("auto", 1):
+            warn(f"aiak.comm: comm.connections: {comm.connections} applies to the allreduce algorithms' cross-node "
+                 "stage; decentralized sends over one connection per peer")
+        if comm.decentralized.peers == "shift_one" and topology.world_size % 2:
+            raise ValueError(f"aiak.comm: comm.decentralized.peers shift_one pairs ranks, and this run has "
+                             f"{topology.world_size} (odd); use peers: all, or an even number of ranks")
+        return cls
+
+    @classmethod
+    def from_settings(cls, ddp, state: CommState, comm: Any) -> "Decentralized":
+        """Collective: every rank creates the exchange's process group here (DDP's collectives on the main thread
+        never interleave with the exchange on it)."""
+        group = dist.new_group(list(range(dist.get_world_size(ddp.process_group))),
+                               backend=dist.get_backend(ddp.process_group))
+        return cls(ddp, state, comm.decentralized.peers, group)
 
     def params(self) -> List[torch.Tensor]:
         return [p for p in self.ddp.module.parameters() if p.requires_grad]
@@ -95,16 +145,12 @@ class Decentralized:
         fut, self._inflight = self._inflight or self._issue(), None
         copy_into(self.params(), fut.wait())
 
-    def after_real_step(self, updated: bool) -> None:
-        pass
-
     # -- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"algorithm": "decentralized", "exchanges": self.exchanges - (self._inflight is not None)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("algorithm") != "decentralized":
-            raise ValueError(f"this checkpoint's comm algorithm is {state.get('algorithm')!r}, not decentralized")
+        self.check_saved(state)
         self.exchanges = int(state["exchanges"]) + (self._inflight is not None)
 
     def describe(self) -> str:

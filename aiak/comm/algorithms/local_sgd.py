@@ -28,18 +28,49 @@ run averages on the same steps. ``period: 1`` never gets here: synchronising eve
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from aiak.comm.algorithms.allreduce import AllReduce
+from aiak.comm.algorithms.base import CommAlgorithm
 from aiak.comm.allreduce.compression import CAST_DTYPES
 from aiak.comm.allreduce.hooks import CommState, average, copy_into, flat_copy
+from aiak.util.config import Where
+from aiak.util.warn import warn
 
+logger = logging.getLogger("aiak")
 AVERAGE_KEY = "local_sgd"  # the key of the weights' average in the hook machinery (never a bucket index)
 
 
-class LocalSGD:
+@dataclass
+class LocalSGDConfig:
+    """``comm.local_sgd``: after ``warmup_steps`` real steps of ``allreduce``, gradients are averaged inside each
+    node every step and the weights and floating buffers across nodes every ``period`` real steps (the first
+    average right after the warm-up's last step, as torch's ``PeriodicModelAverager``). ``period: 1`` synchronises
+    every step: that is ``allreduce``, and it runs as ``allreduce``."""
+
+    period: int = 8
+    warmup_steps: int = 100
+
+    def _problems(self, where: Where, path: str) -> List[str]:
+        return [f"{where(path + key)} must be >= {low}, got {getattr(self, key)}"
+                for key, low in (("period", 1), ("warmup_steps", 0)) if getattr(self, key) < low]
+
+
+class LocalSGD(CommAlgorithm):
     """The averager of one DDP model; attached to its optimizer's step controller by ``aiak.optimize``."""
+
+    name = "local_sgd"
+    trades = ("after warm-up, gradients averaged inside each node only and the weights (and floating buffers) "
+              "averaged across nodes every `period` steps: 1/period of the cross-node traffic for replicas that "
+              "drift apart between averages (Lin et al., 2020, 'Don't Use Large Mini-Batches, Use Local SGD')")
+    settings = LocalSGDConfig
+    half_gradients = True
+    wants_node_groups = True
+    join_would_miss = "weight averages"
 
     def __init__(self, ddp: torch.nn.Module, state: CommState, period: int, warmup_steps: int):
         if period < 2:
@@ -51,6 +82,37 @@ class LocalSGD:
         self.anchor: Optional[torch.Tensor] = None  # the last average (fp16/bf16 transport only)
         self.broadcast_buffers = getattr(ddp, "broadcast_buffers", False)
         self._enter_phase()
+
+    # -- before anything is built ------------------------------------------------------------------------
+    @classmethod
+    def problems(cls, comm: Any, where: Callable[[str], str], path: str) -> List[str]:
+        problems = super().problems(comm, where, path)
+        if comm.compression == "int8":
+            problems.append(f"{where(path + 'algorithm')}: local_sgd averages weights across nodes, and int8's error "
+                            f"feedback is for gradients; set {path}compression to none, fp16 or bf16")
+        return problems
+
+    @classmethod
+    def runs_here(cls, comm: Any, topology, process_group) -> type:
+        """``allreduce`` where local SGD would synchronise every step anyway (one node, or ``period: 1``); nodes
+        of unequal size are refused."""
+        super().runs_here(comm, topology, process_group)
+        if comm.local_sgd.period == 1:
+            logger.info("aiak.comm: local_sgd with period 1 synchronises every step: allreduce")
+            return AllReduce
+        if topology.num_nodes == 1:
+            warn(f"aiak.comm: comm.algorithm local_sgd averages across nodes, and this run has one node "
+                 f"({topology.describe()}): every step is synchronous, allreduce runs; use decentralized or "
+                 "powersgd to send less inside a node")
+            return AllReduce
+        if not topology.uniform:
+            raise ValueError(f"aiak.comm: comm.algorithm local_sgd needs nodes of equal size (gradients are averaged "
+                             f"inside each node); this run's are {[len(n) for n in topology.nodes]}")
+        return cls
+
+    @classmethod
+    def from_settings(cls, ddp, state: CommState, comm: Any) -> "LocalSGD":
+        return cls(ddp, state, comm.local_sgd.period, comm.local_sgd.warmup_steps)
 
     # -- what is averaged ---------------------------------------------------------------------------------
     def tensors(self) -> List[torch.Tensor]:
@@ -69,9 +131,6 @@ class LocalSGD:
         self.ddp.broadcast_buffers = self.broadcast_buffers and not self.local
 
     # -- the step controller's calls ---------------------------------------------------------------------
-    def at_real_step(self) -> None:
-        pass
-
     def after_real_step(self, updated: bool) -> None:
         step, self.steps = self.steps, self.steps + 1
         if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
@@ -103,8 +162,7 @@ class LocalSGD:
                 "anchor": None if self.anchor is None else self.anchor.clone()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("algorithm") != "local_sgd":
-            raise ValueError(f"this checkpoint's comm algorithm is {state.get('algorithm')!r}, not local_sgd")
+        self.check_saved(state)
         self.steps, self.averages = int(state["steps"]), int(state["averages"])
         anchor = state.get("anchor")
         self.anchor = None if anchor is None else anchor.to(self._device()).clone()
@@ -116,6 +174,9 @@ class LocalSGD:
 
     def describe(self) -> str:
         return f"local SGD: period {self.period}, warm-up {self.warmup_steps} steps"
+
+    def describe_with_transport(self) -> str:
+        return f"{self.describe()}, {self.state.describe()} in warm-up and averages"
 
 
 class _uncompressed:

@@ -46,22 +46,59 @@ What aiak changes around torch's arithmetic:
   (:class:`~aiak.comm.allreduce.buckets.BucketRecord`), so the resumed run continues bit for bit.
 """
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize, _should_compress
 
+from aiak.comm.algorithms.base import CommAlgorithm
 from aiak.comm.allreduce.buckets import BucketRecord, ParameterNumbers, bucket_layout
 from aiak.comm.allreduce.compression import FiniteFlag
 from aiak.comm.allreduce.hooks import CommState, another_ranks, copy_into, run_in_worker, sum_now
+from aiak.util.config import Where, choices
+from aiak.util.warn import warn
 
 _Kept = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # residual, P, Q
 
 
-class PowerSGD:
+@dataclass
+class PowerSGDConfig:
+    """``comm.powersgd``: rank ``rank`` approximations after ``warmup_steps`` real steps of plain allreduce
+    (at least 2: DDP rebuilds its buckets after the first step, and the error feedback is tied to them).
+
+    ``bucket_mb``: DDP's bucket size under PowerSGD (``comm.bucket_mb`` is allreduce's). A bucket costs two
+    sums one after the other, of a few kilobytes each: on a far link each is a round trip, so ``auto`` puts
+    every gradient in one bucket (DDP, given a bucket size, makes its first bucket that size too). A number gives
+    buckets of that many MB: more overlap of the backward with the communication, where round trips are cheap
+    (a fast network) and the low-rank arithmetic is slow."""
+
+    rank: int = 4
+    warmup_steps: int = 100
+    bucket_mb: Union[str, float] = field(default="auto", metadata=choices("auto", also="a number of MB > 0"))
+
+    def _problems(self, where: Where, path: str) -> List[str]:
+        problems = []
+        if self.rank < 1:
+            problems.append(f"{where(path + 'rank')} must be >= 1, got {self.rank}")
+        if self.bucket_mb != "auto" and self.bucket_mb <= 0:
+            problems.append(f"{where(path + 'bucket_mb')} must be 'auto' or a number of MB > 0, got {self.bucket_mb}")
+        if self.warmup_steps < 2:
+            problems.append(f"{where(path + 'warmup_steps')} must be >= 2 (DDP rebuilds its buckets after the first "
+                            f"step, and PowerSGD's residuals are tied to them), got {self.warmup_steps}")
+        return problems
+
+
+class PowerSGD(CommAlgorithm):
     """The communication state of one DDP model: torch's ``PowerSGDState`` plus the guard and the layouts; its
     sums go through ``comm`` (the model's :class:`~aiak.comm.allreduce.hooks.CommState`: topology and worker)."""
+
+    name = "powersgd"
+    trades = ("gradients sent as rank-r factors with error feedback after warm-up: traffic cut to "
+              "r*(rows+cols) per matrix for a low-rank approximation, two sums per bucket in sequence, "
+              "hierarchical across nodes (Vogels et al., 2019, PowerSGD)")
+    settings = PowerSGDConfig
 
     def __init__(self, module: torch.nn.Module, comm: CommState, rank: int, warmup_steps: int, seed: int = 0):
         self.comm = comm
@@ -74,6 +111,43 @@ class PowerSGD:
         self._pending: Dict[int, Tuple[_Kept, FiniteFlag]] = {}        # bucket -> state before, verdict after
         self._spare: Dict[int, torch.Tensor] = {}                      # bucket -> a residual no longer needed
         self.skipped = 0                                               # buckets whose result was not finite
+
+    # -- before anything is built ------------------------------------------------------------------------
+    @classmethod
+    def problems(cls, comm: Any, where: Callable[[str], str], path: str) -> List[str]:
+        problems = super().problems(comm, where, path)
+        if comm.compression != "none":
+            problems.append(f"{where(path + 'algorithm')}: powersgd is a compression of its own; set "
+                            f"{path}compression to none")
+        return problems
+
+    @classmethod
+    def runs_here(cls, comm: Any, topology, process_group) -> type:
+        super().runs_here(comm, topology, process_group)
+        if comm.connections not in ("auto", 1):
+            warn(f"aiak.comm: comm.connections: {comm.connections} applies to the allreduce algorithms' cross-node "
+                 "stage; powersgd sends over one connection per peer")
+        if comm.bucket_mb != type(comm).bucket_mb:
+            warn(f"aiak.comm: comm.bucket_mb: {comm.bucket_mb:g} is the allreduce algorithms' bucket size; powersgd's "
+                 f"is comm.powersgd.bucket_mb ({comm.powersgd.bucket_mb}): set that one instead")
+        return cls
+
+    @classmethod
+    def bucket_mb(cls, model: torch.nn.Module, comm: Any) -> float:
+        """``comm.powersgd.bucket_mb`` in MB, or for ``auto`` one bucket larger than every gradient together
+        (:class:`PowerSGDConfig`)."""
+        setting = comm.powersgd.bucket_mb
+        if setting != "auto":
+            return float(setting)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return gradient_bytes / 2**20 + 1.0
+
+    @classmethod
+    def from_settings(cls, ddp, state: CommState, comm: Any) -> "PowerSGD":
+        return cls(ddp.module, state, comm.powersgd.rank, comm.powersgd.warmup_steps)
+
+    def bucket_hook(self, comm: Any):
+        return self, powersgd_hook
 
     # -- the hook ----------------------------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -185,13 +259,6 @@ class PowerSGD:
         for table in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
             table.pop(index, None)
 
-    # -- the step controller's calls ---------------------------------------------------------------------
-    def at_real_step(self) -> None:
-        pass
-
-    def after_real_step(self, updated: bool) -> None:
-        pass
-
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Copies of the residuals the next step adds, by bucket index (tests and debugging)."""
         self._settle()
@@ -208,8 +275,7 @@ class PowerSGD:
                 "q": {i: t.clone() for i, t in s.q_memory_dict.items()}, "skipped": self.skipped}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("algorithm") != "powersgd":
-            raise ValueError(f"this checkpoint's comm algorithm is {state.get('algorithm')!r}, not powersgd")
+        self.check_saved(state)
         self._pending.clear()
         s = self.torch_state
         s.iter = int(state["iter"])
