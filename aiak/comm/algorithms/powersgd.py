@@ -51,6 +51,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+# two private functions of torch's hook module and PowerSGDState's fields: pinned by
+# tests/comm/test_powersgd_torch_pins.py (a torch that changes them fails there, by name)
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize, _should_compress
 
 from aiak.comm.algorithms.base import CommAlgorithm
