@@ -136,20 +136,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
 
     topology = detect_topology(process_group)
     algorithm = algorithm_class(opts.algorithm).runs_here(opts, topology, process_group)
-    want_groups = opts.hierarchical is True or opts.cpu_reduce is True \
-        or (opts.hierarchical == "auto" or opts.autotune or algorithm.wants_node_groups) and topology.hierarchical_useful
-    if process_group is not None and process_group is not dist.group.WORLD:
-        if opts.hierarchical is True or opts.cpu_reduce is True:
-            warn("aiak.comm: hierarchical allreduce (and CPU-Reduce, a form of it) is built on the default (world) "
-                 "group; with a custom process_group it is off and allreduce is flat")
-        want_groups = False
-    elif want_groups and not topology.hierarchical_useful:
-        if opts.hierarchical is True or opts.cpu_reduce is True:
-            knob = "comm.hierarchical=true" if opts.hierarchical is True else "comm.cpu_reduce=true"
-            warn(f"aiak.comm: {knob} needs >1 node with >1 rank each and equal nodes; "
-                 f"topology is {topology.describe()}; using flat allreduce")
-        want_groups = False
-    groups = build_groups(topology) if want_groups else None
+    groups = _node_groups(opts, topology, algorithm, process_group)
     hierarchical = groups is not None and opts.hierarchical is not False
     device_ids = _device_ids(model, device)
     host_inter = _host_inter_group(opts, topology, groups, bool(device_ids), process_group)
@@ -185,6 +172,29 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                 "autotuning (step mode)" if tuner else describe_comm(ddp),
                 ", deadlock guard on" if opts.deadlock_guard else "")
     return ddp
+
+
+def _node_groups(opts: CommConfig, topology, algorithm, process_group):
+    """The intra- and inter-node groups (:func:`~aiak.comm.allreduce.topology.build_groups`) where the settings want
+    them (``hierarchical`` or ``cpu_reduce`` true; ``auto``, the autotuner or an algorithm that averages inside
+    nodes, where the topology has nodes of several ranks), else ``None``; a ``true`` that cannot apply says why.
+    The one place the hierarchical route is made possible: the hook's state starts on it where ``hierarchical``
+    is not false, and the comm autotuner may switch between it and flat (``CommState.set_route``).
+    Collective: every rank builds the groups, in the same order."""
+    forced = opts.hierarchical is True or opts.cpu_reduce is True
+    if process_group is not None and process_group is not dist.group.WORLD:
+        if forced:
+            warn("aiak.comm: hierarchical allreduce (and CPU-Reduce, a form of it) is built on the default (world) "
+                 "group; with a custom process_group it is off and allreduce is flat")
+        return None
+    wanted = opts.hierarchical == "auto" or opts.autotune or algorithm.wants_node_groups
+    if not topology.hierarchical_useful:
+        if forced:
+            knob = "comm.hierarchical=true" if opts.hierarchical is True else "comm.cpu_reduce=true"
+            warn(f"aiak.comm: {knob} needs >1 node with >1 rank each and equal nodes; "
+                 f"topology is {topology.describe()}; using flat allreduce")
+        return None
+    return build_groups(topology) if forced or wanted else None
 
 
 def _refuse_join(ddp, algorithm) -> None:
@@ -298,7 +308,7 @@ def _autotune(model, state: CommState, opts: CommConfig, topology, device_ids, p
         record.cache_hit, record.chosen = True, cached.describe()
         logger.info("aiak.comm autotune: cache hit in %s for %s -> %s (tuning skipped)", cache.path, key,
                     cached.describe())
-        state.set_algorithm(*cached.algorithm)
+        state.set_route(*cached.route)
         return cached.bucket_mb, None
 
     def remember(choice, times=None):

@@ -142,15 +142,15 @@ def test_decide_and_cache_lookup_on_a_gloo_group_use_cpu(tmp_path):
 
 
 def _record_algorithms(monkeypatch, state):
-    """The real ``set_algorithm``, with each call's algorithm written down in order."""
+    """The real ``set_route``, with each call's algorithm written down in order."""
     seen = []
-    real = type(state).set_algorithm
+    real = type(state).set_route
 
     def recording(self, hierarchical, compression, connections=1, cpu_reduce=False):
         seen.append((hierarchical, compression, connections, cpu_reduce))
         return real(self, hierarchical, compression, connections, cpu_reduce)
 
-    monkeypatch.setattr(type(state), "set_algorithm", recording)
+    monkeypatch.setattr(type(state), "set_route", recording)
     return seen
 
 

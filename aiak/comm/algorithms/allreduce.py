@@ -39,7 +39,7 @@ class AllReduce(CommAlgorithm):
         return cls(state)
 
     def bucket_hook(self, comm: Any) -> Optional[Tuple[Any, Callable]]:
-        if not comm.autotune and not comm.deadlock_guard and self.state.algorithm == PLAIN_ROUTE:
+        if not comm.autotune and not comm.deadlock_guard and self.state.route == PLAIN_ROUTE:
             return None  # DDP's built-in C++ allreduce
         return super().bucket_hook(comm)
 

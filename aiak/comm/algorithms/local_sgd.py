@@ -183,13 +183,13 @@ class _uncompressed:
     """The state's transport without compression for one average (the first, in float32)."""
 
     def __init__(self, state: CommState):
-        self.state, self.saved = state, state.algorithm
+        self.state, self.saved = state, state.route
 
     def __enter__(self):
         hierarchical, compression, connections, cpu_reduce = self.saved
         if compression != "none":
-            self.state.set_algorithm(hierarchical, "none", connections, cpu_reduce)
+            self.state.set_route(hierarchical, "none", connections, cpu_reduce)
 
     def __exit__(self, *exc):
-        if self.state.algorithm != self.saved:
-            self.state.set_algorithm(*self.saved)
+        if self.state.route != self.saved:
+            self.state.set_route(*self.saved)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from aiak.comm.allreduce.compression import COMPRESSIONS
-from aiak.comm.allreduce.hooks import CommState, average, describe_algorithm
+from aiak.comm.allreduce.hooks import CommState, average, describe_route
 from aiak.measure.clock import StepClock
 from aiak.measure.rounds import Contender, alternate
 from aiak.util.cache import TuneCache
@@ -57,8 +57,8 @@ class CommChoice:
     cpu_reduce: bool = False   # hierarchical, its cross-node stage on host copies over gloo (aiak.comm.allreduce.hooks)
 
     @property
-    def algorithm(self) -> Tuple[bool, str, int, bool]:
-        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`CommState.set_algorithm` takes
+    def route(self) -> Tuple[bool, str, int, bool]:
+        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`CommState.set_route` takes
         them."""
         return self.hierarchical, self.compression, self.connections, self.cpu_reduce
 
@@ -67,7 +67,7 @@ class CommChoice:
         return {**asdict(self), **extra}
 
     def describe(self) -> str:
-        return f"{describe_algorithm(*self.algorithm)}, bucket {self.bucket_mb:g} MB"
+        return f"{describe_route(*self.route)}, bucket {self.bucket_mb:g} MB"
 
 
 @dataclass
@@ -281,7 +281,7 @@ def gradient_bucket_sizes(model: torch.nn.Module, bucket_mb: float) -> List[int]
 def _averaging(state: CommState, algorithm: tuple, buffers: List[torch.Tensor], group) -> Callable[[], None]:
     """One timed step of the comm mode: every bucket averaged with ``algorithm`` (all ranks start together)."""
     def step() -> None:
-        state.set_algorithm(*algorithm)
+        state.set_route(*algorithm)
         for b in buffers:
             b.normal_()
         dist.barrier(group=group)
@@ -296,7 +296,7 @@ def _time_in_rounds(state: CommState, model: torch.nn.Module, candidates: List[C
     slow minute of a shared link costs every candidate alike. Each candidate averages buffers of its bucket
     size's DDP buckets (:func:`gradient_bucket_sizes`) with its algorithm."""
     device = torch.device(device) if device is not None else group_device(group)
-    contenders = [Contender(c.describe(), _averaging(state, c.algorithm, [torch.randn(n, device=device) for n in
+    contenders = [Contender(c.describe(), _averaging(state, c.route, [torch.randn(n, device=device) for n in
                                                                           gradient_bucket_sizes(model, c.bucket_mb)],
                                                      group), device) for c in candidates]
     alternate(contenders, warmup=1, rounds=repeats, steps_per_round=1, group=group, slow_factor=float("inf"))
@@ -331,7 +331,7 @@ def tune_comm(model: torch.nn.Module, state: CommState, bucket_mbs: Sequence[flo
         best = fastest("connections", [replace(best, connections=k) for k in connections], CONNECTIONS_MARGIN)
     if len(bucket_mbs) > 1:
         best = fastest("bucket sizes", [replace(best, bucket_mb=mb) for mb in bucket_mbs])
-    state.set_algorithm(*best.algorithm)
+    state.set_route(*best.route)
     record.chosen = best.describe()
     logger.info("aiak.comm autotune (comm mode) chose %s; measured: %s", best.describe(), "; ".join(
         f"{c['candidate']}: {c['ms']:.1f} ms" for c in record.candidates))
@@ -382,7 +382,7 @@ class StepTuner:
         if self.step >= len(self._schedule):
             self._finish(state)
             return
-        state.set_algorithm(*self.candidates[self._schedule[self.step][0]])
+        state.set_route(*self.candidates[self._schedule[self.step][0]])
         self.step += 1
 
     def _finish(self, state: CommState) -> None:
@@ -393,7 +393,7 @@ class StepTuner:
         times = agreed[0::3]
         index = decide(times, state.process_group)
         best = self.candidates[index]
-        state.set_algorithm(*best)
+        state.set_route(*best)
         state.tuner = None
         self.choice = CommChoice(best[0], best[1], self.bucket_mb, *best[2:])
         choices = [CommChoice(h, c, self.bucket_mb, *rest) for h, c, *rest in self.candidates]

@@ -318,7 +318,7 @@ class CommState:
         self.host_inter = host_inter
         self.local_size = local_size
         self.scope = "world"
-        self.set_algorithm(hierarchical, compression, connections, cpu_reduce)
+        self.set_route(hierarchical, compression, connections, cpu_reduce)
 
     def scope_size(self) -> int:
         """How many ranks a bucket is averaged over under ``scope``."""
@@ -341,9 +341,10 @@ class CommState:
             raise ValueError("the node scope needs the intra-node groups (aiak.comm.allreduce.topology.build_groups)")
         self.scope = scope
 
-    def set_algorithm(self, hierarchical: bool, compression: str, connections: int = 1,
+    def set_route(self, hierarchical: bool, compression: str, connections: int = 1,
                       cpu_reduce: bool = False) -> None:
-        """Switch algorithm; call it between steps (no bucket in flight), as the tuner does at bucket 0."""
+        """Switch the route buckets travel (the allreduce algorithm: flat or hierarchical, compression, connections,
+        CPU-Reduce); call it between steps (no bucket in flight), as the tuner does at bucket 0."""
         if hierarchical and self.groups is None:
             raise ValueError("hierarchical allreduce is unavailable (single node, one rank per node or uneven nodes)")
         if connections != 1 and ("inter" if hierarchical else "flat", connections) not in self.wide:
@@ -354,14 +355,14 @@ class CommState:
                              "copies, over one connection: it needs hierarchical=True, a host_inter group and "
                              f"connections=1 (got hierarchical={hierarchical}, host_inter "
                              f"{'set' if self.host_inter is not None else 'None'}, connections={connections})")
-        if (hierarchical, compression, connections, cpu_reduce) != self.algorithm:
+        if (hierarchical, compression, connections, cpu_reduce) != self.route:
             self.feedback.reset()
         self.hierarchical, self.compression = hierarchical, check_compression(compression)
         self.connections, self.cpu_reduce = connections, bool(cpu_reduce)
 
     @property
-    def algorithm(self) -> Tuple[bool, str, int, bool]:
-        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`set_algorithm` takes them."""
+    def route(self) -> Tuple[bool, str, int, bool]:
+        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`set_route` takes them."""
         return self.hierarchical, self.compression, self.connections, self.cpu_reduce
 
     def cross_group(self, kind: str, connections: int):
@@ -372,7 +373,7 @@ class CommState:
         return self.process_group if kind == "flat" else self.groups.inter
 
     def describe(self) -> str:
-        return describe_algorithm(*self.algorithm)
+        return describe_route(*self.route)
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
@@ -380,7 +381,8 @@ class CommState:
         this rank's int8 error-feedback residuals with the layout of the bucket each belongs to
         (:class:`~aiak.comm.allreduce.buckets.BucketRecord`), and what they were computed under (rank, algorithm, ranks,
         block and chunk sizes). Everything else in the state is settings or is rebuilt the same way."""
-        return {"rank": dist.get_rank(), "algorithm": self.algorithm, "world_size": self.world_size,
+        # ("algorithm": the route, under the key checkpoints have always had)
+        return {"rank": dist.get_rank(), "algorithm": self.route, "world_size": self.world_size,
                 "local_size": self.local_size, "int8_block": self.int8_block, "pipeline_mb": self.pipeline_mb,
                 "iteration": self.iteration, "layouts": self.buckets.state_dict(),
                 "residuals": self.feedback.state_dict()}
@@ -398,12 +400,12 @@ class CommState:
             return
         saved = (tuple(state["algorithm"]), state["world_size"], state["local_size"], state["int8_block"],
                  state["pipeline_mb"])
-        here = (self.algorithm, self.world_size, self.local_size, self.int8_block, self.pipeline_mb)
+        here = (self.route, self.world_size, self.local_size, self.int8_block, self.pipeline_mb)
         if another_ranks(state, "int8 error-feedback residuals"):
             return
         if saved != here:
             warn(f"aiak.comm: this checkpoint's int8 error-feedback residuals were computed with "
-                 f"{describe_algorithm(*saved[0])} on {saved[1]} ranks ({saved[2]} per node), int8 blocks of "
+                 f"{describe_route(*saved[0])} on {saved[1]} ranks ({saved[2]} per node), int8 blocks of "
                  f"{saved[3]}, chunks of {saved[4]:g} MB; this run has {self.describe()} on {here[1]} ranks ({here[2]} "
                  f"per node), {here[3]}, {here[4]:g} MB. They are dropped: the next steps quantize afresh, and the run "
                  "is no longer the one the checkpoint continued", everywhere=True)
@@ -425,8 +427,8 @@ def another_ranks(state: Dict[str, object], what: str) -> bool:
     return True
 
 
-def describe_algorithm(hierarchical: bool, compression: str, connections: int = 1, cpu_reduce: bool = False) -> str:
-    """``hierarchical (CPU-Reduce)+fp16, 4 connections``: an algorithm as :meth:`CommState.set_algorithm` takes it."""
+def describe_route(hierarchical: bool, compression: str, connections: int = 1, cpu_reduce: bool = False) -> str:
+    """``hierarchical (CPU-Reduce)+fp16, 4 connections``: a route as :meth:`CommState.set_route` takes it."""
     algo = ("hierarchical (CPU-Reduce)" if cpu_reduce else "hierarchical") if hierarchical else "flat"
     algo = algo if compression == "none" else f"{algo}+{compression}"
     return algo if connections == 1 else f"{algo}, {connections} connections"
@@ -647,7 +649,7 @@ def _in_node(state: CommState, x: torch.Tensor) -> None:
     _allreduce(x, state.groups.intra, wire, "allreduce in node").wait()
 
 
-def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor: torch.Tensor, key, step: int,
+def _run_bucket(state: CommState, route: Tuple[bool, str, int, bool], tensor: torch.Tensor, key, step: int,
                 layout: Optional[Hashable], fut: Future, ready: Optional["torch.cuda.Event"],
                 scope: str = "world") -> None:
     """The worker's job for one bucket of ``step``: sum ``tensor`` (already divided) in place, then complete or
@@ -655,7 +657,7 @@ def _run_bucket(state: CommState, algorithm: Tuple[bool, str, int, bool], tensor
     _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # see aiak.comm.diagnostics.stall
     if _job.watch is not None:
         _job.watch.at(step, key)
-    hierarchical, compression, connections, cpu_reduce = algorithm
+    hierarchical, compression, connections, cpu_reduce = route
     try:
         with state.worker.on_comm_stream(tensor, ready):
             if scope == "node":
@@ -756,8 +758,8 @@ def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hash
         ready.record(torch.cuda.current_stream(tensor.device))  # the caller's stream: after gradients and division
     else:
         fut, ready = Future(), None
-    # The algorithm is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
-    state.worker.submit(functools.partial(_run_bucket, state, state.algorithm, tensor, key, state.iteration, layout,
+    # The route is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
+    state.worker.submit(functools.partial(_run_bucket, state, state.route, tensor, key, state.iteration, layout,
                                           fut, ready, scope))
     return fut
 
