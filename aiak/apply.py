@@ -8,7 +8,7 @@ exactly as it would be applied.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from aiak.comm.algorithms import algorithm_class
 from aiak.step.controller import StepController
 from aiak.step.framework_ddp import framework_ddp
 from aiak.strategy import knobs
+from aiak.strategy.derived import Derived, resolve_derived
 from aiak.strategy.schema import Strategy
 from aiak.util import warn as amp_warn
 from aiak.util.devices import model_device
@@ -72,7 +73,8 @@ class ModelRecord:
 
 @dataclass
 class Applied:
-    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary and the step controller."""
+    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary, the step controller, and
+    the settings derived for this run (:mod:`aiak.strategy.derived`), for the decision record."""
 
     model: Any
     optimizer: Any
@@ -80,6 +82,7 @@ class Applied:
     summary: Summary
     controller: Optional[StepController]
     scaler: Any = None
+    derived: List[Derived] = field(default_factory=list)
 
 
 def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
@@ -100,6 +103,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     dev = model_device(model, device)
     if model is not None and device is not None:
         model.to(dev)
+    chosen, (s, derived) = s, resolve_derived(s, _world_size() if distributed else 1)  # derived settings, resolved
     summary = Summary()
     bare = model.module if is_ddp(model) else model
     # a DistributedDataParallel the script (or a framework: Lightning's DDP strategy) built before optimize()
@@ -139,11 +143,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
                                 always=synchronising or residuals or bool(count_items))
 
-    # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
-    comm_cfg = s.comm
-    if s.precision.level == "O2" and s.comm.compression == "none" and many_ranks \
-            and algorithm_class(s.comm.algorithm).half_gradients:
-        comm_cfg = replace(s.comm, compression=s.precision.dtype)
+    # 5. distributed wrapping and communication hook
     if synchronising and controller is None:
         raise ValueError(f"comm.algorithm {s.comm.algorithm} runs with the optimizer's steps (and saves its state in "
                          "the optimizer's state_dict): pass the optimizer to aiak.optimize, or use algorithm allreduce")
@@ -152,14 +152,14 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
                       "are saved in the optimizer's state_dict(): without the optimizer given to aiak.optimize a "
                       "checkpoint leaves them out and a resumed run differs from an uninterrupted one. Pass the "
                       "optimizer to aiak.optimize")
-    wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
+    wrapped = comm.wrap_distributed(existing_ddp or model, s.comm, dev) if distributed else model
     if wrapped is not bare and controller is not None:
         controller.attach_ddp(wrapped)
         if getattr(wrapped, "aiak_comm_algorithm", None) is not None:
             controller.attach_comm_algorithm(wrapped.aiak_comm_algorithm)
         if getattr(wrapped, "aiak_comm_state", None) is not None:
             controller.attach_comm_state(wrapped.aiak_comm_state)
-    summary.add("comm", compact(s.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
+    summary.add("comm", compact(chosen.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
                 _describe_comm(wrapped, bare))
     if existing_ddp is None or existing_ddp is model:
         model = wrapped  # (a framework's DDP stays the framework's: the module comes back as it was given)
@@ -171,7 +171,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
     loader = _wrap_loader(s, loader, dev, controller, count_items, summary)
 
     summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
-    return Applied(model, optimizer, loader, summary, controller, precision.scaler)
+    return Applied(model, optimizer, loader, summary, controller, precision.scaler, derived)
 
 
 def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scaler, summary: Summary,
