@@ -13,6 +13,7 @@ from aiak.apply import MODEL_KNOBS, ModelRecord, apply_strategy, is_ddp
 from aiak.loaders.distributed_hints import warn_if_unsharded
 from aiak.runtime.rollback import Snapshot
 from aiak.step.wrappers import rewrap_optimizer, unwrap_optimizer
+from aiak.strategy.derived import resolve_derived
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import resolve_strategy
 from aiak.tune import decision as decisions
@@ -80,7 +81,8 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
             tuning.restore_rng()
         raise
     if before is None:
-        decision = decisions.build(selection, s, tuning, applied.summary, _comm_tuning(applied.model))
+        decision = decisions.build(selection, s, tuning, applied.summary, _comm_tuning(applied.model),
+                                   derived=applied.derived)
         if bare is not None:
             bare._aiak_applied = ModelRecord(s, applied.scaler, decision)
     else:
@@ -149,7 +151,8 @@ def explain(model, optimizer=None, loader=None, *, strategy: Any = "auto", tune:
         optimize(model, optimizer, loader, strategy=strategy, device=device)
         return decisions.last_decision()
     selection = resolve_strategy(strategy, model, optimizer, loader, device=device)
-    record = decisions.build(selection, selection.strategy, None, None)
+    _, derived = resolve_derived(selection.strategy, selection.probes.world_size)  # as optimize() would
+    record = decisions.build(selection, selection.strategy, None, None, derived=derived)
     if selection.strategy.tune:
         record.tuning = "not measured here (aiak explain --tune measures the candidates)"
     return record

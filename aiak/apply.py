@@ -1,5 +1,8 @@
-"""The one applier of a strategy: switches, module surgery, optimizer and precision, the step controller, DDP,
-compile, loader, in that order, each step writing what it did into a :class:`Summary`.
+"""The one applier of a strategy: the phases of the phase table (:mod:`aiak.strategy.phases`: switches, module
+surgery, optimizer, channels_last, precision, the step controller, DDP, compile, loader), in that order, each a
+function of :data:`PHASES` that writes what it did into a :class:`Summary`. The phases share one
+:class:`Applying` and apply the strategy with its derived settings resolved first (:mod:`aiak.strategy.derived`),
+so no phase derives a setting itself.
 
 ``aiak.optimize()`` calls :func:`apply_strategy` inside a :class:`~aiak.runtime.rollback.Snapshot` (all or nothing), and
 the trials (:mod:`aiak.tune.trials`) call it on their copies with ``distributed=False``, so a candidate is timed
@@ -8,9 +11,10 @@ exactly as it would be applied.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -18,7 +22,8 @@ from aiak import amp, comm, loaders, ops, optim
 from aiak.comm.algorithms import algorithm_class
 from aiak.step.controller import StepController
 from aiak.step.framework_ddp import framework_ddp
-from aiak.strategy import knobs
+from aiak.strategy import knobs, phases
+from aiak.strategy.derived import Derived, resolve_derived
 from aiak.strategy.schema import Strategy
 from aiak.util import warn as amp_warn
 from aiak.util.devices import model_device
@@ -72,7 +77,8 @@ class ModelRecord:
 
 @dataclass
 class Applied:
-    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary and the step controller."""
+    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary, the step controller, and
+    the settings derived for this run (:mod:`aiak.strategy.derived`), for the decision record."""
 
     model: Any
     optimizer: Any
@@ -80,143 +86,247 @@ class Applied:
     summary: Summary
     controller: Optional[StepController]
     scaler: Any = None
+    derived: List[Derived] = field(default_factory=list)
+
+
+@dataclass
+class Applying:
+    """What the phases of one :func:`apply_strategy` call share, each leaving it for the next: the objects as the
+    phases so far left them, what they built (the loss scaler, the step controller) and the facts of the call."""
+
+    strategy: Strategy                 # with its derived settings: what the phases apply
+    chosen: Strategy                   # as chosen, before them: what the summary's comm line quotes
+    derived: List[Derived]             # the settings the strategy's resolution derived, with their reasons
+    model: Any                         # what the caller gets back: the model given, or the DDP around it
+    bare: Any                          # the model inside any DDP: surgery, layout and precision act on it
+    user_optimizer: Any                # the optimizer given
+    optimizer: Any                     # the optimizer the step runs: the given one, or one swapped in
+    loader: Any
+    scheduler: Any
+    device: torch.device               # where the model computes
+    count_items: Any                   # True, a function of a batch, or None (see apply_strategy)
+    distributed: bool                  # DDP wrapping wanted (the trials: no)
+    ranks: int                         # the ranks that train together: 1 unless distributed
+    existing_ddp: Any                  # a DDP the script (or a framework) built before optimize(), or None
+    record: Optional[ModelRecord]      # the model's first optimize(), when this is another optimizer's
+    summary: Summary = field(default_factory=Summary)
+    scaler: Any = None                 # fp16's loss scaler: the precision phase's, or the model's record's
+    controller: Optional[StepController] = None
+
+    def applied(self) -> Applied:
+        return Applied(self.model, self.optimizer, self.loader, self.summary, self.controller, self.scaler,
+                       self.derived)
 
 
 def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
                    *, distributed: bool = True, model_applied: Optional[ModelRecord] = None,
                    count_items: Any = None) -> Applied:
-    """Steps 2-7 of applying a validated strategy (switches, surgery, optimizer and precision, DDP, compile,
-    loader).
+    """Steps 2-7 of applying a validated strategy: each phase of :data:`PHASES`, in order (the phase table,
+    :mod:`aiak.strategy.phases`, says what each applies and reads), on the strategy with its derived settings
+    (:mod:`aiak.strategy.derived`).
 
     The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.runtime.rollback.Snapshot`),
-    and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping).
-    ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only the optimizer's and the
-    loader's steps run. ``count_items``: ``True`` (the script calls ``aiak.count_items``) or a function of a batch
-    the loader calls (:func:`_wrap_loader`); either way the optimizer gets a step controller.
+    and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping, one
+    process, nothing derived). ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only
+    the phases of one optimizer run. ``count_items``: ``True`` (the script calls ``aiak.count_items``) or a
+    function of a batch the loader calls (:func:`_wrap_loader`); either way the optimizer gets a step controller.
     """
+    if model_applied is None and model is not None and device is not None:
+        model.to(model_device(model, device))
+    ctx = _applying(s, model, optimizer, loader, scheduler, device, distributed, model_applied, count_items)
     if model_applied is not None:
-        return _apply_to_another_optimizer(s, model, optimizer, loader, scheduler, device, model_applied,
-                                           count_items)
-    dev = model_device(model, device)
-    if model is not None and device is not None:
-        model.to(dev)
-    summary = Summary()
+        return _apply_to_another_optimizer(ctx)
+    for apply_phase in PHASES.values():
+        apply_phase(ctx)
+    ctx.summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
+    return ctx.applied()
+
+
+def _applying(s: Strategy, model, optimizer, loader, scheduler, device, distributed: bool,
+              record: Optional[ModelRecord], count_items: Any) -> Applying:
+    """The phases' shared state at the start: ``s`` resolved for this run's ranks, the bare model and any DDP
+    around it."""
     bare = model.module if is_ddp(model) else model
-    # a DistributedDataParallel the script (or a framework: Lightning's DDP strategy) built before optimize()
-    existing_ddp = model if is_ddp(model) else framework_ddp(bare) if distributed else None
-    wrapped_by_user = existing_ddp is not None
+    ranks = _world_size() if distributed else 1
+    resolved, derived = resolve_derived(s, ranks)
+    return Applying(strategy=resolved, chosen=s, derived=derived, model=model, bare=bare, user_optimizer=optimizer,
+                    optimizer=optimizer, loader=loader, scheduler=scheduler, device=model_device(model, device),
+                    count_items=count_items, distributed=distributed, ranks=ranks,
+                    existing_ddp=_existing_ddp(model, bare, distributed), record=record,
+                    scaler=record.scaler if record is not None else None)
 
-    # 2. process switches (the knob table's process rows)
+
+def _existing_ddp(model, bare, distributed: bool):
+    """A DistributedDataParallel the script (or a framework: Lightning's DDP strategy) built before optimize()."""
+    return model if is_ddp(model) else framework_ddp(bare) if distributed else None
+
+
+# -- the phases, in the phase table's order --------------------------------------------------------------------
+def _switches(ctx: Applying) -> None:
+    """The process switches, each from its knob row."""
     for knob in knobs.process_knobs():
-        value = getattr(s, knob.path)
-        summary.add(knob.path, value, knob.apply(value, dev))
+        value = getattr(ctx.strategy, knob.path)
+        ctx.summary.add(knob.path, value, knob.apply(value, ctx.device))
 
-    # 3. module surgery on the bare model
-    if s.fused_ops and wrapped_by_user:
-        _skip_under_users_ddp(summary, "fused_ops", s.fused_ops, "the parameters as they are")
-    elif s.fused_ops:
-        counts = ops.apply_fused_ops(bare, s.fused_ops)
+
+def _surgery(ctx: Applying) -> None:
+    """Module surgery on the bare model; skipped on a DDP the script built (its buckets hold the parameters)."""
+    fused_ops = ctx.strategy.fused_ops
+    if fused_ops and ctx.existing_ddp is not None:
+        _skip_under_users_ddp(ctx.summary, "fused_ops", fused_ops, "the parameters as they are")
+    elif fused_ops:
+        counts = ops.apply_fused_ops(ctx.bare, fused_ops)
         done = ", ".join(f"{k}: {v} module(s) replaced" for k, v in counts.items() if v)
         none = [k for k, v in counts.items() if not v]
-        skipped = f"skipped: no module of {type(bare).__name__} to fuse for {', '.join(none)}" if none else ""
-        summary.add("fused_ops", s.fused_ops, "; ".join(part for part in (done, skipped) if part))
+        skipped = f"skipped: no module of {type(ctx.bare).__name__} to fuse for {', '.join(none)}" if none else ""
+        ctx.summary.add("fused_ops", fused_ops, "; ".join(part for part in (done, skipped) if part))
     else:
-        summary.add("fused_ops", s.fused_ops, "none")
+        ctx.summary.add("fused_ops", fused_ops, "none")
 
-    # 4. optimizer swap, memory format, precision; the step controller owns optimizer.step()
-    user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
-    summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
-    if s.channels_last and wrapped_by_user:
-        _skip_under_users_ddp(summary, "channels_last", s.channels_last, "the parameters in their current layout")
+
+def _optimizer(ctx: Applying) -> None:
+    """The optimizer swap (``keep``: the given optimizer)."""
+    ctx.optimizer = optim.swap_optimizer(ctx.bare, ctx.user_optimizer, ctx.strategy.optimizer)
+    ctx.summary.add("optimizer", ctx.strategy.optimizer.name,
+                    type(ctx.optimizer).__name__ if ctx.optimizer is not None else "no optimizer")
+
+
+def _channels_last(ctx: Applying) -> None:
+    """NHWC memory format; skipped on a DDP the script built (its buckets hold the parameters' layout)."""
+    on = ctx.strategy.channels_last
+    if on and ctx.existing_ddp is not None:
+        _skip_under_users_ddp(ctx.summary, "channels_last", on, "the parameters in their current layout")
     else:
-        summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
-    precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
-    summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
-    many_ranks = distributed and _world_size() > 1
-    synchronising = many_ranks and algorithm_class(s.comm.algorithm).steps_with_optimizer
-    # int8 keeps error-feedback residuals, saved with the optimizer's state (the step controller's extras)
-    residuals = many_ranks and (s.comm.compression == "int8" or s.comm.autotune and s.comm.tune_int8)
-    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, precision.scaler, summary,
-                                always=synchronising or residuals or bool(count_items))
+        ctx.summary.add("channels_last", on, amp.apply_channels_last(ctx.bare) if on else "off")
 
-    # 5. distributed wrapping and communication hook (O2's gradients travel in its half dtype, as apex's did)
-    comm_cfg = s.comm
-    if s.precision.level == "O2" and s.comm.compression == "none" and many_ranks \
-            and algorithm_class(s.comm.algorithm).half_gradients:
-        comm_cfg = replace(s.comm, compression=s.precision.dtype)
-    if synchronising and controller is None:
-        raise ValueError(f"comm.algorithm {s.comm.algorithm} runs with the optimizer's steps (and saves its state in "
-                         "the optimizer's state_dict): pass the optimizer to aiak.optimize, or use algorithm allreduce")
-    if residuals and controller is None:
+
+def _precision(ctx: Applying) -> None:
+    """O1/O2 on the bare model; fp16's loss scaler only with an optimizer to step (its controller skips overflows)."""
+    s = ctx.strategy
+    precision = amp.apply_precision(ctx.bare, s.precision, ctx.device.type, device=ctx.device,
+                                    scaled=ctx.optimizer is not None)
+    ctx.scaler = precision.scaler
+    ctx.summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
+
+
+def _step_controller(ctx: Applying) -> None:
+    """The scheduler re-pointed to a swapped optimizer, and the step controller when the steps need one
+    (accumulation, loss scaling, :func:`_steps_need_control`); for another optimizer of an optimized model, the
+    controller steps under the DDP the model already has."""
+    s = ctx.strategy
+    if ctx.scheduler is not None and ctx.optimizer is not ctx.user_optimizer:
+        optim.rebind_scheduler(ctx.scheduler, ctx.user_optimizer, ctx.optimizer)
+    if ctx.optimizer is not None and (ctx.scaler is not None or s.grad_accumulation > 1 or _steps_need_control(ctx)):
+        ctx.controller = StepController(ctx.optimizer, s.grad_accumulation, ctx.scaler, model=ctx.bare)
+    ctx.summary.add("grad_accumulation", s.grad_accumulation,
+                    f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
+    if ctx.scheduler is not None and ctx.controller is not None:
+        ctx.controller.attach_scheduler(ctx.scheduler)
+    if ctx.record is not None and ctx.controller is not None and ctx.existing_ddp is not None:
+        ctx.controller.attach_ddp(ctx.existing_ddp)
+
+
+def _ddp(ctx: Applying) -> None:
+    """DDP and its communication hook (a DDP the script built gets the hook; a framework's stays the framework's:
+    the module comes back as it was given), the step controller told of them."""
+    _check_the_comm_has_its_controller(ctx)
+    target = ctx.existing_ddp or ctx.model
+    wrapped = comm.wrap_distributed(target, ctx.strategy.comm, ctx.device) if ctx.distributed else ctx.model
+    if wrapped is not ctx.bare and ctx.controller is not None:
+        _attach_comm(ctx.controller, wrapped)
+    ctx.summary.add("comm", compact(ctx.chosen.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
+                    _describe_comm(wrapped, ctx.bare))
+    if ctx.existing_ddp is None or ctx.existing_ddp is ctx.model:
+        ctx.model = wrapped
+
+
+def _compile(ctx: Applying) -> None:
+    """``torch.compile`` in place, last of the model's phases."""
+    on = ctx.strategy.compile
+    ctx.summary.add("compile", on, amp.apply_compile(ctx.model, ctx.device) if on else "off")
+
+
+def _loader(ctx: Applying) -> None:
+    """The loader wrapped, last (:func:`_wrap_loader`)."""
+    ctx.loader = _wrap_loader(ctx.strategy, ctx.loader, ctx.device, ctx.controller, ctx.count_items, ctx.summary)
+
+
+PHASES: Dict[str, Callable[[Applying], None]] = {
+    "switches": _switches,
+    "surgery": _surgery,
+    "optimizer": _optimizer,
+    "channels_last": _channels_last,
+    "precision": _precision,
+    "step_controller": _step_controller,
+    "ddp": _ddp,
+    "compile": _compile,
+    "loader": _loader,
+}
+PER_OPTIMIZER = phases.per_optimizer()   # the phases another optimizer of an optimized model gets
+
+
+# -- what the phases decide from several knobs -----------------------------------------------------------------
+def _steps_need_control(ctx: Applying) -> bool:
+    """Beyond accumulation and loss scaling, a step controller is needed for counted items and, on the model's
+    first ``optimize()``, for a comm algorithm that acts at real steps or int8's residuals (both kept with the
+    optimizer's state)."""
+    return ctx.record is None and (_synchronising(ctx) or _keeps_residuals(ctx)) or bool(ctx.count_items)
+
+
+def _synchronising(ctx: Applying) -> bool:
+    """The comm algorithm acts at real optimizer steps (the step controller calls it)."""
+    return ctx.ranks > 1 and algorithm_class(ctx.strategy.comm.algorithm).steps_with_optimizer
+
+
+def _keeps_residuals(ctx: Applying) -> bool:
+    """int8 compression keeps error-feedback residuals, saved with the optimizer's state (the controller's extras)."""
+    c = ctx.strategy.comm
+    return ctx.ranks > 1 and (c.compression == "int8" or c.autotune and c.tune_int8)
+
+
+def _check_the_comm_has_its_controller(ctx: Applying) -> None:
+    """A comm algorithm acting at real steps needs the optimizer's controller (refused without); int8's residuals
+    want it (warned without)."""
+    if _synchronising(ctx) and ctx.controller is None:
+        raise ValueError(f"comm.algorithm {ctx.strategy.comm.algorithm} runs with the optimizer's steps (and saves "
+                         "its state in the optimizer's state_dict): pass the optimizer to aiak.optimize, or use "
+                         "algorithm allreduce")
+    if _keeps_residuals(ctx) and ctx.controller is None:
         amp_warn.warn("aiak.comm: int8 compression keeps error-feedback residuals from step to step, and they "
                       "are saved in the optimizer's state_dict(): without the optimizer given to aiak.optimize a "
                       "checkpoint leaves them out and a resumed run differs from an uninterrupted one. Pass the "
                       "optimizer to aiak.optimize")
-    wrapped = comm.wrap_distributed(existing_ddp or model, comm_cfg, dev) if distributed else model
-    if wrapped is not bare and controller is not None:
-        controller.attach_ddp(wrapped)
-        if getattr(wrapped, "aiak_comm_algorithm", None) is not None:
-            controller.attach_comm_algorithm(wrapped.aiak_comm_algorithm)
-        if getattr(wrapped, "aiak_comm_state", None) is not None:
-            controller.attach_comm_state(wrapped.aiak_comm_state)
-    summary.add("comm", compact(s.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
-                _describe_comm(wrapped, bare))
-    if existing_ddp is None or existing_ddp is model:
-        model = wrapped  # (a framework's DDP stays the framework's: the module comes back as it was given)
-
-    # 6. torch.compile last
-    summary.add("compile", s.compile, amp.apply_compile(model, dev) if s.compile else "off")
-
-    # 7. loader
-    loader = _wrap_loader(s, loader, dev, controller, count_items, summary)
-
-    summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
-    return Applied(model, optimizer, loader, summary, controller, precision.scaler)
 
 
-def _control_steps(s: Strategy, bare, user_optimizer, optimizer, scheduler, scaler, summary: Summary,
-                   always: bool = False):
-    """The scheduler re-pointed to a swapped optimizer, and the step controller (accumulation, loss scaling, and
-    ``always`` for a comm algorithm that acts at real steps)."""
-    if scheduler is not None and optimizer is not user_optimizer:
-        optim.rebind_scheduler(scheduler, user_optimizer, optimizer)
-    controller = None
-    if optimizer is not None and (scaler is not None or s.grad_accumulation > 1 or always):
-        controller = StepController(optimizer, s.grad_accumulation, scaler, model=bare)
-    summary.add("grad_accumulation", s.grad_accumulation,
-                f"optimizer steps every {s.grad_accumulation} step() calls" if s.grad_accumulation > 1 else "off")
-    if scheduler is not None and controller is not None:
-        controller.attach_scheduler(scheduler)
-    return controller
+def _attach_comm(controller: StepController, wrapped) -> None:
+    """The step controller told of the DDP, its comm algorithm and its hook's state."""
+    controller.attach_ddp(wrapped)
+    if getattr(wrapped, "aiak_comm_algorithm", None) is not None:
+        controller.attach_comm_algorithm(wrapped.aiak_comm_algorithm)
+    if getattr(wrapped, "aiak_comm_state", None) is not None:
+        controller.attach_comm_state(wrapped.aiak_comm_state)
 
 
-def _apply_to_another_optimizer(s: Strategy, model, optimizer, loader, scheduler, device,
-                                record: ModelRecord, count_items: Any = None) -> Applied:
-    """The optimizer's and the loader's steps of :func:`apply_strategy`, for a model optimized before."""
-    summary = Summary()
-    bare = model.module if is_ddp(model) else model
-    algorithm = getattr(model, "aiak_comm_algorithm", None)
-    if algorithm is not None and optimizer is not None:
+# -- another optimizer of a model optimized before ---------------------------------------------------------------
+def _apply_to_another_optimizer(ctx: Applying) -> Applied:
+    """The phases of one optimizer (:data:`PER_OPTIMIZER`), for a model optimized before: its model-level knobs
+    are kept as the first ``optimize()`` applied them, its loss scaler shared."""
+    algorithm = getattr(ctx.model, "aiak_comm_algorithm", None)
+    if algorithm is not None and ctx.user_optimizer is not None:
         raise ValueError(f"this model synchronises with {algorithm.describe()} at the steps of the optimizer it was "
                          "first optimized with; a second optimizer would synchronise it twice per step: pass all "
                          "parameter groups in one optimizer, or use comm.algorithm allreduce")
     for knob in MODEL_KNOBS:
-        summary.add(knob, getattr(s, knob), "kept as the first optimize() call of this model applied it")
-    user_optimizer, optimizer = optimizer, optim.swap_optimizer(bare, optimizer, s.optimizer)
-    summary.add("optimizer", s.optimizer.name, type(optimizer).__name__ if optimizer is not None else "no optimizer")
-    controller = _control_steps(s, bare, user_optimizer, optimizer, scheduler, record.scaler, summary,
-                                always=bool(count_items))
-    ddp = model if is_ddp(model) else framework_ddp(bare)
-    if controller is not None and ddp is not None:
-        controller.attach_ddp(ddp)
-    loader = _wrap_loader(s, loader, model_device(model, device), controller, count_items, summary)
-    return Applied(model, optimizer, loader, summary, controller, record.scaler)
+        ctx.summary.add(knob, getattr(ctx.chosen, knob), "kept as the first optimize() call of this model applied it")
+    for name in PER_OPTIMIZER:
+        PHASES[name](ctx)
+    return ctx.applied()
 
 
 def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController], count_items: Any,
                  summary: Summary):
-    """Step 7: the strategy's ``loader:`` section, then the step controller's signals: windows closed at each
-    epoch's end under accumulation, each batch's items counted with a ``count_items`` function
+    """The loader phase: the strategy's ``loader:`` section, then the step controller's signals: windows closed at
+    each epoch's end under accumulation, each batch's items counted with a ``count_items`` function
     (:class:`aiak.loaders.WindowLoader`). Without a loader the windows cannot see an epoch end: the controller
     says so at its first step, if no framework's accumulation took over by then."""
     accumulation = controller.accumulation if controller is not None else 1

@@ -14,9 +14,10 @@ The lists other modules need are read from this table, never kept by hand beside
   the settings of :func:`aiak.runtime.switches.process_switches` each writes (``switches``), which the rollback
   and the trials put back.
 
-A new knob is a field of its section (with its type), its apply function, a row here and its test;
-``tests/strategy/test_knobs.py`` fails while a field of the schema has no row, or a process knob writes a
-setting its row does not name.
+Which phase of applying a strategy applies each knob is the phase table's (:mod:`aiak.strategy.phases`).
+A new knob is a field of its section (with its type), its apply function, a row here, its phase's entry and its
+test; ``tests/strategy/test_knobs.py`` fails while a field of the schema has no row, or a process knob writes a
+setting its row does not name, and ``tests/strategy/test_phases.py`` while a row is in no phase.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ DDP = "ddp"                # the DistributedDataParallel wrapping and its commun
 OPTIMIZER = "optimizer"    # one optimizer's update and stepping (optim/, step/)
 LOADER = "loader"          # the loader's wrapping (loaders/)
 SELECTION = "selection"    # how the strategy itself is chosen (tune/)
+MODEL_LEVEL = (PROCESS, MODEL, DDP)   # applied once per model; the rest per optimizer (or by selection)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def knob(path: str) -> Knob:
 
 def model_knobs() -> Tuple[str, ...]:
     """Top-level keys applied once per model (to the process, the model or its DDP), in table order."""
-    return tuple(dict.fromkeys(k.path.partition(".")[0] for k in KNOBS if k.acts_on in (PROCESS, MODEL, DDP)))
+    return tuple(dict.fromkeys(k.path.partition(".")[0] for k in KNOBS if k.acts_on in MODEL_LEVEL))
 
 
 def neutral_keys() -> Tuple[str, ...]:

@@ -50,7 +50,7 @@ class Knob:
     """One leaf of the strategy: its value, who set it and why."""
 
     value: Any
-    source: str      # "default" | "profile:<name>" | "user"   (the tuner adds "measured")
+    source: str      # "default" | "profile:<name>" | "user"   (the record adds "measured" and "derived")
     reason: str
 
 

@@ -3,9 +3,11 @@
 A public contract (code outside this repository reads it): ``aiak.last_decision()``
 returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready and holds
 
-* ``strategy``: the applied strategy as a dict;
+* ``strategy``: the applied strategy as a dict, as chosen (what reproduces the run; the settings derived from it
+  are in ``knobs``);
 * ``knobs``: ``{key path: {"value", "source", "reason"}}``, source one of ``default``, ``profile:<name>``,
-  ``measured`` (the trials changed the rules' pick) or ``user``;
+  ``measured`` (the trials changed the rules' pick), ``user`` or ``derived`` (set by the strategy's other knobs
+  and the run, :mod:`aiak.strategy.derived`, such as O2's gradients travelling in the half dtype on several ranks);
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
 * ``tuning_seconds`` and ``cache_hit``;
 * ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from aiak.apply import skipped_reason
 from aiak.comm.algorithms import algorithm_class
@@ -218,10 +220,12 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None, comm: Any = None) -> Decision:
-    """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied),
+def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None, comm: Any = None,
+          derived: Sequence[Any] = ()) -> Decision:
+    """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied, as chosen),
     ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did), ``comm`` (the comm
-    autotuner's :class:`~aiak.comm.allreduce.autotune.CommTuning`, or None)."""
+    autotuner's :class:`~aiak.comm.allreduce.autotune.CommTuning`, or None), ``derived`` (the settings derived
+    for this run, :class:`aiak.strategy.derived.Derived`: each knob's row says so)."""
     measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)
@@ -245,6 +249,8 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
             knobs[path] = {"value": value, "source": knob.source, "reason": knob.reason}
         else:
             knobs[path] = {"value": value, "source": "default", "reason": "plain PyTorch's setting"}
+    for setting in derived:
+        knobs[setting.path] = {"value": setting.value, "source": "derived", "reason": setting.reason}
     algorithm = knobs.get("comm.algorithm")
     if algorithm is not None and algorithm_class(algorithm["value"]).changes_training:  # say what it trades
         algorithm["reason"] += f"; trades: {algorithm_class(algorithm['value']).trades}"
