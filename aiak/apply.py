@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch.distributed as dist
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
@@ -21,6 +20,7 @@ from aiak.strategy import knobs
 from aiak.strategy.schema import Strategy
 from aiak.util import warn as amp_warn
 from aiak.util.devices import model_device
+from aiak.util.dist import world_size
 from aiak.util.text import yaml_text
 
 
@@ -131,7 +131,7 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         summary.add("channels_last", s.channels_last, amp.apply_channels_last(bare) if s.channels_last else "off")
     precision = amp.apply_precision(bare, s.precision, dev.type, device=dev, scaled=optimizer is not None)
     summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
-    many_ranks = distributed and _world_size() > 1
+    many_ranks = distributed and world_size() > 1
     synchronising = many_ranks and s.comm.algorithm != "allreduce"
     # int8 keeps error-feedback residuals, saved with the optimizer's state (the step controller's extras)
     residuals = many_ranks and (s.comm.compression == "int8" or s.comm.autotune and s.comm.tune_int8)
@@ -241,10 +241,6 @@ def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold:
                   f"{buckets_hold}; call aiak.optimize before wrapping the model in DDP (aiak wraps it itself under "
                   "torchrun)")
     summary.add(knob, value, "skipped: the model was already wrapped in DDP")
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_ddp(model) -> bool:

@@ -46,6 +46,7 @@ from aiak.step import clip as grad_clip
 from aiak.step import scheduler_steps
 from aiak.step.stacking import framework_accumulation
 from aiak.step.window_items import WindowItems, at_least_one
+from aiak.util.dist import is_distributed
 from aiak.util.warn import warn, warn_once
 
 logger = logging.getLogger("aiak")
@@ -595,9 +596,7 @@ def count_items(optimizer, n) -> None:
         controller.count_items(n)
         return
     WindowItems.check(n)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         raise RuntimeError("aiak.count_items: this optimizer has no aiak step controller, so DDP averages each rank's "
                            "gradient alike and the counts cannot weigh them: pass count_items=True (you call "
                            "aiak.count_items) or count_items=fn (a function of the batch) to aiak.optimize with this "
