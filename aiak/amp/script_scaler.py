@@ -25,6 +25,7 @@ import functools
 import torch
 
 from aiak.amp.root_scaling import scalers_reached
+from aiak.util.marks import marked
 from aiak.util.warn import warn_once
 
 _installed = False
@@ -61,7 +62,7 @@ def _refusing_unscale(original):
     @functools.wraps(original)
     def unscale_(self, optimizer):
         inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
-        controller = getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
+        controller = marked(optimizer, "_aiak_steps") or marked(inner, "_aiak_steps")
         if self.is_enabled() and controller is not None and controller.active() and controller.accumulation > 1:
             raise RuntimeError(
                 f"aiak: the script's torch.amp.GradScaler unscales the gradients at every optimizer.step() call, but "

@@ -25,6 +25,8 @@ from typing import Any, Dict
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from aiak.util.marks import mark, marked
+
 logger = logging.getLogger("aiak")
 
 # Arguments of the script's DDP line that aiak's DDP takes as they are (the strategy chose its buckets).
@@ -36,7 +38,7 @@ _SIGNATURE = inspect.signature(_ORIGINAL_INIT)
 def mark_built_by_aiak(ddp: DistributedDataParallel) -> None:
     """``ddp`` is aiak's: a script's ``DistributedDataParallel(ddp, ...)`` line will return it (see the module
     docstring)."""
-    ddp._aiak_built = True
+    mark(ddp, "_aiak_built", True)
     if not getattr(DistributedDataParallel.__init__, "_aiak_reuses", False):
         DistributedDataParallel.__new__ = staticmethod(_new)
         DistributedDataParallel.__init__ = _init
@@ -48,7 +50,7 @@ def _module_of(args, kwargs) -> Any:
 
 def _new(cls, *args, **kwargs):
     module = _module_of(args, kwargs)
-    if cls is DistributedDataParallel and getattr(module, "_aiak_built", False):
+    if cls is DistributedDataParallel and marked(module, "_aiak_built", False):
         _take_the_scripts_arguments(module, args, kwargs)
         return module
     return object.__new__(cls)

@@ -26,6 +26,8 @@ from typing import Any, Tuple
 
 import torch
 
+from aiak.util.marks import marked
+
 # scheduler -> (the controller it was counted against, its optimizer's step() calls and real steps then)
 _seen: "weakref.WeakKeyDictionary[Any, Tuple[Any, int, int]]" = weakref.WeakKeyDictionary()
 
@@ -57,7 +59,7 @@ def rebase(controller: Any) -> None:
 
 def _should_step(scheduler: Any) -> bool:
     optimizer = getattr(scheduler, "optimizer", None)
-    controller = getattr(optimizer, "_aiak_steps", None)
+    controller = marked(optimizer, "_aiak_steps")
     if controller is None or not controller.active():
         return True
     owner, calls, events = _seen.get(scheduler, (None, -1, -1))
