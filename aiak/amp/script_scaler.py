@@ -16,7 +16,8 @@ sets both aside. Other aiak models in the process keep their scaling.
 every micro-step, so that combination is refused with what to change.
 
 Only ``torch.amp.GradScaler.scale`` and ``unscale_`` are wrapped (``torch.cuda.amp.GradScaler`` is a subclass),
-when a strategy first asks for fp16 loss scaling; every call runs torch's own method.
+when a strategy first asks for fp16 loss scaling (the ``grad-scaler`` patch of :mod:`aiak.runtime.patches`);
+every call runs torch's own method.
 """
 from __future__ import annotations
 
@@ -25,21 +26,18 @@ import functools
 import torch
 
 from aiak.amp.root_scaling import scalers_reached
+from aiak.runtime import patches
 from aiak.util.marks import marked
 from aiak.util.warn import warn_once
-
-_installed = False
 
 
 def watch() -> None:
     """Wrap ``GradScaler.scale`` / ``unscale_`` (once per process)."""
-    global _installed
-    if _installed:
+    if patches.installed("grad-scaler"):
         return
-    _installed = True
     cls = torch.amp.GradScaler
-    cls.scale = _noting_scale(cls.scale)
-    cls.unscale_ = _refusing_unscale(cls.unscale_)
+    patches.replace("grad-scaler", cls, "scale", _noting_scale(cls.scale))
+    patches.replace("grad-scaler", cls, "unscale_", _refusing_unscale(cls.unscale_))
 
 
 def _noting_scale(original):
