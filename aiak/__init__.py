@@ -23,6 +23,8 @@ _LAZY = {
     "clip_grad_value_": ("aiak.step.controller", "clip_grad_value_"),
     "stepped": ("aiak.step.controller", "stepped"),
     "count_items": ("aiak.step.controller", "count_items"),
+    "patches": ("aiak.runtime.patches", "patches"),
+    "undo_patches": ("aiak.runtime.patches", "undo_patches"),
 }
 _SUBPACKAGES = ("amp", "comm", "loaders", "ops", "optim", "strategy", "tune", "cli")
 

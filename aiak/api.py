@@ -21,6 +21,7 @@ from aiak.tune.trials import run_trials
 from aiak.util import warn as amp_warn
 from aiak.util.arguments import check_arguments, check_unpacking
 from aiak.util.devices import model_device
+from aiak.util.marks import mark, marked
 
 logger = logging.getLogger("aiak")
 
@@ -59,7 +60,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
     check_arguments(model, optimizer, scheduler)
     bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
-    before: Optional[ModelRecord] = getattr(bare, "_aiak_applied", None)
+    before: Optional[ModelRecord] = marked(bare, "_aiak_applied")
     if before is not None:  # a second optimizer for a model optimized before
         selection = None
         s = before.strategy if _is_auto(strategy) else _same_model_knobs(
@@ -84,7 +85,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
         decision = decisions.build(selection, s, tuning, applied.summary, _comm_tuning(applied.model),
                                    derived=applied.derived)
         if bare is not None:
-            bare._aiak_applied = ModelRecord(s, applied.scaler, decision)
+            mark(bare, "_aiak_applied", ModelRecord(s, applied.scaler, decision))
     else:
         decision = replace(before.decision, strategy=s.to_dict(), effects=[list(e) for e in applied.summary.lines],
                            tuning="not run: the model was optimized by an earlier optimize() call, whose strategy "

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
@@ -27,6 +26,7 @@ from aiak.strategy.derived import Derived, resolve_derived
 from aiak.strategy.schema import Strategy
 from aiak.util import warn as amp_warn
 from aiak.util.devices import model_device
+from aiak.util.dist import world_size
 from aiak.util.text import yaml_text
 
 
@@ -147,7 +147,7 @@ def _applying(s: Strategy, model, optimizer, loader, scheduler, device, distribu
     """The phases' shared state at the start: ``s`` resolved for this run's ranks, the bare model and any DDP
     around it."""
     bare = model.module if is_ddp(model) else model
-    ranks = _world_size() if distributed else 1
+    ranks = world_size() if distributed else 1
     resolved, derived = resolve_derived(s, ranks)
     return Applying(strategy=resolved, chosen=s, derived=derived, model=model, bare=bare, user_optimizer=optimizer,
                     optimizer=optimizer, loader=loader, scheduler=scheduler, device=model_device(model, device),
@@ -352,10 +352,6 @@ def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold:
                   f"{buckets_hold}; call aiak.optimize before wrapping the model in DDP (aiak wraps it itself under "
                   "torchrun)")
     summary.add(knob, value, "skipped: the model was already wrapped in DDP")
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_ddp(model) -> bool:

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The public names code outside aiak imports: the package's own, and those of its subpackages that scripts use.
 PUBLIC = ["aiak.optimize", "aiak.Strategy", "aiak.StrategyError", "aiak.load_strategy", "aiak.select_strategy",
-          "aiak.last_decision", "aiak.stepped", "aiak.clip_grad_norm_", "aiak.clip_grad_value_",
+          "aiak.last_decision", "aiak.stepped", "aiak.clip_grad_norm_", "aiak.clip_grad_value_", "aiak.patches",
+          "aiak.undo_patches",
           "aiak.optim.Lamb", "aiak.optim.Lars", "aiak.loaders.PrefetchLoader", "aiak.loaders.dali_loader",
           "aiak.loaders.BalancedBatchSampler", "aiak.ops.window_attention", "aiak.ops.replace_window_attention",
           "aiak.comm", "aiak.amp"]

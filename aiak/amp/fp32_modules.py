@@ -23,19 +23,19 @@ import torch
 from torch import nn
 
 from aiak.util.config import StrategyError
+from aiak.util.marks import mark, marked
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.norm_layers import is_norm_layer
 from aiak.util.text import did_you_mean
 from aiak.util.warn import warn_once
 
-KEPT = "_aiak_keep_fp32"        # the module attribute that marks a module kept in fp32 (copies carry it)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NO_HALF_KERNEL = re.compile(r"(not implemented for|[Uu]nsupported dtype|does not support).{0,40}"
                              r"(BFloat16|Half|bfloat16|float16)")
 
 
 def is_kept_fp32(module: nn.Module) -> bool:
-    return module.__dict__.get(KEPT, False) is True or is_norm_layer(module)
+    return marked(module, "_aiak_keep_fp32", False) is True or is_norm_layer(module)
 
 
 def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.keep_fp32") -> List[nn.Module]:
@@ -58,7 +58,7 @@ def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.
                              f"{did_you_mean(name, classes + list(paths))}; classes here: {classes}"
                              for name in missing])
     for module in found:
-        setattr(module, KEPT, True)
+        mark(module, "_aiak_keep_fp32", True)
     return found
 
 
@@ -70,10 +70,10 @@ def no_half_kernel(error: BaseException) -> bool:
 def keep_after_failure(module: nn.Module, error: BaseException) -> bool:
     """Mark ``module`` kept in fp32 after its forward raised ``error`` for want of a half kernel; says it once.
     False when it does not apply (another error, or already tried for this error by a module inside)."""
-    if getattr(error, "_aiak_fp32_tried", False) or not no_half_kernel(error) or is_kept_fp32(module):
+    if marked(error, "_aiak_fp32_tried", False) or not no_half_kernel(error) or is_kept_fp32(module):
         return False
-    error._aiak_fp32_tried = True
-    setattr(module, KEPT, True)
+    mark(error, "_aiak_fp32_tried", True)
+    mark(module, "_aiak_keep_fp32", True)
     cls = type(module).__name__
     first = str(error).strip().splitlines()[0][:160]
     warn_once(f"keep-fp32-{cls}", f"aiak: O2 computes {cls} (and what it contains) in fp32: its forward has an op "

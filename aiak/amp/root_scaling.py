@@ -54,6 +54,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from aiak.runtime import patches
+
 
 class _Registry:
     """Trainable parameter -> the LossScaler of the model computing with it in fp16, held weakly and looked up by
@@ -90,7 +92,7 @@ _weighers = _Registry()             # trainable parameter -> weak reference to i
 _pending: "weakref.WeakSet" = weakref.WeakSet()  # weighers whose micro-batch's items are counted, not yet stepped
 _in_flight: List["_Pass"] = []      # factors of the scaled or weighted backward passes running now (innermost last)
 _lock = threading.Lock()
-_original = None                    # torch's _engine_run_backward while the wrapper is installed
+_original = None                    # torch's _engine_run_backward while the wrapper is installed (read every pass)
 
 
 def register(param: torch.Tensor, scaler) -> None:
@@ -123,29 +125,30 @@ def _weigher_of(variable: torch.Tensor):
 
 
 def watch() -> None:
-    """Install the wrapper around torch's ``_engine_run_backward`` (once per process)."""
+    """Install the wrapper around torch's ``_engine_run_backward`` (once per process: the ``backward-root`` patch
+    of :mod:`aiak.runtime.patches`)."""
     global _original
     with _lock:
-        if _original is not None:
+        if patches.installed("backward-root"):
             return
         graph = torch.autograd.graph
         if not hasattr(graph, "_engine_run_backward"):
             raise RuntimeError(f"aiak: fp16 loss scaling needs torch.autograd.graph._engine_run_backward (torch >= "
                                f"2.3); this torch is {torch.__version__}: use precision.dtype bf16, or upgrade torch")
-        _original = graph._engine_run_backward
-        graph._engine_run_backward = _run_backward
-        torch.autograd._engine_run_backward = _run_backward
+        _original = patches.replace("backward-root", graph, "_engine_run_backward", _run_backward)
+        patches.replace("backward-root", torch.autograd, "_engine_run_backward", _run_backward)
+        patches.on_undo("backward-root", _forget_original)
 
 
 def unwatch() -> None:
-    """Put torch's ``_engine_run_backward`` back."""
-    global _original
+    """Put torch's ``_engine_run_backward`` back (what ``aiak.undo_patches()`` does for this patch)."""
     with _lock:
-        if _original is None:
-            return
-        torch.autograd.graph._engine_run_backward = _original
-        torch.autograd._engine_run_backward = _original
-        _original = None
+        patches.undo("backward-root")
+
+
+def _forget_original() -> None:
+    global _original
+    _original = None
 
 
 def scalers_reached(roots) -> list:

@@ -16,7 +16,8 @@ sets both aside. Other aiak models in the process keep their scaling.
 every micro-step, so that combination is refused with what to change.
 
 Only ``torch.amp.GradScaler.scale`` and ``unscale_`` are wrapped (``torch.cuda.amp.GradScaler`` is a subclass),
-when a strategy first asks for fp16 loss scaling; every call runs torch's own method.
+when a strategy first asks for fp16 loss scaling (the ``grad-scaler`` patch of :mod:`aiak.runtime.patches`);
+every call runs torch's own method.
 """
 from __future__ import annotations
 
@@ -25,20 +26,18 @@ import functools
 import torch
 
 from aiak.amp.root_scaling import scalers_reached
+from aiak.runtime import patches
+from aiak.util.marks import marked
 from aiak.util.warn import warn_once
-
-_installed = False
 
 
 def watch() -> None:
     """Wrap ``GradScaler.scale`` / ``unscale_`` (once per process)."""
-    global _installed
-    if _installed:
+    if patches.installed("grad-scaler"):
         return
-    _installed = True
     cls = torch.amp.GradScaler
-    cls.scale = _noting_scale(cls.scale)
-    cls.unscale_ = _refusing_unscale(cls.unscale_)
+    patches.replace("grad-scaler", cls, "scale", _noting_scale(cls.scale))
+    patches.replace("grad-scaler", cls, "unscale_", _refusing_unscale(cls.unscale_))
 
 
 def _noting_scale(original):
@@ -61,7 +60,7 @@ def _refusing_unscale(original):
     @functools.wraps(original)
     def unscale_(self, optimizer):
         inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
-        controller = getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
+        controller = marked(optimizer, "_aiak_steps") or marked(inner, "_aiak_steps")
         if self.is_enabled() and controller is not None and controller.active() and controller.accumulation > 1:
             raise RuntimeError(
                 f"aiak: the script's torch.amp.GradScaler unscales the gradients at every optimizer.step() call, but "

@@ -29,7 +29,7 @@ from aiak.comm.allreduce.hooks import CommState, comm_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.allreduce.topology import build_groups, detect_topology
 from aiak.util.cache import TuneCache
-from aiak.util.dist import on_rank0
+from aiak.util.dist import is_distributed, on_rank0
 from aiak.util.warn import warn
 
 logger = logging.getLogger("aiak")
@@ -124,7 +124,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
         atexit.register(_collect_before_exit)
         _collect_at_exit_registered = True
     opts = resolve_options(cfg, **options)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) < 2:
+    if not is_distributed(process_group):
         if _knobs_set(opts):
             logger.info("aiak.comm: comm settings given but no process group with more than one rank exists; "
                         "the model is not wrapped in DDP")

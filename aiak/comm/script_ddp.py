@@ -13,7 +13,8 @@ the process group must be the ones aiak used; settings of the buckets (``bucket_
 be set on a built DDP (``static_graph=True``, ...) is an error saying to put the aiak line after the script's DDP
 line (aiak then keeps the script's DDP and registers its hook on it); ``find_unused_parameters=True`` is accepted
 when the strategy set ``comm.find_unused_parameters: true``, and otherwise the error names that key. Every
-other construction of a DDP, subclasses included, runs as it always does.
+other construction of a DDP, subclasses included, runs as it always does. The two methods are the
+``ddp-constructor`` patch of :mod:`aiak.runtime.patches`, installed with the first DDP aiak builds.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from typing import Any, Dict
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from aiak.runtime import patches
+from aiak.util.marks import mark, marked
 
 logger = logging.getLogger("aiak")
 
@@ -36,10 +40,10 @@ _SIGNATURE = inspect.signature(_ORIGINAL_INIT)
 def mark_built_by_aiak(ddp: DistributedDataParallel) -> None:
     """``ddp`` is aiak's: a script's ``DistributedDataParallel(ddp, ...)`` line will return it (see the module
     docstring)."""
-    ddp._aiak_built = True
-    if not getattr(DistributedDataParallel.__init__, "_aiak_reuses", False):
-        DistributedDataParallel.__new__ = staticmethod(_new)
-        DistributedDataParallel.__init__ = _init
+    mark(ddp, "_aiak_built", True)
+    if not patches.installed("ddp-constructor"):
+        patches.replace("ddp-constructor", DistributedDataParallel, "__new__", staticmethod(_new))
+        patches.replace("ddp-constructor", DistributedDataParallel, "__init__", _init)
 
 
 def _module_of(args, kwargs) -> Any:
@@ -48,7 +52,7 @@ def _module_of(args, kwargs) -> Any:
 
 def _new(cls, *args, **kwargs):
     module = _module_of(args, kwargs)
-    if cls is DistributedDataParallel and getattr(module, "_aiak_built", False):
+    if cls is DistributedDataParallel and marked(module, "_aiak_built", False):
         _take_the_scripts_arguments(module, args, kwargs)
         return module
     return object.__new__(cls)
@@ -59,9 +63,6 @@ def _init(self, *args, **kwargs):
     if _module_of(args, kwargs) is self:  # __new__ handed back aiak's DDP: it is built already
         return
     _ORIGINAL_INIT(self, *args, **kwargs)
-
-
-_init._aiak_reuses = True
 
 
 def _take_the_scripts_arguments(ddp: DistributedDataParallel, args, kwargs) -> None:

@@ -55,6 +55,7 @@ from typing import Any
 
 import aiak
 from aiak.step.controller import controller_of
+from aiak.util.marks import mark, marked
 from aiak.util.versions import install_hint
 
 try:
@@ -129,7 +130,7 @@ class AiakCallback(pl.Callback):
         self._closing = []  # step controllers whose windows close at each epoch's last batch
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage != "fit" or getattr(pl_module, "_aiak_callback_wrapped", False):
+        if stage != "fit" or marked(pl_module, "_aiak_callback_wrapped", False):
             return
         configure = pl_module.configure_optimizers
         strategy = self.strategy
@@ -138,7 +139,7 @@ class AiakCallback(pl.Callback):
             return optimize_configuration(pl_module, configure(), strategy)
 
         pl_module.configure_optimizers = configure_optimizers
-        pl_module._aiak_callback_wrapped = True
+        mark(pl_module, "_aiak_callback_wrapped", True)
 
     def on_train_start(self, trainer, pl_module) -> None:
         """The controllers that accumulate, told that their windows will close with Lightning's epochs."""

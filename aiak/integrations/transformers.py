@@ -69,6 +69,7 @@ import torch
 import aiak
 from aiak.util.versions import install_hint
 from aiak.step.controller import controller_of
+from aiak.util.dist import is_distributed
 
 try:
     from transformers import TrainerCallback
@@ -105,9 +106,7 @@ class AiakTrainerCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self.applied:
             return
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_distributed():
             raise RuntimeError("AiakTrainerCallback runs in a single process: under torchrun the Trainer has already "
                                "wrapped the model in DDP. Use the optimizers= recipe of aiak.integrations.transformers "
                                "(aiak.optimize before building the Trainer) instead")

@@ -24,11 +24,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
+from aiak.util.dist import process_group_exists
+
 
 def _default_rank_and_world(rank: Optional[int], world_size: Optional[int]):
     import torch.distributed as dist
 
-    initialized = dist.is_available() and dist.is_initialized()
+    initialized = process_group_exists()
     if world_size is None:
         world_size = dist.get_world_size() if initialized else 1
     if rank is None:

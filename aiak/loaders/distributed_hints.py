@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from aiak.loaders.balanced_sampler import BalancedBatchSampler
+from aiak.util.dist import is_distributed, world_size
 from aiak.util.warn import warn_once
 
 
@@ -41,11 +41,11 @@ def loader_is_unsharded(loader: Any) -> bool:
 
 def warn_if_unsharded(loader: Any) -> bool:
     """Warn once (rank 0) when a process group of more than one rank exists and ``loader`` is not sharded."""
-    if loader is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if loader is None or not is_distributed():
         return False
     if not loader_is_unsharded(loader):
         return False
-    world = dist.get_world_size()
+    world = world_size()
     return warn_once("unsharded-loader",
                      f"aiak: the loader has no DistributedSampler, so each of the {world} ranks iterates the whole "
                      f"dataset (every epoch does {world}x the work on duplicated batches). Build it with "

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterable, Optional
 from torch import nn
 
 from aiak.ops import swin_fused
+from aiak.util.marks import mark, marked
 from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
@@ -122,8 +123,8 @@ def _fused_class(original: type, mixin: type) -> type:
     this module so that pickling a whole fused model (``torch.save(model)``) works, also in a new process."""
     qualname = _fused_qualname(original, mixin)
     if qualname not in _FUSED_CLASSES:
-        cls = type(f"Fused{original.__name__}", (mixin, original),
-                   {"_aiak_original_class": original, "__doc__": original.__doc__})
+        cls = type(f"Fused{original.__name__}", (mixin, original), {"__doc__": original.__doc__})
+        mark(cls, "_aiak_original_class", original)
         cls.__module__, cls.__qualname__ = __name__, qualname
         _FUSED_CLASSES[qualname] = cls
     return _FUSED_CLASSES[qualname]
@@ -180,7 +181,7 @@ def replace_window_attention(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") or (prefix == "" and name) for prefix in handled):
             continue
-        if hasattr(type(module), "_aiak_original_class"):
+        if marked(type(module), "_aiak_original_class") is not None:
             handled.append(name)
             continue
         label = f"{name or '<root>'} ({type(module).__name__})"
@@ -217,7 +218,7 @@ def restore_window_attention(model: nn.Module) -> int:
     """Undo :func:`replace_window_attention` in place; returns how many modules were restored."""
     restored = 0
     for module in model.modules():
-        original = getattr(type(module), "_aiak_original_class", None)
+        original = marked(type(module), "_aiak_original_class")
         if original is not None:
             module.__class__ = original
             restored += 1

@@ -31,6 +31,9 @@ modules when aiak routes (timm imported first, as every timm script does). One b
 library aiak does not know, edits the partial sums; the step controller notices a gradient changed in place
 between ``backward()`` and a micro-step's ``step()`` and says so once.
 
+All of these are the ``clip`` patch of :mod:`aiak.runtime.patches`: ``aiak.undo_patches()`` puts torch's and
+timm's functions back and forgets the step controllers routed to.
+
 Parameters of an aiak optimizer mixed in one call with other parameters that have gradients (or with a
 second aiak optimizer's) cannot be attributed to one real step: torch's function runs unchanged on the
 gradients as they are, and a warning (once) says to clip each optimizer's parameters separately.
@@ -50,6 +53,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_grad
 
+from aiak.runtime import patches
 from aiak.util.warn import warn_once
 
 # torch's functions as they were when aiak was imported: what every call not routed to aiak runs.
@@ -63,7 +67,6 @@ ORIGINALS: Dict[str, Any] = {
 
 _owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _state = threading.local()  # .depth > 0 while aiak itself calls torch's originals
-_installed = False
 
 
 def route_to(owner) -> None:
@@ -254,7 +257,6 @@ def _real_step_only(original, name: str):
             return original(owned, *args, **kwargs)
 
     clip.__wrapped__ = original
-    clip._aiak_routed = True
     clip.__doc__ = original.__doc__
     return clip
 
@@ -265,25 +267,23 @@ def _install_elementwise_clips() -> None:
     for module_name, name in ELEMENTWISE_CLIPS:
         module = sys.modules.get(module_name)
         original = getattr(module, name, None) if module is not None else None
-        if original is None or getattr(original, "_aiak_routed", False):
+        if original is None or patches.is_replacement(original):
             continue
         if id(original) not in routed:
             routed[id(original)] = _real_step_only(original, f"{module_name}.{name}")
-        setattr(module, name, routed[id(original)])
+        patches.replace("clip", module, name, routed[id(original)])
 
 
 def _install() -> None:
-    global _installed
+    if not patches.installed("clip"):
+        for module in (torch.nn.utils, _clip_grad):
+            patches.replace("clip", module, "clip_grad_norm_", clip_grad_norm_)
+            patches.replace("clip", module, "clip_grad_value_", clip_grad_value_)
+        patches.replace("clip", torch.nn.utils, "get_total_norm", get_total_norm)
+        patches.replace("clip", torch.nn.utils, "clip_grads_with_norm_", clip_grads_with_norm_)
+        patches.replace("clip", _clip_grad, "_get_total_norm", get_total_norm)
+        patches.replace("clip", _clip_grad, "_clip_grads_with_norm_", clip_grads_with_norm_)
+        if ORIGINALS["group_by_device_and_dtype"] is not None and _CLIP_VALUE_CODE is not None:
+            patches.replace("clip", _clip_grad, "_group_tensors_by_device_and_dtype", _group_by_device_and_dtype)
+        patches.on_undo("clip", _owners.clear)
     _install_elementwise_clips()
-    if _installed:
-        return
-    _installed = True
-    for module in (torch.nn.utils, _clip_grad):
-        module.clip_grad_norm_ = clip_grad_norm_
-        module.clip_grad_value_ = clip_grad_value_
-    torch.nn.utils.get_total_norm = get_total_norm
-    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
-    _clip_grad._get_total_norm = get_total_norm
-    _clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_
-    if ORIGINALS["group_by_device_and_dtype"] is not None and _CLIP_VALUE_CODE is not None:
-        _clip_grad._group_tensors_by_device_and_dtype = _group_by_device_and_dtype

@@ -46,20 +46,22 @@ from aiak.step import clip as grad_clip
 from aiak.step import scheduler_steps
 from aiak.step.stacking import framework_accumulation
 from aiak.step.window_items import WindowItems, at_least_one
+from aiak.util.dist import is_distributed
+from aiak.util.marks import mark, marked
 from aiak.util.warn import warn, warn_once
 
 logger = logging.getLogger("aiak")
 
 
 def _patched_zero_grad(optimizer, set_to_none: bool = True):
-    return optimizer._aiak_steps.zero_grad(set_to_none)
+    return marked(optimizer, "_aiak_steps").zero_grad(set_to_none)
 
 
 def _make_patched_step(inner):
     """A plain function bound to the optimizer, as torch's LR schedulers expect ``optimizer.step`` to be."""
 
     def step(optimizer, closure=None):
-        return optimizer._aiak_steps.step(closure)
+        return marked(optimizer, "_aiak_steps").step(closure)
 
     if getattr(inner, "_wrapped_by_lr_sched", False):
         step._wrapped_by_lr_sched = True  # a scheduler built earlier wrapped it; we call that wrapper on real steps
@@ -91,7 +93,7 @@ class StepController:
                  scaler: Optional[LossScaler] = None, model: Optional[torch.nn.Module] = None):
         if accumulation < 1:
             raise ValueError(f"grad_accumulation must be >= 1, got {accumulation}")
-        if getattr(optimizer, "_aiak_steps", None) is not None:
+        if marked(optimizer, "_aiak_steps") is not None:
             raise RuntimeError("this optimizer was already passed through aiak.optimize(); pass the original one")
         self.optimizer = optimizer
         self.accumulation = accumulation
@@ -120,7 +122,7 @@ class StepController:
         self.sees_epoch_ends = False  # a loader aiak returned calls close_window (else: said at the first step)
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
-        optimizer._aiak_steps = self
+        mark(optimizer, "_aiak_steps", self)
         optimizer.step = types.MethodType(_make_patched_step(self._inner_step), optimizer)
         optimizer.zero_grad = types.MethodType(_patched_zero_grad, optimizer)
         optimizer.register_state_dict_post_hook(self._save_extra)
@@ -388,7 +390,7 @@ class StepController:
     # -- gradient clipping: the one implementation (aiak.step.clip routes torch's functions here) --------
     def active(self) -> bool:
         """Still the controller of its optimizer (``optimize()`` rolled back would have removed it)."""
-        return getattr(self.optimizer, "_aiak_steps", None) is self
+        return marked(self.optimizer, "_aiak_steps") is self
 
     def clip_targets(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``(tensor a user may pass, tensor the real step uses)`` for every parameter: each parameter the
@@ -556,7 +558,7 @@ def controller_of(optimizer) -> Optional[StepController]:
     (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``); None if
     aiak did not patch it."""
     inner = getattr(optimizer, "optimizer", getattr(optimizer, "_optimizer", optimizer))
-    return getattr(optimizer, "_aiak_steps", None) or getattr(inner, "_aiak_steps", None)
+    return marked(optimizer, "_aiak_steps") or marked(inner, "_aiak_steps")
 
 
 def stepped(optimizer) -> bool:
@@ -595,9 +597,7 @@ def count_items(optimizer, n) -> None:
         controller.count_items(n)
         return
     WindowItems.check(n)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         raise RuntimeError("aiak.count_items: this optimizer has no aiak step controller, so DDP averages each rank's "
                            "gradient alike and the counts cannot weigh them: pass count_items=True (you call "
                            "aiak.count_items) or count_items=fn (a function of the batch) to aiak.optimize with this "
@@ -612,7 +612,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     and returns its norm (on a micro-step: clips nothing, returns the norm accumulated so far, see
     :meth:`StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
     """
-    controller = getattr(optimizer, "_aiak_steps", None)
+    controller = marked(optimizer, "_aiak_steps")
     if controller is not None:
         return controller.clip_grad_norm_(max_norm, norm_type)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -622,7 +622,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
 def clip_grad_value_(optimizer: torch.optim.Optimizer, clip_value: float) -> None:
     """``torch.nn.utils.clip_grad_value_`` over ``optimizer``'s parameters that is right under aiak (see
     :func:`clip_grad_norm_`)."""
-    controller = getattr(optimizer, "_aiak_steps", None)
+    controller = marked(optimizer, "_aiak_steps")
     if controller is not None:
         return controller.clip_grad_value_(clip_value)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

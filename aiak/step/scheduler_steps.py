@@ -16,7 +16,7 @@ optimizer call in between), a per-epoch scheduler stepped after a whole epoch, a
 one skipped for inf/NaN gradients (plain PyTorch's ``GradScaler`` loop steps the scheduler then too). Schedulers
 of an optimizer aiak does not step pass straight through. A scheduler class defined after the first
 ``optimize()`` with accumulation is not wrapped (classes are defined at import time, before it in every
-script we know of).
+script we know of). The wrapped ``step`` methods are the ``schedulers`` patch of :mod:`aiak.runtime.patches`.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ import weakref
 from typing import Any, Tuple
 
 import torch
+
+from aiak.runtime import patches
+from aiak.util.marks import marked
 
 # scheduler -> (the controller it was counted against, its optimizer's step() calls and real steps then)
 _seen: "weakref.WeakKeyDictionary[Any, Tuple[Any, int, int]]" = weakref.WeakKeyDictionary()
@@ -38,8 +41,8 @@ def gate_scheduler_classes(*extra: type) -> None:
         classes.append(next((k for k in cls.__mro__ if "step" in vars(k)), cls))
     for cls in classes:
         step = vars(cls).get("step")
-        if step is not None and not getattr(step, "_aiak_real_steps", False):
-            setattr(cls, "step", _gated(step))
+        if step is not None and not patches.is_replacement(step):
+            patches.replace("schedulers", cls, "step", _gated(step))
 
 
 def follow(scheduler: Any, controller: Any) -> None:
@@ -57,7 +60,7 @@ def rebase(controller: Any) -> None:
 
 def _should_step(scheduler: Any) -> bool:
     optimizer = getattr(scheduler, "optimizer", None)
-    controller = getattr(optimizer, "_aiak_steps", None)
+    controller = marked(optimizer, "_aiak_steps")
     if controller is None or not controller.active():
         return True
     owner, calls, events = _seen.get(scheduler, (None, -1, -1))
@@ -77,7 +80,6 @@ def _gated(step):
             return None
         return step(scheduler, *args, **kwargs)
 
-    gated_step._aiak_real_steps = True
     return gated_step
 
 

@@ -24,6 +24,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from aiak.util.dist import is_distributed
+
 
 class WindowItems:
     """The counted items of one controller's accumulation window (see the module docstring)."""
@@ -134,7 +136,7 @@ def sum_over_ranks(items, comm_state=None, ddp=None, device=None):
         total = _as_sent(items, comm_state.process_group, device)
         comm_state.sum_items(total)
         return ranks, total
-    if ddp is not None and dist.is_initialized() and dist.get_world_size(ddp.process_group) > 1:
+    if ddp is not None and is_distributed(ddp.process_group):
         total = _as_sent(items, ddp.process_group, device)
         dist.all_reduce(total, group=ddp.process_group)
         return dist.get_world_size(ddp.process_group), total

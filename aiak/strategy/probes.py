@@ -27,6 +27,7 @@ from aiak.comm.allreduce.topology import detect_topology
 from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.surgery import is_window_attention
 from aiak.util.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
+from aiak.util.dist import process_group_exists
 from aiak.util.devices import CUDA_NATIVE_BF16, CUDA_NATIVE_FP16, cuda_capability, cuda_info, model_device
 from aiak.util.norm_layers import norm_kind
 from aiak.util.rng import preserved
@@ -107,7 +108,7 @@ def _distribution() -> Tuple[int, int, int, Optional[str]]:
     """``(world_size, local_size, nodes, backend)`` of the default process group; 1, 1, 1, None without one."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not process_group_exists():
         return 1, 1, 1, None
     topology = detect_topology()
     return topology.world_size, topology.local_size, topology.num_nodes, str(dist.get_backend())

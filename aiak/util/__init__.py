@@ -1,2 +1,3 @@
 """What every layer of aiak may use and nothing of aiak's: warnings, nested outputs, text, hardware facts,
-versions, thread shutdown. Modules here import no other part of aiak."""
+versions, thread shutdown, process groups, the marks aiak keeps on user objects. Modules here import no other part
+of aiak."""

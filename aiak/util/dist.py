@@ -1,7 +1,8 @@
-"""How the ranks agree: the few collectives aiak issues for itself (not for the user's gradients), and where their
-small tensors live. Each is the identity outside a process group of more than one rank, so single-process code
-calls them unconditionally; inside one, every rank of ``group`` (torch's default group when None) must call them
-at the same point, in the same order.
+"""Whether ranks exist (:func:`process_group_exists`, :func:`world_size`, :func:`is_distributed`: the one place
+aiak asks), and how they agree: the few collectives aiak issues for itself (not for the user's gradients), and
+where their small tensors live. Each collective is the identity outside a process group of more than one rank, so
+single-process code calls them unconditionally; inside one, every rank of ``group`` (torch's default group when
+None) must call them at the same point, in the same order.
 """
 from __future__ import annotations
 
@@ -27,9 +28,19 @@ def group_device(group=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def process_group_exists() -> bool:
+    """torch's default process group is initialized (of any size, one rank included)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group=None) -> int:
+    """The ranks of ``group`` (or of the default group); 1 without a process group."""
+    return dist.get_world_size(group) if process_group_exists() else 1
+
+
 def is_distributed(group=None) -> bool:
     """A process group of more than one rank exists (``group``, or the default one)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return world_size(group) > 1
 
 
 def on_rank0(group=None) -> bool:

@@ -21,6 +21,9 @@ import warnings
 from typing import Set
 
 import torch
+import torch.distributed as dist
+
+from aiak.util.dist import process_group_exists
 
 _AIAK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -31,9 +34,7 @@ _quiet_depth = 0
 
 def is_rank_zero() -> bool:
     """This process is rank 0 of the initialized process group, or of torchrun's ``RANK``, or not distributed."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    if process_group_exists():
         return dist.get_rank() == 0
     rank = os.environ.get("RANK", "0")
     return not rank.isdigit() or int(rank) == 0

@@ -1,6 +1,7 @@
 """``aiak doctor``: every check over simulated machines (a fake /proc, /sys and /dev under tmp_path, a fake
 environment and fake TorchFacts), the exit codes and JSON of ``run()``, and the real command on this machine."""
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from aiak.cli import doctor
 from aiak.cli.doctor import ExtraFacts, GpuFacts, Machine, TorchFacts
+from aiak.runtime.patches import DECLARED, Patch
 
 GIB, MIB = 2 ** 30, 2 ** 20
 REPO = Path(__file__).resolve().parents[2]
@@ -496,6 +498,37 @@ def test_distributed_backends(tmp_path):
     assert c.status == "warn" and "whl/cpu" in c.fix
     c = find(fake_machine(tmp_path / "d", torch=dict(version="2.14.1+cpu", distributed=False)), "backends")
     assert c.status == "warn"
+
+
+# -- aiak's global patches of torch ---------------------------------------------------------------------------
+def test_patches_say_which_are_installed_and_what_aiak_may_replace_and_when(tmp_path):
+    fresh = fake_machine(tmp_path)
+    c = find(fresh, "patches")
+    assert c.status == "pass" and c.detail.startswith("none installed in this process") and "aiak.patches()" in c.detail
+    for key, row in DECLARED.items():
+        c = find(fresh, f"patch {key}")
+        assert c.status == "pass" and c.detail.startswith(f"not installed; replaces {row.replaces} {row.when}")
+    clip = Patch("clip", ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_"), DECLARED["clip"].why,
+                 "aiak.step.clip")
+    optimized = dataclasses.replace(fresh, patches=[clip])
+    assert find(optimized, "patches").detail.startswith("1 installed in this process (clip)")
+    c = find(optimized, "patch clip")
+    assert c.status == "pass" and c.detail.startswith("installed: torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip")
+
+
+def test_doctor_in_a_process_aiak_optimized_in_lists_the_patches_installed_there():
+    code = ("import sys, warnings, torch, aiak, aiak.cli.doctor\n"
+            "warnings.simplefilter('ignore')\n"
+            "model = torch.nn.Linear(2, 2)\n"
+            "aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy={'grad_accumulation': 2})\n"
+            "sys.exit(aiak.cli.doctor.main(['--json', '--no-probes', '--num-workers', '1']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert out.returncode in (0, 1, 2) and "Traceback" not in out.stderr, out.stderr
+    by_name = {c["name"]: c for c in json.loads(out.stdout.strip().splitlines()[-1])["checks"]}
+    assert "installed in this process (" in by_name["patches"]["detail"]
+    assert by_name["patch clip"]["detail"].startswith("installed: torch.nn.utils.clip_grad_norm_")
+    assert by_name["patch schedulers"]["detail"].startswith("installed: torch.optim.lr_scheduler.LRScheduler.step")
+    assert by_name["patch ddp-constructor"]["detail"].startswith("not installed")   # one process: no DDP
 
 
 def test_a_check_whose_input_is_unreadable_becomes_a_warning(tmp_path):

@@ -4,7 +4,8 @@ The checks cover the versions (python, torch and the CUDA it was built for, cuDN
 capability, the CPU's bf16 support, the TF32 state, ``/dev/shm``, ``ulimit -l``, CPU cores against
 ``num_workers``, the network interfaces and the NCCL environment, GPUDirect RDMA, the extras (triton, DALI,
 apex) and the distributed backends: the configuration mistakes that cost users of this kind of toolkit most
-(RDMA bought but GPUDirect RDMA unused, NCCL on the wrong interface, too few workers, pageable memory).
+(RDMA bought but GPUDirect RDMA unused, NCCL on the wrong interface, too few workers, pageable memory). Last,
+aiak's own global patches of torch: those installed in this process, and every one aiak may install, and when.
 
 Everything the checks read is one :class:`Machine` snapshot: roots for ``/proc``, ``/sys`` and ``/dev``, the
 environment, a few limits and :class:`TorchFacts`. :meth:`Machine.here` reads the real machine; a test builds

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 from aiak.cli.doctor.machine import (AMPERE, CUDA_MIN_DRIVER, DALI_DISTS, FAIL, GDR_LEVELS, GIB, MIB, NCCL_DEBUG_LEVELS,
                                      NCCL_PATH_TYPES, PASS, PEERMEM_MODULES, WARN, WHEEL_FOR_DRIVER, ExtraFacts,
                                      GpuFacts, Machine, one_line, read_small_file)
+from aiak.runtime.patches import DECLARED
 from aiak.util.cpu import NATIVE_BF16_CPU_FLAGS, cpuinfo_fields
 from aiak.util.versions import installed_version
 
@@ -704,10 +705,27 @@ def check_backends(m: Machine) -> Check:
     return Check("backends", PASS, ", ".join(have))
 
 
+def check_patches(m: Machine) -> List[Check]:
+    """aiak's global patches of torch (:mod:`aiak.runtime.patches`): a line saying which are installed in this
+    process (in a fresh ``aiak doctor`` none are), then one per declared patch: installed, with what it replaced,
+    or what it would replace and when. They say what aiak does to torch, so they always pass."""
+    installed = {p.key: p for p in m.patches}
+    now = f"{len(installed)} installed in this process ({', '.join(installed)})" if installed else \
+        "none installed in this process"
+    lines = [Check("patches", PASS, f"{now}; aiak installs each of the {len(DECLARED)} below when first needed "
+                                    "(aiak.patches() lists them, aiak.undo_patches() undoes them)")]
+    for key, row in DECLARED.items():
+        state = f"installed: {', '.join(installed[key].targets)}" if key in installed else \
+            f"not installed; replaces {row.replaces} {row.when}"
+        lines.append(Check(f"patch {key}", PASS, f"{state}. Why: {row.why}"))
+    return lines
+
+
 CHECKS: Tuple[Callable[..., Union[Check, List[Check]]], ...] = (
     check_python, check_torch, check_cudnn, check_nccl, check_gpu, check_cpu, check_tf32, check_shm,
     check_memlock, check_workers, check_network, check_socket_ifname, check_gloo_ifname, check_ib,
     check_nccl_sockets, check_gdr_level, check_nccl_debug, check_gpudirect, check_triton, check_dali, check_apex, check_backends,
+    check_patches,
 )
 
 

@@ -1,6 +1,6 @@
 """What ``aiak doctor`` reads: one :class:`Machine` snapshot (roots for /proc, /sys and /dev, the environment,
-a few limits, :class:`TorchFacts` and the extras' probes). :meth:`Machine.here` reads this machine; a test
-builds one over a fake tree."""
+a few limits, :class:`TorchFacts`, the extras' probes and aiak's global patches installed in this process).
+:meth:`Machine.here` reads this machine; a test builds one over a fake tree."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from aiak.runtime.patches import Patch, patches
 from aiak.util.versions import installed_version
 
 
@@ -141,6 +142,7 @@ class Machine:
     platform: str = "linux"         # sys.platform
     python: str = ""                # platform.python_version()
     errors: Dict[str, str] = field(default_factory=dict)  # "shm" / "memlock" / "cpus" -> what could not be read
+    patches: List[Patch] = field(default_factory=list)    # aiak's global patches installed in this process
 
     @classmethod
     def here(cls, probe_extras: bool = True) -> "Machine":
@@ -153,7 +155,7 @@ class Machine:
                    memlock_bytes=_guarded(errors, "memlock", _memlock_bytes, None),
                    cpus=_guarded(errors, "cpus", _affinity_cpus, os.cpu_count() or 1), torch=torch_facts,
                    extras=probe_extras_here(torch_facts, run_probes=probe_extras), platform=sys.platform,
-                   python=platform.python_version(), errors=errors)
+                   python=platform.python_version(), errors=errors, patches=patches())
 
     @property
     def gpus(self) -> List[GpuFacts]:

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from aiak.util.dist import process_group_exists
 from aiak.util.warn import warn
 
 
@@ -92,7 +93,7 @@ def detect_topology(group=None) -> Topology:
     Uses ``LOCAL_WORLD_SIZE`` + ``GROUP_RANK``/``NODE_RANK`` (+ ``LOCAL_RANK``) when every rank has them
     (one ``all_gather_object`` checks that), otherwise the host names gathered from every rank.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not process_group_exists():
         return Topology(rank=0, world_size=1, nodes=((0,),), source="single process")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     local_size = _env_int("LOCAL_WORLD_SIZE")

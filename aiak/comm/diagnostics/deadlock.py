@@ -13,7 +13,9 @@ Before it runs, each rank posts ``#n -> fingerprint`` to the process group's key
   an abort note in the store so the late rank raises too when it gets there;
 * all agree, but a synchronous collective does not complete within the timeout: it raises.
 
-Cost: a few store round trips per collective, so it is a debugging tool, off by default.
+Cost: a few store round trips per collective, so it is a debugging tool, off by default. The wrapped collectives
+are the ``deadlock-guard`` patch of :mod:`aiak.runtime.patches`: disabling the guard undoes it (and so does
+``aiak.undo_patches()``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from aiak.runtime import patches
 
 GUARDED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
            "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
@@ -63,27 +67,34 @@ class DeadlockGuard:
         self.poll_s = poll_s
         self._seq: Dict[Tuple[int, ...], int] = {}
         self._lock = threading.Lock()
-        self._originals: Dict[str, object] = {}
+        self._enabled = False
         self._store = None
         self._prefix = f"aiak_guard/{next(_generations)}"
         self._abort_key = f"{self._prefix}/abort"
 
     # -- patching ----------------------------------------------------------------------------
     def enable(self) -> "DeadlockGuard":
-        if self._originals:
+        if self._enabled:
             return self
         self._store = dist.distributed_c10d._get_default_store()
         for name in GUARDED:
             original = getattr(dist, name, None)
             if original is not None:
-                self._originals[name] = original
-                setattr(dist, name, self._wrap(name, original))
+                patches.replace("deadlock-guard", dist, name, self._wrap(name, original))
+        patches.on_undo("deadlock-guard", self._disabled)
+        self._enabled = True
         return self
 
     def disable(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        self._originals.clear()
+        if self._enabled:
+            patches.undo("deadlock-guard")
+
+    def _disabled(self) -> None:
+        """torch.distributed's collectives were put back (by :meth:`disable` or ``aiak.undo_patches()``)."""
+        global _ACTIVE
+        self._enabled = False
+        if _ACTIVE is self:
+            _ACTIVE = None
 
     def _wrap(self, op: str, original):
         signature = inspect.signature(original)
@@ -173,10 +184,9 @@ def enable_deadlock_guard(timeout_s: float = 300.0) -> DeadlockGuard:
 
 
 def disable_deadlock_guard() -> None:
-    global _ACTIVE
+    """Turn the guard off: torch.distributed's own collectives again."""
     if _ACTIVE is not None:
         _ACTIVE.disable()
-        _ACTIVE = None
 
 
 @contextlib.contextmanager
