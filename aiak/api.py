@@ -18,10 +18,10 @@ from aiak.strategy.schema import Strategy
 from aiak.strategy.select import resolve_strategy
 from aiak.tune import decision as decisions
 from aiak.tune.trials import run_trials
-from aiak.util import warn as amp_warn
+from aiak.util import warn
 from aiak.util.arguments import check_arguments, check_unpacking
-from aiak.util.devices import model_device
-from aiak.util.marks import mark, marked
+from aiak.util.machine.devices import model_device
+from aiak.runtime.marks import mark, marked
 
 logger = logging.getLogger("aiak")
 
@@ -137,7 +137,7 @@ def _same_model_knobs(s: Strategy, first: Strategy) -> Strategy:
 def _say_what_was_applied(decision) -> None:
     """Two lines on rank 0's stderr, however the script configured logging (the full table stays at INFO on the
     ``aiak`` logger): what was applied, and where to read why."""
-    if amp_warn.is_rank_zero():
+    if warn.is_rank_zero():
         print(decision.headline(), file=sys.stderr, flush=True)
 
 

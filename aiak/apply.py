@@ -19,13 +19,15 @@ from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
 from aiak.comm.algorithms import algorithm_class
+from aiak.runtime.compile import apply_compile
+from aiak.runtime.switches import apply_channels_last
 from aiak.step.controller import StepController
 from aiak.step.framework_ddp import framework_ddp
 from aiak.strategy import knobs, phases
 from aiak.strategy.derived import Derived, resolve_derived
 from aiak.strategy.schema import Strategy
-from aiak.util import warn as amp_warn
-from aiak.util.devices import model_device
+from aiak.util import warn
+from aiak.util.machine.devices import model_device
 from aiak.util.dist import world_size
 from aiak.util.text import yaml_text
 
@@ -197,7 +199,7 @@ def _channels_last(ctx: Applying) -> None:
     if on and ctx.existing_ddp is not None:
         _skip_under_users_ddp(ctx.summary, "channels_last", on, "the parameters in their current layout")
     else:
-        ctx.summary.add("channels_last", on, amp.apply_channels_last(ctx.bare) if on else "off")
+        ctx.summary.add("channels_last", on, apply_channels_last(ctx.bare) if on else "off")
 
 
 def _precision(ctx: Applying) -> None:
@@ -243,7 +245,7 @@ def _ddp(ctx: Applying) -> None:
 def _compile(ctx: Applying) -> None:
     """``torch.compile`` in place, last of the model's phases."""
     on = ctx.strategy.compile
-    ctx.summary.add("compile", on, amp.apply_compile(ctx.model, ctx.device) if on else "off")
+    ctx.summary.add("compile", on, apply_compile(ctx.model, ctx.device) if on else "off")
 
 
 def _loader(ctx: Applying) -> None:
@@ -292,7 +294,7 @@ def _check_the_comm_has_its_controller(ctx: Applying) -> None:
                          "its state in the optimizer's state_dict): pass the optimizer to aiak.optimize, or use "
                          "algorithm allreduce")
     if _keeps_residuals(ctx) and ctx.controller is None:
-        amp_warn.warn("aiak.comm: int8 compression keeps error-feedback residuals from step to step, and they "
+        warn.warn("aiak.comm: int8 compression keeps error-feedback residuals from step to step, and they "
                       "are saved in the optimizer's state_dict(): without the optimizer given to aiak.optimize a "
                       "checkpoint leaves them out and a resumed run differs from an uninterrupted one. Pass the "
                       "optimizer to aiak.optimize")
@@ -348,7 +350,7 @@ def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController],
 
 
 def _skip_under_users_ddp(summary: Summary, knob: str, value: Any, buckets_hold: str) -> None:
-    amp_warn.warn(f"aiak: {knob} skipped: the model is already a DistributedDataParallel, whose buckets hold "
+    warn.warn(f"aiak: {knob} skipped: the model is already a DistributedDataParallel, whose buckets hold "
                   f"{buckets_hold}; call aiak.optimize before wrapping the model in DDP (aiak wraps it itself under "
                   "torchrun)")
     summary.add(knob, value, "skipped: the model was already wrapped in DDP")

@@ -64,7 +64,7 @@ def test_optimize_logs_a_one_screen_summary(caplog):
 
 
 def test_auto_says_what_it_detected(caplog):
-    from aiak.util.cpu import has_native_bf16_cpu
+    from aiak.util.machine.cpu import has_native_bf16_cpu
 
     caplog.set_level(logging.INFO, logger="aiak")
     model = DemoNet(width=8)

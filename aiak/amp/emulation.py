@@ -22,7 +22,7 @@ from typing import FrozenSet, Optional, Tuple
 
 import torch
 
-from aiak.util import cpu, devices
+from aiak.util.machine import cpu, devices
 from aiak.util.warn import warn_once
 
 FP16_CPU_COST = ("measured ~27x slower than fp32 per training step of torchvision's resnet18 and ~7x for the demo "
@@ -35,7 +35,7 @@ def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[F
                       capability: Optional[Tuple[int, int]] = None) -> Optional[Tuple[str, str]]:
     """``(key, message)`` if ``dtype`` ("fp16" / "bf16") is emulated on ``device``, else None.
 
-    ``cpu_flags`` and ``capability`` default to the probes of this machine (:mod:`aiak.util.cpu`, :mod:`aiak.util.devices`);
+    ``cpu_flags`` and ``capability`` default to the probes of this machine (:mod:`aiak.util.machine.cpu`, :mod:`aiak.util.machine.devices`);
     passing them describes another machine. ``key`` names the knob and device kind, for warning once.
     """
     if device.type == "cpu":

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from aiak.util.config import StrategyError
-from aiak.util.marks import mark, marked
+from aiak.runtime.marks import mark, marked
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.norm_layers import is_norm_layer
 from aiak.util.text import did_you_mean

@@ -27,7 +27,7 @@ from aiak.amp.emulation import warn_if_emulated
 from aiak.amp.fp32_modules import keep_declared
 from aiak.amp.half_compute import HalfCompute
 from aiak.amp.loss_scaler import LossScaler
-from aiak.util.devices import model_device
+from aiak.util.machine.devices import model_device
 from aiak.util.warn import warn_once
 
 logger = logging.getLogger("aiak")

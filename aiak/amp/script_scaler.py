@@ -27,7 +27,7 @@ import torch
 
 from aiak.amp.root_scaling import scalers_reached
 from aiak.runtime import patches
-from aiak.util.marks import marked
+from aiak.runtime.marks import marked
 from aiak.util.warn import warn_once
 
 

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from aiak.util.nested import logits_of
 from aiak.util.text import did_you_mean
-from aiak.util.versions import install_hint
+from aiak.util.machine.versions import install_hint
 
 __all__ = ["ModelSpecError", "ModelSetup", "build", "from_model", "parse_input_shape", "compute_loss", "logits_of",
            "default_optimizer", "SyntheticImages", "SyntheticText", "SPEC_FORMS"]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from aiak.runtime import patches
-from aiak.util.marks import mark, marked
+from aiak.runtime.marks import mark, marked
 
 logger = logging.getLogger("aiak")
 

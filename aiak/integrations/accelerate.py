@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiak
-from aiak.util.versions import install_hint
+from aiak.util.machine.versions import install_hint
 
 try:
     import accelerate  # noqa: F401  (the dependency this module is about)

@@ -55,8 +55,8 @@ from typing import Any
 
 import aiak
 from aiak.step.controller import controller_of
-from aiak.util.marks import mark, marked
-from aiak.util.versions import install_hint
+from aiak.runtime.marks import mark, marked
+from aiak.util.machine.versions import install_hint
 
 try:
     import pytorch_lightning as pl

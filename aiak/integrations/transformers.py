@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 import aiak
-from aiak.util.versions import install_hint
+from aiak.util.machine.versions import install_hint
 from aiak.step.controller import controller_of
 from aiak.util.dist import is_distributed
 

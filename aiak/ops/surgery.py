@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, Optional
 from torch import nn
 
 from aiak.ops import swin_fused
-from aiak.util.marks import mark, marked
+from aiak.runtime.marks import mark, marked
 from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",

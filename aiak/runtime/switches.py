@@ -3,7 +3,7 @@
 TF32 runs fp32 matmuls and convolutions on Ampere+ tensor cores with a 10-bit mantissa (NVIDIA,
 "Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020): several times faster, slightly different
 numerics, so it is off in the ``default`` profile. Without CUDA these knobs cannot apply: they warn and
-are skipped (:func:`aiak.util.devices.cuda_capability` says which device they act on).
+are skipped (:func:`aiak.util.machine.devices.cuda_capability` says which device they act on).
 
 A knob that is off writes nothing: the process keeps its own setting (the script's, or PyTorch's default).
 :func:`process_switches` is the one list of the process-wide settings a strategy may change:
@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from aiak.util import devices
+from aiak.util.machine import devices
 from aiak.util.nested import map_tensors
 from aiak.util.warn import warn
 

@@ -47,7 +47,7 @@ from aiak.step import scheduler_steps
 from aiak.step.stacking import framework_accumulation
 from aiak.step.window_items import WindowItems, at_least_one
 from aiak.util.dist import is_distributed
-from aiak.util.marks import mark, marked
+from aiak.runtime.marks import mark, marked
 from aiak.util.warn import warn, warn_once
 
 logger = logging.getLogger("aiak")

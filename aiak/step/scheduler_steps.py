@@ -27,7 +27,7 @@ from typing import Any, Tuple
 import torch
 
 from aiak.runtime import patches
-from aiak.util.marks import marked
+from aiak.runtime.marks import marked
 
 # scheduler -> (the controller it was counted against, its optimizer's step() calls and real steps then)
 _seen: "weakref.WeakKeyDictionary[Any, Tuple[Any, int, int]]" = weakref.WeakKeyDictionary()

@@ -78,14 +78,14 @@ from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_knobs
 from aiak.tune.replay import RandomStreams, borrow
-from aiak.util import warn as amp_warn
+from aiak.util import warn
 from aiak.util.cache import TuneCache
 from aiak.util.dist import max_across_ranks, on_rank0, rank0_index, rank0_object
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.nested import logits_of
 from aiak.util.status_line import StatusLine
 from aiak.util.text import describe_error
-from aiak.util.versions import installed_version
+from aiak.util.machine.versions import installed_version
 
 BUDGET_FRACTION = 0.05     # the trials' budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
@@ -250,7 +250,7 @@ class _TrialRun:
 
         process = read_switches()
         try:
-            with amp_warn.quiet():
+            with warn.quiet():
                 self.bare, optimizer = copy.deepcopy((model, optimizer))
                 applied = apply_strategy(self.candidate.strategy, self.bare, optimizer, None, None, self.device,
                                          distributed=False)
@@ -391,7 +391,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         # Nothing unverified is applied: plain PyTorch compute (the pick's knobs that keep the training the same
         # model stay, as in every candidate). The first error is usually the script's own: say it.
         reference = next(c for c in contenders if c.candidate.label == "plain")
-        amp_warn.warn(f"aiak: every candidate failed its trial step on the loader's first batches, plain PyTorch "
+        warn.warn(f"aiak: every candidate failed its trial step on the loader's first batches, plain PyTorch "
                       f"too: {reference.record.why}. That is usually an error of the training script itself (the "
                       f"trials run its model on its own batches); aiak applies plain PyTorch compute, nothing it "
                       f"could not verify")
@@ -433,7 +433,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
         if status is not None:
             status.update(f"first step of {c.candidate.label!r}")
         try:
-            with amp_warn.quiet():
+            with warn.quiet():
                 c.switches()
                 if c is plain and gated:  # before its step: the same weights as every candidate's gate step
                     rng.restore()
@@ -555,7 +555,7 @@ def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float, statu
             c.warmup_s = c.warmup_s[:1] + c.timer.step_seconds
         return not active or rules.done({c.candidate.label: c.warmup_s for c in active}, elapsed)
 
-    with amp_warn.quiet():
+    with warn.quiet():
         alternate([c.timer for c in runs], warmup=0, rounds=WARMUP_MAX_STEPS + max(cfg.steps, 1), steps_per_round=1,
                   slow_factor=math.inf, catch=True, until=until, started=start)
     for c in runs:   # a failure in the last round ends the rounds before ``until`` sees it

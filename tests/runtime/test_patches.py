@@ -186,7 +186,7 @@ def test_replace_keeps_the_first_original_and_undo_deletes_what_a_class_only_inh
 # -- every global patch goes through runtime/patches.py -------------------------------------------------------
 # setattr/delattr targets outside runtime/patches.py, each one object's own attribute, with why:
 OWN_ATTRIBUTE_WRITES = {
-    ("aiak/util/marks.py", "obj"): "a mark on a user's object (MARKS)",
+    ("aiak/runtime/marks.py", "obj"): "a mark on a user's object (MARKS)",
     ("aiak/optim/scheduler.py", "s"): "a scheduler's own per-group lists, remapped to the swapped optimizer's groups",
     ("aiak/loaders/window_loader.py", "self.loader"): "an attribute set on the wrapper, forwarded to the loader",
     ("aiak/loaders/prefetch.py", "loader"): "an attribute set on the wrapper, forwarded to the loader",

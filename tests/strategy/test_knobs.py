@@ -53,7 +53,7 @@ def test_each_process_knob_writes_only_the_settings_its_row_names(monkeypatch):
     import torch
 
     from aiak.runtime.switches import process_switches, read_switches, write_switches
-    from aiak.util import devices
+    from aiak.util.machine import devices
 
     monkeypatch.setattr(devices, "cuda_capability", lambda device: (8, 0))
     names = set(process_switches())

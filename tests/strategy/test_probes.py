@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from aiak.strategy import MODULE_KINDS, Probes, probe
 from aiak.strategy.probes import LENGTH_PROBE_SAMPLES, model_features, module_counts
-from aiak.util import cpu, devices
-from aiak.util.cpu import cpu_features
-from aiak.util.devices import model_device
+from aiak.util.machine import cpu, devices
+from aiak.util.machine.cpu import cpu_features
+from aiak.util.machine.devices import model_device
 from aiak.strategy.select import model_features as model_features_from_select
 
 _spec = importlib.util.spec_from_file_location("real_models", Path(__file__).with_name("real_models.py"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from aiak.util import devices
+from aiak.util.machine import devices
 from aiak.runtime.rollback import Snapshot
 from aiak.strategy.select import resolve_strategy
 from aiak.tune.candidates import candidate_strategies

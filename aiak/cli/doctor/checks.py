@@ -11,8 +11,8 @@ from aiak.cli.doctor.machine import (AMPERE, CUDA_MIN_DRIVER, DALI_DISTS, FAIL, 
                                      NCCL_PATH_TYPES, PASS, PEERMEM_MODULES, WARN, WHEEL_FOR_DRIVER, ExtraFacts,
                                      GpuFacts, Machine, one_line, read_small_file)
 from aiak.runtime.patches import DECLARED
-from aiak.util.cpu import NATIVE_BF16_CPU_FLAGS, cpuinfo_fields
-from aiak.util.versions import installed_version
+from aiak.util.machine.cpu import NATIVE_BF16_CPU_FLAGS, cpuinfo_fields
+from aiak.util.machine.versions import installed_version
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak.runtime.patches import Patch, patches
-from aiak.util.versions import installed_version
+from aiak.util.machine.versions import installed_version
 
 
 PASS, WARN, FAIL = "pass", "warn", "fail"

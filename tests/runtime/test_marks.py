@@ -1,4 +1,4 @@
-"""What aiak keeps on the user's objects (:mod:`aiak.util.marks`): declared once, under the attribute names users
+"""What aiak keeps on the user's objects (:mod:`aiak.runtime.marks`): declared once, under the attribute names users
 see, and a name not declared is refused."""
 import ast
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiak.util import marks
+from aiak.runtime import marks
 
 
 def test_marks_are_declared_and_an_unknown_one_raises():
@@ -37,7 +37,7 @@ def test_a_mark_read_from_the_objects_own_dict_is_not_seen_through_a_forwarding_
 
 def test_every_mark_aiak_reads_or_writes_goes_through_the_accessor_and_is_declared():
     """No ``obj._aiak_x`` and no ``getattr``/``setattr``/``hasattr`` of an ``"_aiak_…"`` name in aiak: each goes
-    through :func:`~aiak.util.marks.mark` / ``marked`` / ``unmark``, with a declared name."""
+    through :func:`~aiak.runtime.marks.mark` / ``marked`` / ``unmark``, with a declared name."""
     root = Path(__file__).resolve().parents[2] / "aiak"
     raw, undeclared = [], []
     for path in sorted(root.rglob("*.py")):
@@ -51,5 +51,5 @@ def test_every_mark_aiak_reads_or_writes_goes_through_the_accessor_and_is_declar
                     raw.append(f"{where}: {node.func.id}(..., {node.args[1].value!r})")
                 elif node.func.id in ("mark", "marked", "unmark") and node.args[1].value not in marks.MARKS:
                     undeclared.append(f"{where}: {node.args[1].value!r}")
-    assert not raw, "aiak's marks read or written around aiak.util.marks:\n" + "\n".join(raw)
-    assert not undeclared, "marks not declared in aiak.util.marks.MARKS:\n" + "\n".join(undeclared)
+    assert not raw, "aiak's marks read or written around aiak.runtime.marks:\n" + "\n".join(raw)
+    assert not undeclared, "marks not declared in aiak.runtime.marks.MARKS:\n" + "\n".join(undeclared)
