@@ -1,9 +1,9 @@
 """What watching for stalls costs aiak's communication path: ``comm.stall_warn_s`` 60 (the default) against 0.
 
-Two gloo ranks on this machine average the same buckets through aiak's worker (:func:`aiak.comm.allreduce.hooks.average`),
-flat and hierarchical-sized small buckets, the watched and the unwatched state alternating in rounds on the
-one timing engine (:func:`aiak.measure.rounds.alternate`, the slowest rank's figures). Small buckets put the
-per-collective cost (numbering, describing, the timed wait) at its largest share.
+Two gloo ranks on this machine average the same buckets through aiak's worker
+(:func:`aiak.comm.allreduce.hooks.average`), flat and hierarchical-sized small buckets, the watched and the unwatched
+state alternating in rounds on the one timing engine (:func:`aiak.measure.rounds.alternate`, the slowest rank's
+figures). Small buckets put the per-collective cost (numbering, describing, the timed wait) at its largest share.
 
     python benchmarks/comm_stall_overhead.py [--buckets 32] [--numel 16384] [--rounds 12]
 """

@@ -25,11 +25,11 @@ class CommConfig:
     fp32 values; int8 chunks hold twice as many values; 0 = whole buckets); ``compress_intra`` also compresses
     the intra-node steps (fp16/bf16); ``int8_block`` is the number of values sharing one min/scale.
     ``stall_warn_s``: a collective of aiak's communication hook that has waited this long warns which ranks
-    have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.diagnostics.stall`; 0 = off). DDP's
-    own allreduce (flat fp32 with nothing else set) runs without aiak's hook, so it is not watched.
+    have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.diagnostics.stall`; 0 = off).
+    DDP's own allreduce (flat fp32 with nothing else set) runs without aiak's hook, so it is not watched.
     ``connections``: TCP connections per peer for the stage that crosses nodes (gloo; each cut into that many
-    pieces sent at once, :mod:`aiak.comm.allreduce.connections`): an integer, or ``auto``: the comm autotuner measures one
-    against several (one without autotuning). NCCL's sockets are NCCL's own settings (``aiak doctor``).
+    pieces sent at once, :mod:`aiak.comm.allreduce.connections`): an integer, or ``auto``: the comm autotuner measures
+    one against several (one without autotuning). NCCL's sockets are NCCL's own settings (``aiak doctor``).
     ``cpu_reduce``: ACSpeed's CPU-Reduce for NCCL jobs (GPUs sharing PCIe with the NIC): the hierarchical
     algorithm with its cross-node stage on pinned host copies over gloo. ``auto``: the comm autotuner measures it
     beside NCCL's own stages (off without autotuning); ``true``: used; ``false``: never. It applies to CUDA

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from aiak.comm.algorithms import REGISTRY, algorithm_class
 from aiak.comm.allreduce import nccl_sockets
-from aiak.comm.allreduce.autotune import CommTuning, StepTuner, TuneInputs, cached_choice, gradient_bucket_sizes, tune_comm
+from aiak.comm.allreduce.autotune import (CommTuning, StepTuner, TuneInputs, cached_choice, gradient_bucket_sizes,
+                                          tune_comm)
 from aiak.comm.config import CommConfig, check_comm
 from aiak.comm.allreduce.connections import connection_counts, connections_available, wide_groups
 from aiak.comm.diagnostics.deadlock import enable_deadlock_guard
@@ -257,7 +258,8 @@ def _hook_existing(ddp, opts: CommConfig):
 
 
 def _connection_counts(opts: CommConfig, topology, process_group):
-    """:func:`aiak.comm.allreduce.connections.connection_counts` for this run; a number given that cannot apply says why."""
+    """:func:`aiak.comm.allreduce.connections.connection_counts` for this run; a number given that cannot apply says
+    why."""
     crosses = topology.num_nodes > 1
     available = connections_available(process_group)
     if opts.connections != "auto" and opts.connections > 1 and not (crosses and available):

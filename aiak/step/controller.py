@@ -270,16 +270,16 @@ class StepController:
         self._set_sync()
 
     def attach_comm_algorithm(self, algorithm) -> None:
-        """A synchronisation of the weights that runs at real steps (:mod:`aiak.comm.algorithms.local_sgd`,
-        :mod:`aiak.comm.algorithms.decentralized`; :mod:`aiak.comm.algorithms.powersgd` only keeps state). ``algorithm`` has
-        ``at_real_step()`` (called at each real step before the loss scaler's verdict and the update),
-        ``after_real_step(updated)`` (after the update, or the skip) and ``state_dict()`` / ``load_state_dict()``,
-        which travel in the optimizer's checkpoint."""
+        """The comm algorithm of the DDP model whose steps this controller takes, one that acts at real steps or keeps
+        state across them (:class:`aiak.comm.algorithms.base.CommAlgorithm` with ``steps_with_optimizer``):
+        ``at_real_step()`` is called at each real step before the loss scaler's verdict and the update,
+        ``after_real_step(updated)`` after the update, or the skip, and its ``state_dict()`` / ``load_state_dict()``
+        travel in the optimizer's checkpoint."""
         self.comm_algorithm = algorithm
 
     def attach_comm_state(self, state) -> None:
-        """The state of the DDP communication hook (:class:`aiak.comm.allreduce.hooks.CommState`): what it keeps from step to
-        step (int8 error-feedback residuals) travels in the optimizer's checkpoint through its ``state_dict()`` /
+        """The state of the DDP communication hook (:class:`aiak.comm.allreduce.hooks.CommState`): what it keeps from
+        step to step (int8 error-feedback residuals) travels in the optimizer's checkpoint through its ``state_dict()`` /
         ``load_state_dict()``."""
         self.comm_state = state
 

@@ -2,9 +2,10 @@
 
 ``{key: entry}`` where an entry is a JSON object; the strategy trials (:mod:`aiak.tune.trials`) store the
 winning strategy under a key of model structure, batch shape, hardware, topology, library versions and
-profiles (:func:`aiak.tune.trials.decision_key`), the comm autotuner its algorithm and bucket size
-(:mod:`aiak.comm.allreduce.autotune`); both keys are made by :meth:`TuneCache.key`. Writes are atomic (temp file + ``os.replace``), so concurrent writers never
-leave a torn file; an unreadable file is ignored with a warning and rewritten.
+profiles (:func:`aiak.tune.trials.decision_key`), the comm autotuner its route and bucket size
+(:mod:`aiak.comm.allreduce.autotune`); both keys are made by :meth:`TuneCache.key`. Writes are atomic (temp file +
+``os.replace``), so concurrent writers never leave a torn file; an unreadable file is ignored with a warning and
+rewritten.
 
 Location: ``$AIAK_TUNE_CACHE``, else ``$XDG_CACHE_HOME/aiak/tune.json`` (``~/.cache/aiak/tune.json``).
 """

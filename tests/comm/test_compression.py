@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from aiak.comm.allreduce.compression import (ErrorFeedback, FiniteFlag, check_compression, dequantize_int8, int8_packed_bytes,
-                                   pad_to_multiple, quantize_int8)
+from aiak.comm.allreduce.compression import (ErrorFeedback, FiniteFlag, check_compression, dequantize_int8,
+                                             int8_packed_bytes, pad_to_multiple, quantize_int8)
 
 
 @pytest.mark.parametrize("block", [1, 64, 2048])

@@ -14,8 +14,8 @@ What aiak changes around torch's arithmetic:
   matrices), then the Ps, then the Qs, each after the last. The uncompressed tensors need nothing from the Ps, so
   here they travel in one buffer with them: two round trips a bucket.
 - **hierarchical sums.** On a run of several nodes of several ranks each (``comm.hierarchical``: ``auto`` or
-  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.allreduce.hooks.sum_now`): inside the
-  node, then one rank per node across, then inside again; on a far link two messages cross it per sum instead of
+  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.allreduce.hooks.sum_now`): inside
+  the node, then one rank per node across, then inside again; on a far link two messages cross it per sum instead of
   the 2(n-1) of a flat ring over n ranks. The sums are the same up to the order of addition (float rounding).
 - **on aiak's comm worker.** Each bucket's work (factors, sums, decompression) is one job of the comm worker
   (:func:`aiak.comm.allreduce.hooks.run_in_worker`): jobs run one after another, so every rank issues the collectives in
@@ -29,8 +29,8 @@ What aiak changes around torch's arithmetic:
 - **a non-finite bucket leaves the state as it was.** torch's hook has no inf/NaN guard: one fp16 overflow puts
   NaN into the bucket's residual and its warm-started Q, and every later step of that bucket is NaN. Here the
   residual, P and Q of a bucket are kept before the bucket runs; the averaged bucket's finiteness is checked
-  (:class:`~aiak.comm.allreduce.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and a
-  non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
+  (:class:`~aiak.comm.allreduce.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and
+  a non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
 - **residuals in the gradients' own units.** aiak's loss scaling is undone before a gradient reaches
   its ``.grad`` (:mod:`aiak.amp.root_scaling`), so the hook sees unscaled gradients and a residual means the same after
   the loss scale changes.

@@ -7,10 +7,10 @@ autotuner can switch algorithms between steps on the same DDP object (a DDP acce
 How a bucket is processed. The hook divides the bucket by the world size and hands it to the state's worker,
 one daemon thread that runs each bucket's stages as straight-line code, bucket after bucket in the order the
 hook received them (DDP launches buckets in index order on every rank), so every process group sees its
-collectives in the same order on every rank. Each collective is issued with ``async_op=True`` and waited (``work.wait()``) right where its
-result is read: on gloo that blocks the worker thread, not the autograd thread; on NCCL it makes the worker's
-current CUDA stream wait for the collective, which is exactly the dependency the next stage needs. On CUDA
-the hook records an event on the caller's current stream; the worker runs on its own comm stream, which
+collectives in the same order on every rank. Each collective is issued with ``async_op=True`` and waited
+(``work.wait()``) right where its result is read: on gloo that blocks the worker thread, not the autograd thread; on
+NCCL it makes the worker's current CUDA stream wait for the collective, which is exactly the dependency the next stage
+needs. On CUDA the hook records an event on the caller's current stream; the worker runs on its own comm stream, which
 first waits for that event, and completes the returned future (``devices=[device]``) from that stream, so
 DDP's wait on the future orders everything after it behind the last stage.
 
@@ -65,8 +65,8 @@ class _Issued:
     """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output).
 
     Issued inside the comm worker's job for a bucket, it is numbered by that state's
-    :class:`~aiak.comm.diagnostics.stall.StallWatch` (the job's, in :data:`_job`), which is told while the worker waits in
-    it: a wait past ``comm.stall_warn_s`` is reported with the ranks that have not reached it."""
+    :class:`~aiak.comm.diagnostics.stall.StallWatch` (the job's, in :data:`_job`), which is told while the worker waits
+    in it: a wait past ``comm.stall_warn_s`` is reported with the ranks that have not reached it."""
 
     __slots__ = ("work", "then", "watch", "where")
 
@@ -113,8 +113,9 @@ def _overflowed(sent: torch.Tensor, source: torch.Tensor) -> bool:
     becomes inf in the cast (or in the sum), and inf, then NaN, in every weight or buffer it reaches. Every rank holds
     the same sum, so every rank gets the same answer here and makes the same sum again in ``source``'s own dtype: no
     collective is added while values fit, and one (that sum again) when they do not. The check is one reduction over
-    the fp16 sum (:class:`~aiak.comm.allreduce.compression.FiniteFlag`); on CUDA the worker waits for it. A non-finite value the
-    model produced itself (an fp16 overflow the loss scaler will skip) is summed again too, and stays non-finite."""
+    the fp16 sum (:class:`~aiak.comm.allreduce.compression.FiniteFlag`); on CUDA the worker waits for it. A non-finite
+    value the model produced itself (an fp16 overflow the loss scaler will skip) is summed again too, and stays
+    non-finite."""
     return sent.dtype is torch.float16 and source.dtype is not torch.float16 and not bool(FiniteFlag(sent))
 
 
@@ -279,8 +280,8 @@ class CommState:
 
     ``scope`` says over which ranks the hook averages a bucket: ``world`` (every rank, with the algorithm above),
     ``node`` (this rank's node only: an allreduce in ``groups.intra``, nothing at all with one rank per node; local
-    SGD between its averages, :mod:`aiak.comm.algorithms.local_sgd`) or ``rank`` (no communication: each rank keeps its own
-    gradient; decentralized SGD, :mod:`aiak.comm.algorithms.decentralized`).
+    SGD between its averages, :mod:`aiak.comm.algorithms.local_sgd`) or ``rank`` (no communication: each rank keeps its
+    own gradient; decentralized SGD, :mod:`aiak.comm.algorithms.decentralized`).
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
@@ -293,8 +294,8 @@ class CommState:
                  wide: Optional[Dict[Tuple[str, int], object]] = None, connections: int = 1, host_inter=None,
                  cpu_reduce: bool = False, local_size: int = 1):
         if hierarchical and groups is None:
-            raise ValueError("hierarchical=True needs groups (aiak.comm.allreduce.topology.build_groups); it returns None "
-                             "for uneven nodes, in which case pass hierarchical=False")
+            raise ValueError("hierarchical=True needs groups (aiak.comm.allreduce.topology.build_groups); it returns "
+                             "None for uneven nodes, in which case pass hierarchical=False")
         if int8_block < 1:
             raise ValueError(f"int8_block must be >= 1, got {int8_block}")
         if pipeline_mb < 0:
@@ -310,7 +311,7 @@ class CommState:
         self.parameter_numbers = ParameterNumbers()  # names the parameters in a bucket's layout (number() the model)
         self.buckets = BucketRecord()  # the layout of each bucket the int8 residuals were computed on
         self.tuner = None  # an aiak.comm.allreduce.autotune.StepTuner while tuning
-        self.tuning = None  # an aiak.comm.allreduce.autotune.CommTuning: what the autotuner measured and chose (autotune only)
+        self.tuning = None  # an aiak.comm.allreduce.autotune.CommTuning: what the autotuner measured and chose
         self.iteration = 0
         self.worker = _Worker()
         self.watch = StallWatch(stall_warn_s, next_watch_name())
