@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from aiak.util.config import StrategyError
-from aiak.util.key_paths import key_paths
+from aiak.strategy.key_paths import key_paths
 from aiak.util.text import did_you_mean
 from aiak.util.warn import warn_once
 

@@ -33,8 +33,8 @@ from aiak.strategy.profile_files import merge, names_a_file, profile_files, repl
 from aiak.strategy.profiles import Profile, load_profile, load_strategy
 from aiak.strategy.rules import match_profile
 from aiak.strategy.schema import Strategy, StrategyError, load_with_chain
-from aiak.util import key_paths
-from aiak.util.key_paths import put_leaf
+from aiak.strategy import key_paths
+from aiak.strategy.key_paths import put_leaf
 from aiak.util.warn import warn_once
 
 __all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",

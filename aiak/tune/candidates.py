@@ -38,7 +38,7 @@ from aiak.strategy.profiles import load_strategy
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
 from aiak.tune.gate import is_neutral
-from aiak.util.key_paths import put_leaf
+from aiak.strategy.key_paths import put_leaf
 
 # torch.compile spends 10-60 s compiling before its first step on a 2-core CPU (DemoNet: 16.7 s measured with
 # torch 2.14), far beyond the default budget (5% of 200 steps); so compile is a candidate only when
