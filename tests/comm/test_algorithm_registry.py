@@ -1,8 +1,10 @@
 """The registry of comm algorithms is the one place their names live: validation, ``aiak explain``, the knob
 table and DDP's wrapping read it, and no module outside ``aiak/comm/algorithms/`` branches on a name."""
 import ast
+import warnings
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,3 +71,18 @@ def _names_outside_the_registry():
 
 def test_no_module_outside_the_algorithms_names_or_branches_on_one():
     assert _names_outside_the_registry() == []
+
+
+def test_an_algorithm_with_connections_of_its_own_says_comm_connections_does_not_apply():
+    """``comm.connections`` is the allreduce route's; decentralized and PowerSGD send over one per peer."""
+    topology = SimpleNamespace(world_size=4, num_nodes=2, uniform=True, nodes=[[0, 1], [2, 3]],
+                               describe=lambda: "2 nodes x 2")
+    own = {name: cls for name, cls in REGISTRY.items() if cls.own_connections}
+    assert set(own) == {"decentralized", "powersgd"}
+    for name, cls in own.items():
+        with pytest.warns(UserWarning, match=f"connections: 4 applies to the allreduce .*; {name} sends over one"):
+            assert cls.runs_here(CommConfig(algorithm=name, connections=4), topology, None) is cls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert REGISTRY["local_sgd"].runs_here(CommConfig(algorithm="local_sgd", connections=4), topology,
+                                               None) is REGISTRY["local_sgd"]

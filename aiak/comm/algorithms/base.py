@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from aiak.comm.allreduce.hooks import CommState, comm_hook
+from aiak.util.warn import warn
 
 
 class CommAlgorithm:
@@ -41,6 +42,8 @@ class CommAlgorithm:
     wants_node_groups: ClassVar[bool] = False  # the intra- and inter-node groups, wherever the topology has them
     join_would_miss: ClassVar[str] = ""        # what a rank out of batches would miss at its peers' steps (Join
                                                # refused), or "" where DDP's Join shadows everything it sends
+    own_connections: ClassVar[bool] = False    # sends over one connection per peer (comm.connections is the
+                                               # allreduce route's)
 
     # -- before anything is built ------------------------------------------------------------------------
     @classmethod
@@ -63,6 +66,9 @@ class CommAlgorithm:
         if process_group is not None and process_group is not dist.group.WORLD:
             raise ValueError(f"aiak.comm: comm.algorithm {cls.name} runs on the default (world) group; this DDP was "
                              "given a process_group of its own: leave process_group out, or use algorithm allreduce")
+        if cls.own_connections and comm.connections not in ("auto", 1):
+            warn(f"aiak.comm: comm.connections: {comm.connections} applies to the allreduce algorithms' cross-node "
+                 f"stage; {cls.name} sends over one connection per peer")
         return cls
 
     @classmethod

@@ -33,7 +33,6 @@ import torch.distributed as dist
 from aiak.comm.algorithms.base import CommAlgorithm
 from aiak.comm.allreduce.hooks import CommState, Future, copy_into, flat_copy, run_in_worker, wait_watched
 from aiak.util.config import choices
-from aiak.util.warn import warn
 
 PEERS = ("shift_one", "all")
 
@@ -63,6 +62,7 @@ class Decentralized(CommAlgorithm):
               "changes each step, or all), overlapped with the forward and backward: latency hidden and one "
               "peer's traffic for replicas that agree only on average (Lian et al., 2017, D-PSGD)")
     settings = DecentralizedConfig
+    own_connections = True
     join_would_miss = "weight exchanges"
 
     def __init__(self, ddp: torch.nn.Module, state: CommState, peers: str, group):
@@ -93,9 +93,6 @@ class Decentralized(CommAlgorithm):
     @classmethod
     def runs_here(cls, comm: Any, topology, process_group) -> type:
         super().runs_here(comm, topology, process_group)
-        if comm.connections not in ("auto", 1):
-            warn(f"aiak.comm: comm.connections: {comm.connections} applies to the allreduce algorithms' cross-node "
-                 "stage; decentralized sends over one connection per peer")
         if comm.decentralized.peers == "shift_one" and topology.world_size % 2:
             raise ValueError(f"aiak.comm: comm.decentralized.peers shift_one pairs ranks, and this run has "
                              f"{topology.world_size} (odd); use peers: all, or an even number of ranks")

@@ -101,6 +101,7 @@ class PowerSGD(CommAlgorithm):
               "r*(rows+cols) per matrix for a low-rank approximation, two sums per bucket in sequence, "
               "hierarchical across nodes (Vogels et al., 2019, PowerSGD)")
     settings = PowerSGDConfig
+    own_connections = True
 
     def __init__(self, module: torch.nn.Module, comm: CommState, rank: int, warmup_steps: int, seed: int = 0):
         self.comm = comm
@@ -126,9 +127,6 @@ class PowerSGD(CommAlgorithm):
     @classmethod
     def runs_here(cls, comm: Any, topology, process_group) -> type:
         super().runs_here(comm, topology, process_group)
-        if comm.connections not in ("auto", 1):
-            warn(f"aiak.comm: comm.connections: {comm.connections} applies to the allreduce algorithms' cross-node "
-                 "stage; powersgd sends over one connection per peer")
         if comm.bucket_mb != type(comm).bucket_mb:
             warn(f"aiak.comm: comm.bucket_mb: {comm.bucket_mb:g} is the allreduce algorithms' bucket size; powersgd's "
                  f"is comm.powersgd.bucket_mb ({comm.powersgd.bucket_mb}): set that one instead")
