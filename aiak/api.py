@@ -11,6 +11,7 @@ from torch import nn
 
 from aiak.apply import MODEL_KNOBS, ModelRecord, apply_strategy, is_ddp
 from aiak.loaders.distributed_hints import warn_if_unsharded
+from aiak.runtime.marks import mark, marked
 from aiak.runtime.rollback import Snapshot
 from aiak.step.wrappers import rewrap_optimizer, unwrap_optimizer
 from aiak.strategy.derived import resolve_derived
@@ -21,7 +22,6 @@ from aiak.tune.trials import run_trials
 from aiak.util import warn
 from aiak.util.arguments import check_arguments, check_unpacking
 from aiak.util.machine.devices import model_device
-from aiak.runtime.marks import mark, marked
 
 logger = logging.getLogger("aiak")
 

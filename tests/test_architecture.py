@@ -1,9 +1,10 @@
 """ARCHITECTURE.md held against the code: every file and folder it names exists, every name it places in a file
-is defined there, and its sentence on the middle row's imports is the imports as they are."""
-import ast
+is defined there, its sentence on the middle row's imports is the imports as they are, and no folder outgrows a
+room."""
 import re
-from collections import defaultdict
 from pathlib import Path
+
+from tests.test_layers import _imports, _unit
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "ARCHITECTURE.md").read_text()
@@ -42,19 +43,9 @@ def test_every_name_placed_in_a_file_is_defined_there():
 
 
 def _middle_row_imports():
-    edges = defaultdict(set)
-    for path in (ROOT / "aiak").rglob("*.py"):
-        package = path.relative_to(ROOT / "aiak").parts[0]
-        if package not in MIDDLE_ROW:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            for name in names:
-                parts = name.split(".")
-                if parts[0] == "aiak" and len(parts) > 1 and parts[1] in MIDDLE_ROW and parts[1] != package:
-                    edges[package].add(parts[1])
-    return {(a, b) for a, targets in edges.items() for b in targets}
+    """The pairs of middle-row packages one imports the other, read by the layer test's own import reader."""
+    return {(_unit(a), _unit(b)) for a, b, _, _ in _imports()
+            if _unit(a) in MIDDLE_ROW and _unit(b) in MIDDLE_ROW and _unit(a) != _unit(b)}
 
 
 def test_the_middle_row_sentence_is_the_imports():
@@ -66,3 +57,10 @@ def test_the_middle_row_sentence_is_the_imports():
     assert said == _middle_row_imports()
     for alone in re.findall(r"`(\w+)` imports only `util`", sentence):
         assert not any(a == alone for a, _ in _middle_row_imports())
+
+
+def test_no_folder_of_the_package_holds_more_than_twelve_modules():
+    """A folder past twelve modules does several jobs: split it into rooms (as comm/ is) before it grows on."""
+    crowded = {str(d.relative_to(ROOT)): n for d in (ROOT / "aiak").rglob("*") if d.is_dir()
+               for n in [len([f for f in d.glob("*.py") if f.name != "__init__.py"])] if n > 12}
+    assert not crowded, crowded

@@ -11,8 +11,8 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
 * ``tuning_seconds`` and ``cache_hit``;
 * ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
-  :class:`aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice made
-  during the first steps shows once made;
+  :class:`aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice
+  made during the first steps shows once made;
 
 plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why nothing was measured, if
 so: no trial ran, or every candidate failed; a knob is ``measured`` only when a trial chose it).
@@ -252,8 +252,9 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
     for setting in derived:
         knobs[setting.path] = {"value": setting.value, "source": "derived", "reason": setting.reason}
     algorithm = knobs.get("comm.algorithm")
-    if algorithm is not None and algorithm_class(algorithm["value"]).changes_training:  # say what it trades
-        algorithm["reason"] += f"; trades: {algorithm_class(algorithm['value']).trades}"
+    synchronising = algorithm_class(algorithm["value"]) if algorithm is not None else None
+    if synchronising is not None and synchronising.changes_training:  # say what it trades
+        algorithm["reason"] += f"; trades: {synchronising.trades}"
     probes = selection.probes.to_dict() if hasattr(selection.probes, "to_dict") else {}
     tuning_note = ""
     if tuning is None:
