@@ -92,9 +92,18 @@ def run_step_problems():
     return problems
 
 
-def test_base_image_is_nvidia_pytorch():
-    base = DockerfileParser(path=str(DOCKERFILE)).baseimage
-    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", base), base
+def test_base_image_is_nvidia_pytorch_pinned_by_digest_and_swappable():
+    parsed = DockerfileParser(path=str(DOCKERFILE))
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3@sha256:[0-9a-f]{64}", parsed.baseimage), \
+        parsed.baseimage
+    steps = [step for step in instructions() if step[0] != "COMMENT"]
+    assert steps[0] == ("ARG", f"BASE_IMAGE={parsed.baseimage}")  # the default, which --build-arg replaces
+    assert ("FROM", "${BASE_IMAGE}") in steps
+
+
+def default_command():
+    """The image's CMD as its argv (the exec form)."""
+    return json.loads([value for instruction, value in instructions() if instruction == "CMD"][-1])
 
 
 def test_every_copy_source_exists_in_the_repository():
@@ -194,3 +203,31 @@ def test_run_steps_install_aiak_in_a_fresh_venv_and_doctor_reports_json(tmp_path
     report = json.loads(doctor.stdout)
     assert isinstance(report, dict) and report["checks"], doctor.stdout[-2000:]
     assert report["exit_code"] == doctor.returncode in (0, 1, 2), doctor.stderr[-2000:]
+
+    # The default command reports like doctor and exits 0 whatever doctor finds: a container started with a small
+    # /dev/shm must start, not exit 2 (docker/check.sh runs the image with the engine's defaults).
+    argv = default_command()
+    assert argv[:2] == ["aiak", "doctor"], argv
+    started = subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0 and "pass, " in started.stdout, started.stdout[-2000:] + started.stderr[-2000:]
+
+
+# -- docker/check.sh (.ci/run runs it whole: it builds and runs the image with podman) ----------------------------
+CHECK = ROOT / "docker" / "check.sh"
+
+
+def test_check_script_refuses_an_unknown_argument_naming_the_valid_ones():
+    out = subprocess.run(["bash", str(CHECK), "--sav", "x"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == "docker/check.sh: unknown argument '--sav' (valid: --save FILE, --keep, --help)"
+    missing = subprocess.run(["bash", str(CHECK), "--save"], capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "--save needs a file name" in missing.stderr
+
+
+def test_check_script_help_is_its_header():
+    out = subprocess.run(["bash", str(CHECK), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("Build aiak's container image")
+    for flag in ("--save FILE", "--keep", "AIAK_CHECK_TIMEOUT"):
+        assert flag in out.stdout
+
