@@ -8,7 +8,7 @@ from tests.test_layers import _imports, _unit
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "ARCHITECTURE.md").read_text()
-OUTSIDE_THE_PACKAGE = ("tests/", "benchmarks/", "configs/", "docs/", "examples/", "README.md", "mkdocs.yml")
+OUTSIDE_THE_PACKAGE = ("tests/", "benchmarks/", "configs/", "docs/", "docker/", "examples/", "README.md", "mkdocs.yml")
 MIDDLE_ROW = {"step", "amp", "optim", "comm", "loaders", "ops", "runtime", "measure"}
 
 
