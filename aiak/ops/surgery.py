@@ -3,9 +3,9 @@
 Policies in the style of Composer's module surgery: each policy recognises one implementation by class
 name and structure (never by importing its library) and names the fused forward that replaces it
 (:mod:`aiak.ops.swin_fused`). The swap changes only the module's class, to ``Fused<Name>``, a subclass
-of the original with the fused ``forward`` in front: parameters (the same ``nn.Parameter`` objects),
-buffers and ``state_dict`` keys are untouched, so an optimizer created before surgery still holds the
-right tensors. Surgery refuses models already wrapped (DDP, DataParallel, torch.compile) and warns (rank 0, at the
+of the original with the fused ``forward`` in front (:mod:`aiak.runtime.class_swap`): parameters (the same
+``nn.Parameter`` objects), buffers and ``state_dict`` keys are untouched, so an optimizer created before surgery
+still holds the right tensors. Surgery refuses models already wrapped (DDP, DataParallel, torch.compile) and warns (rank 0, at the
 user's line: :mod:`aiak.util.warn`) about variants it cannot fuse exactly (SwinV2 cosine attention) and about
 modules whose attention dropout makes training fall back to the original forward.
 """
@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, Optional
 from torch import nn
 
 from aiak.ops import swin_fused
-from aiak.runtime.marks import mark, marked
+from aiak.runtime.class_swap import original_class, restore_class, swap_class
 from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
@@ -109,40 +109,6 @@ _POLICIES = (
     ),
 )
 
-_FUSED_CLASSES: Dict[str, type] = {}
-
-
-def _fused_qualname(original: type, mixin: type) -> str:
-    # Encodes everything needed to rebuild the class, without dots (pickle splits qualnames on dots).
-    return ":".join(("Fused", mixin.__name__, original.__module__.replace(".", "/"),
-                     original.__qualname__.replace(".", "/")))
-
-
-def _fused_class(original: type, mixin: type) -> type:
-    """``Fused<Name>``: the mixin in front of the original class. Registered under an encoded qualname in
-    this module so that pickling a whole fused model (``torch.save(model)``) works, also in a new process."""
-    qualname = _fused_qualname(original, mixin)
-    if qualname not in _FUSED_CLASSES:
-        cls = type(f"Fused{original.__name__}", (mixin, original), {"__doc__": original.__doc__})
-        mark(cls, "_aiak_original_class", original)
-        cls.__module__, cls.__qualname__ = __name__, qualname
-        _FUSED_CLASSES[qualname] = cls
-    return _FUSED_CLASSES[qualname]
-
-
-def __getattr__(name: str):
-    """Rebuilds a fused class by its encoded qualname (unpickling in a process that has not run surgery)."""
-    if name.startswith("Fused:"):
-        import importlib
-
-        _, mixin_name, module_path, qualname = name.split(":")
-        original = importlib.import_module(module_path.replace("/", "."))
-        for part in qualname.split("/"):
-            original = getattr(original, part)
-        return _fused_class(original, getattr(swin_fused, mixin_name))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def is_window_attention(module: nn.Module) -> bool:
     """True for a module that looks like Swin window attention, fusable or not (SwinV2 included): one holding a
     ``relative_position_bias_table`` parameter itself, or a class named ``*Attention*`` with a
@@ -181,7 +147,7 @@ def replace_window_attention(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") or (prefix == "" and name) for prefix in handled):
             continue
-        if marked(type(module), "_aiak_original_class") is not None:
+        if original_class(module) is not None:
             handled.append(name)
             continue
         label = f"{name or '<root>'} ({type(module).__name__})"
@@ -201,7 +167,7 @@ def replace_window_attention(model: nn.Module) -> int:
                 handled.append(name)
                 continue
             eval_only.append(f"{label} p={policy.dropout(module)}")
-        module.__class__ = _fused_class(type(module), policy.fused)
+        swap_class(module, policy.fused, "Fused")
         handled.append(name)
         replaced += 1
         logger.debug("fused window attention: %s as %s", label, policy.name)
@@ -216,13 +182,11 @@ def replace_window_attention(model: nn.Module) -> int:
 
 def restore_window_attention(model: nn.Module) -> int:
     """Undo :func:`replace_window_attention` in place; returns how many modules were restored."""
-    restored = 0
-    for module in model.modules():
-        original = marked(type(module), "_aiak_original_class")
-        if original is not None:
-            module.__class__ = original
-            restored += 1
-    return restored
+    return sum(restore_class(module) for module in model.modules() if _is_fused(module))
+
+
+def _is_fused(module: nn.Module) -> bool:
+    return isinstance(module, tuple(p.fused for p in _POLICIES))
 
 
 _APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_window_attention}

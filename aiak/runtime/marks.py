@@ -36,9 +36,9 @@ MARKS: Dict[str, Mark] = {row.name: row for row in (
     Mark("_aiak_fp32_tried", "True: a module already ran its forward again in fp32 for this error (one retry per "
                              "error, however deep it was raised; aiak.amp.fp32_modules)",
          "an exception raised inside a half-precision region"),
-    Mark("_aiak_original_class", "the class a fused module had before module surgery, which "
-                                 "restore_window_attention puts back (aiak.ops.surgery)",
-         "the Fused<Name> classes module surgery makes"),
+    Mark("_aiak_original_class", "the class a module had before its class was swapped, which restore_class puts "
+                                 "back (aiak.runtime.class_swap)",
+         "the classes aiak.runtime.class_swap makes (Fused<Name> of module surgery, Float8<Name> of fp8)"),
     Mark("_aiak_built", "True: optimize() built this DDP, so a script's DistributedDataParallel(ddp) line returns it "
                         "(aiak.comm.script_ddp)",
          "a DistributedDataParallel"),
