@@ -206,7 +206,7 @@ def _precision(ctx: Applying) -> None:
     """O1/O2 on the bare model; fp16's loss scaler only with an optimizer to step (its controller skips overflows)."""
     s = ctx.strategy
     precision = amp.apply_precision(ctx.bare, s.precision, ctx.device.type, device=ctx.device,
-                                    scaled=ctx.optimizer is not None)
+                                    scaled=ctx.optimizer is not None, compiled=bool(s.compile))
     ctx.scaler = precision.scaler
     ctx.summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
 

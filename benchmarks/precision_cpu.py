@@ -36,12 +36,17 @@ CANDIDATES: Dict[str, object] = {
     "O2 bf16": {"precision": {"level": "O2", "dtype": "bf16"}},
     "O1 bf16": {"precision": {"level": "O1", "dtype": "bf16"}},
     "O1 fp16": {"precision": {"level": "O1", "dtype": "fp16"}},  # not in the default set: --candidates
+    # fp8 (torchao, emulated off fp8 tensor cores): --models mlp --candidates "O2 bf16,fp8 tensorwise,fp8 rowwise"
+    "fp8 tensorwise": {"precision": {"level": "O2", "dtype": "bf16", "fp8": "tensorwise"}},
+    "fp8 rowwise": {"precision": {"level": "O2", "dtype": "bf16", "fp8": "rowwise"}},
 }
 DEFAULT_CANDIDATES = ("fp32", "O2 fp16", "O2 bf16", "O1 bf16")
 
 
 def _models() -> Dict[str, Tuple[Callable, Tuple[int, ...]]]:
-    """name -> (factory, input shape): the demo's ResNet-like DemoNet and torchvision's resnet18, CPU-sized."""
+    """name -> (factory, input shape): the demo's ResNet-like DemoNet and torchvision's resnet18, CPU-sized, and a
+    transformer-shaped MLP (two 256-1024-256 feed-forward blocks over 64 tokens, a 10-class head), whose linear
+    layers fp8 converts."""
     def demo():
         from aiak.cli.demo import DemoNet
         return DemoNet(width=16)
@@ -50,7 +55,12 @@ def _models() -> Dict[str, Tuple[Callable, Tuple[int, ...]]]:
         import torchvision
         return torchvision.models.resnet18(num_classes=10)
 
-    return {"demo": (demo, (32, 3, 32, 32)), "resnet18": (resnet18, (8, 3, 64, 64))}
+    def mlp():
+        from torch import nn
+        blocks = [nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(2)]
+        return nn.Sequential(nn.Linear(256, 256), *blocks, nn.Linear(256, 10))
+
+    return {"demo": (demo, (32, 3, 32, 32)), "resnet18": (resnet18, (8, 3, 64, 64)), "mlp": (mlp, (64, 256))}
 
 
 class Setup:
@@ -89,7 +99,7 @@ def _quantile(values: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def measure(name: str, candidates: List[str], rounds: int, warmup: int) -> List[dict]:
+def measure(name: str, candidates: List[str], rounds: int, warmup: int, baseline: str = "fp32") -> List[dict]:
     from optimizers import time_round_robin
 
     factory, shape = _models()[name]
@@ -97,16 +107,16 @@ def measure(name: str, candidates: List[str], rounds: int, warmup: int) -> List[
     times = time_round_robin({cand: setup.step for cand, setup in setups.items()}, repeats=rounds, warmup=warmup)
     rows = []
     for cand in setups:
-        ratios = [c / b for c, b in zip(times[cand], times["fp32"])]  # paired within each round
+        ratios = [c / b for c, b in zip(times[cand], times[baseline])]  # paired within each round
         rows.append({"model": name, "candidate": cand, "median_ms": 1e3 * statistics.median(times[cand]),
                      "p10_ms": 1e3 * _quantile(times[cand], 0.1), "p90_ms": 1e3 * _quantile(times[cand], 0.9),
                      "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "p10_ratio": _quantile(times[cand], 0.1) / _quantile(times["fp32"], 0.1)})
+                     "p10_ratio": _quantile(times[cand], 0.1) / _quantile(times[baseline], 0.1)})
     return rows
 
 
 def _cpu_line() -> str:
-    from aiak.strategy.probes import NATIVE_BF16_CPU_FLAGS, NATIVE_FP16_CPU_FLAGS, cpu_features
+    from aiak.util.machine.cpu import NATIVE_BF16_CPU_FLAGS, NATIVE_FP16_CPU_FLAGS, cpu_features
 
     model_name = platform.processor() or platform.machine()
     try:
@@ -355,11 +365,12 @@ def gpu_checks() -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="demo,resnet18", help="comma-separated: demo, resnet18")
+    ap.add_argument("--models", default="demo,resnet18", help="comma-separated: demo, resnet18, mlp")
     ap.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                     help=f"comma-separated, fp32 always included: {', '.join(CANDIDATES)}")
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds (one step of every candidate each)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate before the rounds")
+    ap.add_argument("--baseline", default="fp32", help="the candidate the ratios are to (one of --candidates)")
     ap.add_argument("--isa-cap", default=None, help="set ONEDNN_MAX_CPU_ISA (e.g. AVX2) to approximate an older CPU")
     args = ap.parse_args(argv)
     if args.isa_cap:
@@ -378,14 +389,17 @@ def main(argv=None) -> int:
     if args.isa_cap:
         print(f"oneDNN capped at ONEDNN_MAX_CPU_ISA={args.isa_cap} (approximates a CPU without newer instructions)")
     print(f"{args.rounds} rounds of one step per candidate, {args.warmup} warm-up steps, order shuffled each round")
-    print(f"\n{'model':<9} {'candidate':<9} {'median ms':>10} {'p10-p90 ms':>19} {'vs fp32':>8} {'(min-max)':>15} "
-          f"{'p10 vs fp32':>11}")
+    if args.baseline not in candidates:
+        ap.error(f"--baseline: {args.baseline!r} is not among the candidates {candidates}")
+    vs = f"vs {args.baseline}"
+    print(f"\n{'model':<9} {'candidate':<14} {'median ms':>10} {'p10-p90 ms':>19} {vs:>11} {'(min-max)':>15} "
+          f"{'p10 ' + vs:>15}")
     for name in names:
-        for row in measure(name, candidates, args.rounds, args.warmup):
+        for row in measure(name, candidates, args.rounds, args.warmup, args.baseline):
             spread = f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}"
             ratio_range = f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
-            print(f"{row['model']:<9} {row['candidate']:<9} {row['median_ms']:>10.1f} {spread:>19} "
-                  f"{row['ratio']:>7.2f}x {ratio_range:>15} {row['p10_ratio']:>10.2f}x", flush=True)
+            print(f"{row['model']:<9} {row['candidate']:<14} {row['median_ms']:>10.1f} {spread:>19} "
+                  f"{row['ratio']:>10.2f}x {ratio_range:>15} {row['p10_ratio']:>14.2f}x", flush=True)
     return 0
 
 

@@ -40,6 +40,18 @@ def test_root_scaling_times_both_factors():
     assert "mlp fp16" in out.stdout and "mlp items" in out.stdout
 
 
+def test_precision_cpu_one_round_of_fp8_against_bf16():
+    """benchmarks/precision_cpu.py, where the emulation warnings' costs come from: one round on the MLP (its CPU
+    line once imported names that had moved, with no test to say so)."""
+    out = subprocess.run([sys.executable, "benchmarks/precision_cpu.py", "--models", "mlp", "--candidates",
+                          "O2 bf16,fp8 rowwise", "--baseline", "O2 bf16", "--rounds", "1", "--warmup", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line[len("mlp"):].strip() for line in out.stdout.splitlines() if line.startswith("mlp ")]
+    assert [r.split("  ")[0] for r in rows] == ["fp32", "O2 bf16", "fp8 rowwise"], out.stdout
+    assert rows[1].split()[-1] == "1.00x"  # the baseline against itself
+
+
 def test_auto_quick_sweeps_the_space_and_charges_auto_its_tuning(tmp_path):
     report = tmp_path / "auto.json"
     out = subprocess.run([sys.executable, "benchmarks/auto.py", "--quick", "--json", str(report)], cwd=ROOT,

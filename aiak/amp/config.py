@@ -1,6 +1,7 @@
 """The ``precision:`` section of a strategy: what :func:`aiak.amp.apply_precision` reads."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import List, Union
 
@@ -8,6 +9,8 @@ from aiak.util.config import Where, choices
 
 PRECISION_LEVELS = ("O0", "O1", "O2")
 PRECISION_DTYPES = ("fp16", "bf16")
+FP8_RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+FP8_EXTRA = "pip install 'aiak[fp8]' (torchao)"
 
 
 @dataclass
@@ -19,15 +22,23 @@ class Precision:
     fp16 at O1/O2, where small gradients underflow). ``keep_fp32``: module class names or module paths that O2
     computes in fp32, with their inputs cast for them (:mod:`aiak.amp.fp32_modules`); each must name a module of
     the model.
+
+    ``fp8``: torchao's float8 training recipe for the eligible ``nn.Linear`` layers (:mod:`aiak.amp.fp8`), the
+    rest computing as ``level`` says; ``off`` by default. ``fp8_skip``: layers left in high precision: ``first``
+    and ``last`` (the model's first and last ``nn.Linear``), module paths and class names.
     """
 
     level: str = field(default="O0", metadata=choices(*PRECISION_LEVELS))
     dtype: str = field(default="bf16", metadata=choices(*PRECISION_DTYPES))
     loss_scale: Union[str, float] = field(default="dynamic", metadata=choices("dynamic", "none", also="<positive number>"))
     keep_fp32: List[str] = field(default_factory=list)
+    fp8: str = field(default="off", metadata=choices(*FP8_RECIPES))
+    fp8_skip: List[str] = field(default_factory=lambda: ["first", "last"])
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
+        if self.fp8 != "off" and importlib.util.find_spec("torchao") is None:
+            problems.append(f"{where(path + 'fp8')}: {self.fp8!r} needs torchao, which is not installed: {FP8_EXTRA}")
         if not isinstance(self.loss_scale, str) and not self.loss_scale > 0:
             problems.append(f"{where(path + 'loss_scale')} must be one of ['dynamic', 'none', '<positive number>'], "
                             f"got {self.loss_scale!r}")

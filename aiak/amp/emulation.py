@@ -8,13 +8,17 @@ per process and kind (``warnings.warn`` plus the ``aiak`` logger), naming the co
   AVX512-BF16 / AMX-BF16, else fp32 (O0);
 * bf16 on a CPU without avx512_bf16 / amx_bf16: emulated; use fp32 (O0);
 * bf16 on CUDA below compute capability 8.0: no bf16 tensor cores; use fp16 with loss scaling.
+* fp8 (``precision.fp8``) without fp8 tensor cores (a CPU, CUDA below 8.9): torchao emulates it; and with them
+  but without ``torch.compile``, where torchao's float8 is slower than bf16.
 
 The costs quoted come from ``benchmarks/precision_cpu.py --rounds 15`` on this project's 2-core AMD EPYC
 test machine (avx512_bf16, no AMX, no avx512_fp16), idle, 2026-12-01: the median of the per-round ratio to
 fp32 (min-max over rounds). O2 fp16 / fp32 = 27.4x (22.5-29.8) for resnet18 (64x64 images, batch 8) and
 6.6x (4.7-8.7) for the demo CNN (width 16, 32x32, batch 32); with oneDNN capped at AVX2 (no bf16
 instructions), O2 bf16 / fp32 = 15.3x (14.7-17.6) for resnet18 and 6.6x (5.1-8.9) for the demo CNN. On GPUs
-below sm80 the bf16 cost is not measured here.
+below sm80 the bf16 cost is not measured here. fp8 emulated by torchao 0.18, same machine, 2026-12-05, against O2
+bf16 on a transformer-shaped MLP (``--models mlp``, 15 rounds): tensorwise 5.34x (4.00-7.02), rowwise 5.40x
+(4.08-6.63).
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ from aiak.util.warn import warn_once
 
 FP16_CPU_COST = ("measured ~27x slower than fp32 per training step of torchvision's resnet18 and ~7x for the demo "
                  "CNN on a 2-core AMD EPYC (`python benchmarks/precision_cpu.py`)")
+FP8_NATIVE_CAPABILITY = (8, 9)
+FP8_EMULATED_COST = ("measured ~5.4x slower than O2 bf16 per training step of a transformer-shaped MLP on a 2-core "
+                     "AMD EPYC (`python benchmarks/precision_cpu.py --models mlp --baseline 'O2 bf16' --candidates "
+                     "'O2 bf16,fp8 tensorwise,fp8 rowwise'`)")
 BF16_EMULATED_CPU_COST = ("measured ~15x slower than fp32 for resnet18 on that machine with oneDNN restricted to "
                           "AVX2 (`python benchmarks/precision_cpu.py --isa-cap AVX2`)")
 
@@ -66,6 +74,34 @@ def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[F
                                     "(cost not measured here); use precision.dtype: fp16 with loss_scale: dynamic "
                                     "instead.")
     return None
+
+
+def fp8_warning(device: torch.device, compiled: bool, *,
+                capability: Optional[Tuple[int, int]] = None) -> Optional[Tuple[str, str]]:
+    """``(key, message)`` when ``precision.fp8`` will not be fast on ``device``: emulated without fp8 tensor cores
+    (a CPU, CUDA below compute capability 8.9), or native but without ``torch.compile`` (torchao's float8 casts
+    run as separate eager kernels, slower than bf16); else None."""
+    if device.type == "cuda":
+        cap = devices.cuda_capability(device) if capability is None else capability
+        if cap is not None and tuple(cap) >= FP8_NATIVE_CAPABILITY:
+            if compiled:
+                return None
+            return "fp8-without-compile", ("aiak: precision.fp8 without torch.compile: torchao's float8 casts and "
+                                           "scales run as separate eager kernels, slower than bf16 (torchao's "
+                                           "float8 training is built to be compiled); set compile: true.")
+        where = f"{device} (compute capability {cap[0]}.{cap[1]})" if cap is not None else str(device)
+    else:
+        where = device.type
+    return "fp8-emulated", (f"aiak: precision.fp8 on {where} is emulated by torchao: fp8 tensor cores need CUDA "
+                            f"compute capability 8.9 or newer (Ada, Hopper, Blackwell); {FP8_EMULATED_COST}. Use "
+                            "precision.fp8: off here, and fp8 on such a GPU.")
+
+
+def warn_if_fp8_is_slow(device: torch.device, compiled: bool) -> None:
+    """Warn (once per process and key) when ``precision.fp8`` will not be fast on ``device``."""
+    found = fp8_warning(device, compiled)
+    if found is not None:
+        warn_once(*found)
 
 
 def warn_if_emulated(dtype: str, device: torch.device) -> Optional[str]:

@@ -23,7 +23,8 @@ from torch import nn
 
 from aiak.amp import script_scaler
 from aiak.amp.config import Precision
-from aiak.amp.emulation import warn_if_emulated
+from aiak.amp.emulation import warn_if_emulated, warn_if_fp8_is_slow
+from aiak.amp.fp8 import Fp8Plan, apply_fp8
 from aiak.amp.fp32_modules import keep_declared
 from aiak.amp.half_compute import HalfCompute
 from aiak.amp.loss_scaler import LossScaler
@@ -39,22 +40,26 @@ class PrecisionState:
     """What :func:`apply_precision` did: the config, the loss scaler (fp16) and the model's compute hooks."""
 
     def __init__(self, config: Precision, scaler: Optional[LossScaler], compute: Optional[HalfCompute] = None,
-                 hooked: int = 0, emulated: Optional[str] = None):
+                 hooked: int = 0, emulated: Optional[str] = None, fp8: Optional[Fp8Plan] = None):
         self.config = config
         self.scaler = scaler
         self.compute = compute
         self.hooked = hooked          # modules that open a half-precision region when called
         self.emulated = emulated      # a note when the device only emulates the dtype (it was warned about)
+        self.fp8 = fp8                # which linear layers compute in fp8, and why the others do not
 
     def describe(self) -> str:
         c = self.config
         if c.level == "O0":
-            return "O0 (fp32)"
-        what = "autocast" if c.level == "O1" else "half compute copies of the fp32 parameters"
-        parts = [f"{c.level} {c.dtype}: {what} in {self.hooked} module(s)"]
-        parts.append(repr(self.scaler) if self.scaler else "no loss scaling")
-        if self.emulated:
-            parts.append(self.emulated)
+            parts = ["O0 (fp32)"]
+        else:
+            what = "autocast" if c.level == "O1" else "half compute copies of the fp32 parameters"
+            parts = [f"{c.level} {c.dtype}: {what} in {self.hooked} module(s)"]
+            parts.append(repr(self.scaler) if self.scaler else "no loss scaling")
+            if self.emulated:
+                parts.append(self.emulated)
+        if self.fp8 is not None:
+            parts.append(self.fp8.describe())
         return ", ".join(parts)
 
 
@@ -72,14 +77,30 @@ def make_scaler(config: Precision) -> Optional[LossScaler]:
 
 
 def apply_precision(model: nn.Module, config: Precision, device_type: str, *,
-                    device: Optional[torch.device] = None, scaled: bool = True) -> PrecisionState:
-    """Make ``model`` (a bare model, or the module a DDP wraps) compute in O1/O2; its parameters are untouched.
+                    device: Optional[torch.device] = None, scaled: bool = True,
+                    compiled: bool = False) -> PrecisionState:
+    """Make ``model`` (a bare model, or the module a DDP wraps) compute in O1/O2, and its eligible linear layers
+    in fp8 when ``precision.fp8`` names a recipe; its parameters are untouched.
 
     ``scaled``: fp16 loss scaling is wanted (it needs a step controller to skip overflowing steps and adjust the
     scale, so :func:`aiak.apply.apply_strategy` passes False without an optimizer). ``device`` (default: where the
-    parameters are) only tells whether the device computes the half dtype natively.
+    parameters are) only tells whether the device computes the half dtype (and fp8) natively. ``compiled``: the
+    model will run under ``torch.compile`` (torchao's fp8 is slower than bf16 without it).
     """
-    if config.level == "O0" or model is None:
+    if model is None:
+        return PrecisionState(config, None)
+    state = _apply_levels(model, config, device_type, device, scaled)
+    if config.fp8 != "off":
+        where = model_device(model, device)
+        state.fp8 = apply_fp8(model, config.fp8, config.fp8_skip, where)
+        warn_if_fp8_is_slow(where, compiled)
+    return state
+
+
+def _apply_levels(model: nn.Module, config: Precision, device_type: str, device: Optional[torch.device],
+                  scaled: bool) -> PrecisionState:
+    """O1 / O2 (nothing at O0)."""
+    if config.level == "O0":
         return PrecisionState(config, None)
     dtype = DTYPES[config.dtype]
     scaler = make_scaler(config) if scaled else None

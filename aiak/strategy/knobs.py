@@ -63,6 +63,8 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("precision.dtype",       MODEL,     False,   False,  True),
     Knob("precision.loss_scale",  MODEL,     False,   False,  True),
     Knob("precision.keep_fp32",   MODEL,     False,   False,  True),
+    Knob("precision.fp8",         MODEL,     False,   False,  True),
+    Knob("precision.fp8_skip",    MODEL,     False,   False,  True),
     Knob("fused_ops",             MODEL,     False,   False,  True),
     Knob("grad_accumulation",     OPTIMIZER, True,    False,  True),
     Knob("optimizer",             OPTIMIZER, True,    False,  True),

@@ -48,9 +48,11 @@ PHASES: Tuple[Phase, ...] = (
           "each parameter's and buffer's tensor (its layout) and the modules' hook dicts"),
     Phase("precision", ("precision",),
           "O1/O2 half compute hooked on the bare model (`amp/precision.py`, `amp/half_compute.py`); fp16 loss "
-          "scaling (`amp/loss_scaler.py`, `amp/root_scaling.py`)",
-          "the modules' hook dicts and attributes (the parameters are never changed); the once-per-process "
-          "wrappers of torch's backward and GradScaler stay"),
+          "scaling (`amp/loss_scaler.py`, `amp/root_scaling.py`); fp8 linear layers (`amp/fp8.py`), warned about "
+          "where they would be slow (emulated, or without compile)",
+          "the modules' classes, hook dicts and attributes (the parameters are never changed); the once-per-process "
+          "wrappers of torch's backward and GradScaler stay",
+          looks_at=("compile",)),
     Phase("step_controller", ("grad_accumulation",),
           "the step controller on the optimizer (`step/controller.py`); the scheduler re-pointed to a swapped one",
           "the optimizer's and the scheduler's attributes (its own `step`, `zero_grad` and state_dict hooks); "

@@ -1,0 +1,212 @@
+"""fp8 matrix multiplication in a model's linear layers, with torchao's float8 training recipes.
+
+On GPUs with fp8 tensor cores (CUDA compute capability 8.9 and newer: Ada, Hopper, Blackwell) the matrix
+multiplications of the forward and both backward products can run in fp8 with per-tensor or per-row scales,
+the recipes of torchao's float8 training (``torchao.float8``; Micikevicius et al., "FP8 Formats for Deep
+Learning", 2022, for e4m3/e5m2 and scaled casts):
+
+* ``tensorwise``: one dynamic scale per tensor, e4m3 for the inputs, weights and gradients; the fastest;
+* ``rowwise``: a scale per row (per column of the weight), more accurate with outliers;
+* ``rowwise_with_gw_hp``: rowwise, with the weight-gradient product kept in high precision.
+
+:func:`apply_fp8` converts the eligible ``nn.Linear`` layers of a model in place by swapping their class for
+``Float8<Name>`` (:mod:`aiak.runtime.class_swap`): the module's ``forward`` becomes torchao's float8 matmul, fed
+with the module's own ``weight`` and ``bias`` read at every call. So the parameters stay the user's fp32 tensors
+(an O2 region's half copies when one is open), ``state_dict()`` keys and dtypes are those of the plain model, hooks
+registered on the layer still run, and copies compute the same way. torchao's own conversion
+(``convert_to_float8_training``) builds new modules instead, which would lose hooks and attributes set on the
+layers. Only the float8 autograd function and the config objects come from torchao.
+
+Eligible: an ``nn.Linear`` whose class keeps ``nn.Linear.forward``, with both dimensions multiples of 16 (what
+the fp8 GEMM accepts), outside ``nn.MultiheadAttention`` (which reads its projection weights without calling
+them), outside modules kept in fp32 (:mod:`aiak.amp.fp32_modules`), and not named by ``precision.fp8_skip``.
+That list defaults to ``[first, last]``, the model's first and last ``nn.Linear`` in registration order, since
+torchao advises keeping those in high precision. It also takes module paths and class names.
+
+Where the device has no fp8 tensor cores (a CPU, a GPU below 8.9) torchao emulates the casts and products:
+numerically the same recipe and slow, which :mod:`aiak.amp.emulation` warns about once. This is how the tests
+run it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from aiak.amp.config import FP8_EXTRA, FP8_RECIPES
+from aiak.amp.emulation import FP8_NATIVE_CAPABILITY
+from aiak.amp.fp32_modules import is_kept_fp32
+from aiak.runtime.class_swap import original_class, swap_class
+from aiak.runtime.marks import mark, marked
+from aiak.util.machine import devices
+
+logger = logging.getLogger("aiak")
+
+RECIPES = FP8_RECIPES[1:]   # after "off"
+EDGES = ("first", "last")
+# What fp8 trades, said by `aiak explain`: the numbers are this module's tests on a 256-512-256-64 MLP.
+TRADES = ("throughput of the linear layers' matrix multiplications on fp8 tensor cores, for precision: "
+          "about 20 dB less output SQNR than bf16 (fp8 e4m3 keeps 3 mantissa bits)")
+
+
+def torchao_problem() -> Optional[str]:
+    """Why torchao's float8 training cannot be used here (None: it can)."""
+    if importlib.util.find_spec("torchao") is None:
+        return f"needs torchao, which is not installed: {FP8_EXTRA}"
+    try:
+        _float8()
+    except (ImportError, AttributeError) as e:
+        import torchao
+
+        return (f"needs torchao's float8 training (torchao.float8: Float8LinearConfig.from_recipe_name, "
+                f"float8_linear.matmul_with_hp_or_float8_args), which torchao {torchao.__version__} lacks ({e}): "
+                f"{FP8_EXTRA}")
+    return None
+
+
+def _float8():
+    """torchao's float8 module and its autograd function. torch logs a deprecation at its first import (an Enum
+    registered with pytree), which says nothing to the user: that logger is quieted for the import."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        from torchao import float8
+        from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    finally:
+        pytree_log.setLevel(level)
+    return float8.Float8LinearConfig, Float8Linear, matmul_with_hp_or_float8_args
+
+
+_SPECS: Dict[Tuple[str, bool], tuple] = {}
+
+
+def _spec(recipe: str, emulate: bool) -> tuple:
+    """``(Float8LinearConfig, LinearMMConfig, the float8 autograd function)`` of a recipe, built once; the
+    ``LinearMMConfig`` as torchao's ``Float8Linear`` builds it (on the meta device, never used to compute)."""
+    key = (recipe, emulate)
+    if key not in _SPECS:
+        config_class, float8_linear, matmul = _float8()
+        config = dataclasses.replace(config_class.from_recipe_name(recipe), emulate=emulate)
+        mm_config = float8_linear(16, 16, bias=False, config=config, device="meta").linear_mm_config
+        _SPECS[key] = (config, mm_config, matmul)
+    return _SPECS[key]
+
+
+class Float8Compute:
+    """The mixin in front of a converted layer's class: its forward is torchao's float8 matmul of the input with
+    the layer's weight, plus its bias. The recipe is the layer's ``_aiak_fp8`` mark."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        recipe, emulate = marked(self, "_aiak_fp8")
+        config, mm_config, matmul = _spec(recipe, emulate)
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):  # autocast does not reach into the float8 function
+            input = input.to(torch.get_autocast_dtype(device_type))
+        output = matmul.apply(input, self.weight.t(), mm_config, config)
+        if self.bias is not None:
+            output = output + self.bias.to(output.dtype)
+        return output
+
+
+@dataclass
+class Fp8Plan:
+    """Which linear layers compute in fp8, and why each other one does not."""
+
+    recipe: str
+    emulated: bool = False
+    converted: List[str] = field(default_factory=list)
+    skipped: List[Tuple[str, str]] = field(default_factory=list)   # (module path, reason)
+
+    def describe(self) -> str:
+        text = (f"fp8 {self.recipe} in {len(self.converted)} Linear layer(s) ({len(self.skipped)} left in high "
+                "precision)")
+        return text + (" (emulated: slow)" if self.emulated else "")
+
+
+def _named(path: str) -> str:
+    return path or "<root>"
+
+
+def _inside(path: str, prefixes: Sequence[str]) -> bool:
+    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def plan_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = EDGES) -> Fp8Plan:
+    """What :func:`apply_fp8` would convert, without torchao. An entry of ``skip`` that is neither ``first``,
+    ``last``, a module path nor a class name of ``model`` raises ``ValueError``."""
+    modules = dict(model.named_modules())
+    classes = {type(m).__name__ for m in modules.values()} | {
+        c.__name__ for m in modules.values() for c in (original_class(m),) if c is not None}
+    unknown = [s for s in skip if s not in EDGES and s not in modules and s not in classes]
+    if unknown:
+        raise ValueError(f"precision.fp8_skip: {unknown} name no module of {type(model).__name__}; each entry is "
+                         f"'first', 'last', a module path (such as {next(iter(p for p in modules if p), 'fc')!r}) "
+                         f"or a class name")
+    named_paths = [p for p in skip if p in modules]
+    named_classes = {s for s in skip if s not in EDGES and s not in modules}
+    class_paths = [p for p, m in modules.items()
+                   if type(m).__name__ in named_classes or getattr(original_class(m), "__name__", None) in named_classes]
+    attention = [p for p, m in modules.items() if isinstance(m, nn.MultiheadAttention)]
+    kept = [p for p, m in modules.items() if is_kept_fp32(m)]
+    linears = [p for p, m in modules.items() if isinstance(m, nn.Linear)]
+    edges = {"first": linears[:1], "last": linears[-1:]}
+    plan = Fp8Plan(recipe)
+    for path in linears:
+        module = modules[path]
+        cls = original_class(module) or type(module)
+        reason = None
+        if cls.forward is not nn.Linear.forward:
+            reason = f"{cls.__name__} has a forward of its own"
+        elif _inside(path, attention):
+            reason = "inside nn.MultiheadAttention, which reads its weights without calling the layer"
+        elif module.in_features % 16 or module.out_features % 16:
+            reason = f"{module.in_features}x{module.out_features}: fp8 GEMMs need both dimensions multiples of 16"
+        elif _inside(path, kept):
+            reason = "kept in fp32 (precision.keep_fp32 or a normalization layer)"
+        else:
+            for word in EDGES:
+                if word in skip and path in edges[word]:
+                    reason = f"the model's {word} Linear (precision.fp8_skip: {word})"
+            if reason is None and (_inside(path, named_paths) or _inside(path, class_paths)):
+                reason = "named by precision.fp8_skip"
+        if reason is None:
+            plan.converted.append(path)
+        else:
+            plan.skipped.append((_named(path), reason))
+    return plan
+
+
+def native_fp8(device: torch.device, capability: Optional[Tuple[int, int]] = None) -> bool:
+    """Whether ``device`` has fp8 tensor cores (CUDA compute capability 8.9 and newer)."""
+    if device.type != "cuda":
+        return False
+    cap = devices.cuda_capability(device) if capability is None else capability
+    return cap is not None and tuple(cap) >= FP8_NATIVE_CAPABILITY
+
+
+def apply_fp8(model: nn.Module, recipe: str, skip: Sequence[str], device: torch.device) -> Fp8Plan:
+    """Convert the eligible linear layers of ``model`` to ``recipe`` in place (emulated where ``device`` has no
+    fp8 tensor cores); returns the plan, every layer left alone with its reason."""
+    if recipe not in RECIPES:
+        raise ValueError(f"precision.fp8: {recipe!r} is not a recipe; valid choices: {['off', *RECIPES]}")
+    problem = torchao_problem()
+    if problem is not None:
+        raise ImportError(f"aiak: precision.fp8 {recipe!r} {problem}")
+    plan = plan_fp8(model, recipe, skip)
+    plan.emulated = not native_fp8(device)
+    _spec(recipe, plan.emulated)  # torchao imported and the recipe built before any layer changes
+    modules = dict(model.named_modules())
+    for path in plan.converted:
+        module = modules[path]
+        mark(module, "_aiak_fp8", (recipe, plan.emulated))
+        if original_class(module) is None:
+            swap_class(module, Float8Compute, "Float8")
+    logger.info("aiak: %s; kept: %s", plan.describe(),
+                "; ".join(f"{p} ({why})" for p, why in plan.skipped) or "none")
+    return plan
