@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from aiak.apply import MODEL_KNOBS, ModelRecord, apply_strategy, is_ddp
+from aiak.amp.fp8 import plan_fp8
+from aiak.apply import MODEL_KNOBS, ModelRecord, Summary, apply_strategy, is_ddp
 from aiak.loaders.distributed_hints import warn_if_unsharded
 from aiak.runtime.marks import mark, marked
 from aiak.runtime.rollback import Snapshot
@@ -153,10 +154,21 @@ def explain(model, optimizer=None, loader=None, *, strategy: Any = "auto", tune:
         return decisions.last_decision()
     selection = resolve_strategy(strategy, model, optimizer, loader, device=device)
     _, derived = resolve_derived(selection.strategy, selection.probes.world_size)  # as optimize() would
-    record = decisions.build(selection, selection.strategy, None, None, derived=derived)
+    record = decisions.build(selection, selection.strategy, None, _planned(selection.strategy, model),
+                             derived=derived)
     if selection.strategy.tune:
         record.tuning = "not measured here (aiak explain --tune measures the candidates)"
     return record
+
+
+def _planned(strategy, model) -> Optional[Summary]:
+    """What ``optimize()`` would say it did to the model's layers, without doing it: fp8's layer plan."""
+    if model is None or strategy.precision.fp8 == "off":
+        return None
+    summary = Summary()
+    plan = plan_fp8(model, strategy.precision.fp8, strategy.precision.fp8_skip)
+    summary.add("precision.fp8", strategy.precision.fp8, f"would convert {plan.detail()}")
+    return summary
 
 
 def last_decision() -> Optional["decisions.Decision"]:

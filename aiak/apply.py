@@ -209,6 +209,8 @@ def _precision(ctx: Applying) -> None:
                                     scaled=ctx.optimizer is not None, compiled=bool(s.compile))
     ctx.scaler = precision.scaler
     ctx.summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
+    if precision.fp8 is not None:
+        ctx.summary.add("precision.fp8", s.precision.fp8, precision.fp8.detail())
 
 
 def _step_controller(ctx: Applying) -> None:

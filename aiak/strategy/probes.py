@@ -27,6 +27,7 @@ from aiak.comm.allreduce.topology import detect_topology
 from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.surgery import is_window_attention
 from aiak.util.machine.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
+from aiak.amp.fp8 import plan_fp8
 from aiak.util.dist import process_group_exists
 from aiak.util.machine.devices import CUDA_NATIVE_BF16, CUDA_NATIVE_FP16, cuda_capability, cuda_info, model_device
 from aiak.util.norm_layers import norm_kind
@@ -65,6 +66,7 @@ class Probes:
     loader: Dict[str, Any] = field(default_factory=lambda: {
         "present": False, "batch_size": None, "num_workers": None, "pin_memory": None, "variable_length": None})
     optimizer: Optional[str] = None
+    fp8_linear_share: float = 0.0                   # :func:`fp8_linear_share`
 
     @property
     def cuda_capability(self) -> Optional[Tuple[int, int]]:
@@ -99,7 +101,7 @@ def probe(model: Optional[nn.Module] = None, optimizer: Any = None, loader: Any 
         bf16_native=bf16, fp16_native=fp16,
         world_size=world_size, local_size=local_size, nodes=nodes, backend=backend,
         params=sum(p.numel() for p in params), trainable_params=sum(p.numel() for p in params if p.requires_grad),
-        modules=module_counts(model), loader=loader_facts(loader),
+        modules=module_counts(model), loader=loader_facts(loader), fp8_linear_share=fp8_linear_share(model),
         optimizer=type(optimizer).__name__ if optimizer is not None else None)
 
 
@@ -169,6 +171,37 @@ def _ancestors(name: str) -> Set[str]:
     """Names of the modules holding the module ``name``: ``"a.b.c"`` -> ``{"", "a", "a.b"}``."""
     parts = name.split(".") if name else []
     return {".".join(parts[:i]) for i in range(len(parts))}
+
+
+# Output positions each convolution weight is taken to be used at: a 7x7 map, the smallest of a ResNet at 224 px.
+CONV_POSITIONS = 49
+
+
+def fp8_linear_share(model: Optional[nn.Module]) -> float:
+    """The share of ``model``'s matrix-multiply work that ``precision.fp8`` would run in fp8 (the match key
+    ``fp8_linear_share``), estimated from the weights alone, without an input.
+
+    A Linear layer uses each weight once per token (2 x in x out FLOPs per token). A convolution uses each weight
+    once per output position, counted as :data:`CONV_POSITIONS`: a lower bound, which makes the share an upper
+    bound for convolutional nets (torchvision's ResNet-50 comes out near 0, a ViT's patch embedding counts as
+    one layer). ``nn.MultiheadAttention``'s input projection, which fp8 cannot reach, counts like a Linear
+    layer. Attention's score products have no weights and are left out: per token and layer they add 4 x T x d
+    FLOPs to a block's 24 x d^2 (T tokens of width d), so the estimate holds while T is below about 6d. Returns
+    eligible Linear weight uses / all weight uses (0 for a model with neither Linear layers nor convolutions).
+    """
+    if model is None:
+        return 0.0
+    modules = dict(model.named_modules())
+    eligible = sum(modules[path].weight.numel() for path in plan_fp8(model, "tensorwise").converted)
+    total = 0
+    for module in modules.values():
+        if isinstance(module, nn.Linear):
+            total += module.weight.numel()
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            total += module.weight.numel() * CONV_POSITIONS
+        elif isinstance(module, nn.MultiheadAttention) and module.in_proj_weight is not None:
+            total += module.in_proj_weight.numel()
+    return eligible / total if total else 0.0
 
 
 def model_features(model: Optional[nn.Module]) -> Set[str]:

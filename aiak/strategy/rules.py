@@ -3,7 +3,8 @@
 A profile's ``match:`` maps condition keys (the fields of :class:`Match`) to values, and
 every condition given must hold: ``modules`` and ``cpu_features`` take a list (all present) or ``{any: [...]}``;
 ``device`` is ``cpu`` or ``cuda``; ``cuda_capability`` is a comparison such as ``">=8.0"`` (false off CUDA);
-``world_size``, ``nodes`` and ``params`` take an integer or a comparison (``">=2"``, ``"<1e8"``); ``optimizer``
+``world_size``, ``nodes`` and ``params`` take an integer or a comparison (``">=2"``, ``"<1e8"``);
+``fp8_linear_share`` a comparison with a share between 0 and 1 (:func:`~aiak.strategy.probes.fp8_linear_share`); ``optimizer``
 lists class names (any of them, any case); ``variable_length`` and ``loader`` are booleans. An empty list (or
 null) is no condition, so ``match: {}`` matches everything. README's section "How ``auto`` chooses: the
 ``match:`` grammar" is the user's reference, with the meaning of each module kind.
@@ -96,6 +97,13 @@ def _count(value: Any) -> Any:
                            f"or '<1e8'; operators: {', '.join(COMPARISONS)}; got {value!r}")
 
 
+def _share(value: Any) -> str:
+    text = _comparison(value, "'>=0.5'")
+    if not 0.0 <= float(_COMPARISON.match(text).group(2)) <= 1.0:
+        raise MatchSyntaxError(f" must compare with a share between 0 and 1, such as '>=0.5'; got {value!r}")
+    return text
+
+
 def _optimizers(value: Any) -> List[str]:
     return _strings(value, "optimizer class names (e.g. [AdamW, SGD])")
 
@@ -126,6 +134,7 @@ class Match:
     world_size: Union[int, str, None] = field(default=None, metadata=_condition(_count))
     nodes: Union[int, str, None] = field(default=None, metadata=_condition(_count))
     params: Union[int, str, None] = field(default=None, metadata=_condition(_count))
+    fp8_linear_share: Optional[str] = field(default=None, metadata=_condition(_share))
     optimizer: List[str] = field(default_factory=list, metadata=_condition(_optimizers))
     variable_length: Optional[bool] = field(default=None, metadata=_condition(_boolean))
     loader: Optional[bool] = field(default=None, metadata=_condition(_boolean))
@@ -194,6 +203,11 @@ def _number(key: str, value: Any, probes: Probes) -> Tuple[bool, str]:
     return _compare(value, found, lambda n: float(n.replace("_", ""))), f"{key} {value} (found {found:,})"
 
 
+def _fraction(key: str, value: Any, probes: Probes) -> Tuple[bool, str]:
+    found = getattr(probes, key)
+    return _compare(value, found, float), f"{key} {value} (found {found:.2f})"
+
+
 def _optimizer(key: str, value: Any, probes: Probes) -> Tuple[bool, str]:
     label = f"optimizer any of [{', '.join(value)}]"
     if probes.optimizer is None:
@@ -214,6 +228,6 @@ def _flag(key: str, value: Any, probes: Probes) -> Tuple[bool, str]:
 
 _EVALUATORS: Dict[str, Callable[[str, Any, Probes], Tuple[bool, str]]] = {
     "modules": _modules, "device": _device_is, "cuda_capability": _cuda_capability, "cpu_features": _cpu_features,
-    "world_size": _number, "nodes": _number, "params": _number, "optimizer": _optimizer,
+    "world_size": _number, "nodes": _number, "params": _number, "fp8_linear_share": _fraction, "optimizer": _optimizer,
     "variable_length": _flag, "loader": _flag,
 }

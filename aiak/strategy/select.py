@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 from torch import nn
 
 from aiak.amp.emulation import FP16_CPU_COST
+from aiak.amp.fp8 import torchao_problem
 from aiak.strategy.probes import Probes, model_features, probe
 from aiak.strategy.profile_files import merge, names_a_file, profile_files, replaces_parent_section
 from aiak.strategy.profiles import Profile, load_profile, load_strategy
@@ -170,14 +171,17 @@ def _overlay(data: Dict[str, Any], knobs: Dict[str, Knob], profile: Profile, why
     reason = f"profile {profile.name!r} matched ({why}): {profile.strategy.description}"
     for path, value in leaves(contribution):
         knobs[path] = Knob(value, source, reason)
-    refused = _fp16_refused(merged["precision"], probes)
+    refused = _precision_refused(merged["precision"], probes)
     if refused:
+        asked, why = refused
         merged["precision"] = precision_before
         for path, value in leaves({"precision": precision_before}):
             kept = knobs_before.get(path) or Knob(value, "default", DEFAULT_REASON)
             knobs[path] = Knob(value, kept.source, f"{kept.reason}; kept although profile {profile.name!r} asks for "
-                                                   f"fp16: {refused}")
-        _warn_fp16_refused(profile, refused)
+                                                   f"{asked}: {why}")
+        warn_once(f"auto-precision-refused:{profile.file.path}",
+                  f"aiak: strategy 'auto' ignored the {asked} precision of profile {profile.name!r} "
+                  f"({profile.file.path}): {why}")
     return merged
 
 
@@ -192,10 +196,17 @@ def _fp16_refused(precision: Dict[str, Any], probes: Probes) -> Optional[str]:
     return f"this {probes.device} has no fp16 hardware, so fp16 would be emulated: {FP16_CPU_COST}"
 
 
-def _warn_fp16_refused(profile: Profile, refused: str) -> None:
-    warn_once(f"auto-fp16-refused:{profile.file.path}",
-              f"aiak: strategy 'auto' ignored the fp16 precision of profile {profile.name!r} ({profile.file.path}): "
-              f"{refused}")
+def _precision_refused(precision: Dict[str, Any], probes: Probes) -> Optional[Tuple[str, str]]:
+    """``(what was asked, why it cannot run here)`` for a composed precision the machine cannot run (fp16 without
+    fp16 hardware, fp8 without torchao), or None."""
+    fp16 = _fp16_refused(precision, probes)
+    if fp16:
+        return "fp16", fp16
+    if precision.get("fp8", "off") != "off":
+        problem = torchao_problem()
+        if problem:
+            return f"fp8 {precision['fp8']}", f"precision.fp8 {problem}"
+    return None
 
 
 def _validated(data: Dict[str, Any], knobs: Dict[str, Knob], matched: List[str]) -> Strategy:

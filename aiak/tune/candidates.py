@@ -8,7 +8,9 @@ In order of preference (the order breaks ties within noise, and ``tune.candidate
 3. plain: plain PyTorch compute (the ``default`` profile's precision, layout, kernels) training what the pick
    trains; always timed, since it is also the fp32 reference of the gate and the speed auto must never fall
    below;
-4. one-knob variants of the pick: O2 <-> O1, bf16 <-> fp16, channels_last flipped, fused ops off, compile on.
+4. one-knob variants of the pick: O2 <-> O1, bf16 <-> fp16, fp8 off, channels_last flipped, fused ops off,
+   compile on. fp8 is never added here: only a rule proposes it (``configs/fp8.yaml``: fp8 tensor cores and a
+   model whose eligible Linear layers carry most of the work), and then the pick without it is timed beside it.
 
 Candidates differ only in how a step computes: knobs whose effect on the numbers the gate can judge, or that
 have none (precision, tf32, channels_last, fused_ops, compile, cudnn_benchmark). Two kinds of knobs are the
@@ -107,6 +109,8 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
         other = "fp16" if p.dtype == "bf16" else "bf16"
         if native[other]:
             proposals.append((other, _variant(pick, other, {"precision.dtype": other})))
+    if p.fp8 != "off":  # fp8 is timed against the same pick in bf16
+        proposals.append(("fp8=off", _variant(pick, "fp8=off", {"precision.fp8": "off"})))
     modules = getattr(probes, "modules", {}) or {}
     if modules.get("conv2d"):
         flag = not pick.channels_last

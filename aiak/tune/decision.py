@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from aiak.amp.fp8 import TRADES as FP8_TRADES
 from aiak.apply import skipped_reason
 from aiak.comm.algorithms import algorithm_class
 from aiak.strategy.schema import Strategy
@@ -255,6 +256,9 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
     synchronising = algorithm_class(algorithm["value"]) if algorithm is not None else None
     if synchronising is not None and synchronising.changes_training:  # say what it trades
         algorithm["reason"] += f"; trades: {synchronising.trades}"
+    fp8 = knobs.get("precision.fp8")
+    if fp8 is not None and fp8["value"] != "off":
+        fp8["reason"] += f"; trades: {FP8_TRADES}"
     probes = selection.probes.to_dict() if hasattr(selection.probes, "to_dict") else {}
     tuning_note = ""
     if tuning is None:

@@ -144,7 +144,7 @@ def test_eligible_layers_are_converted_in_place_and_the_others_left_alone_with_t
     plan = plan_fp8(plain, "rowwise")
     assert plan.converted == CONVERTED
     assert dict(plan.skipped) == {
-        "embed": "the model's first Linear (precision.fp8_skip: first)",
+        "embed": "the model's first Linear; precision.fp8_skip: first",
         "squeeze": "64x40: fp8 GEMMs need both dimensions multiples of 16",
         "head": "40x16: fp8 GEMMs need both dimensions multiples of 16"}
 
@@ -157,7 +157,7 @@ def test_fp8_skip_takes_paths_and_class_names_and_an_empty_list_converts_the_end
     by_path = plan_fp8(model, "rowwise", ["first", "last", "blocks.0"])
     assert by_path.converted == CONVERTED[4:] + ["squeeze"]
     assert dict(by_path.skipped)["blocks.0.fc1"] == "named by precision.fp8_skip"
-    assert dict(by_path.skipped)["head"] == "the model's last Linear (precision.fp8_skip: last)"
+    assert dict(by_path.skipped)["head"] == "the model's last Linear; precision.fp8_skip: last"
     assert plan_fp8(model, "rowwise", ["Block"]).converted == ["embed", "squeeze", "head"]  # no first, no last
     assert plan_fp8(model, "rowwise", []).converted == ["embed"] + CONVERTED + ["squeeze", "head"]
 
@@ -187,7 +187,7 @@ def test_a_converted_layer_computes_in_fp8_and_a_skipped_one_as_before():
     converted = sqnr_db(exact, model.blocks[0].fc1(x))
     bf16 = sqnr_db(exact, F.linear(x.bfloat16(), plain.blocks[0].fc1.weight.bfloat16(),
                                    plain.blocks[0].fc1.bias.bfloat16()))
-    assert 15 < converted < 35 and bf16 > 40, (converted, bf16)
+    assert 15 < converted < 35 and bf16 > 40, (converted, bf16)  # measured: 28.7 and 51.1 dB
     xs = torch.randn(B, T, D)
     assert torch.equal(model.squeeze(xs), plain.squeeze(xs))  # skipped: the plain fp32 layer, exactly
 
@@ -379,3 +379,67 @@ def test_where_fp8_is_slow_it_says_so_once():
     assert ampere[0] == "fp8-emulated" and "compute capability 8.0" in ampere[1]
     assert fp8_warning(torch.device("cuda", 0), compiled=False, capability=(9, 0))[0] == "fp8-without-compile"
     assert fp8_warning(torch.device("cuda", 0), compiled=True, capability=(9, 0)) is None
+
+
+# -- auto: the trials time fp8 against bf16, and the numerics gate judges it ----------------------------------------
+def test_the_trials_time_a_pick_with_fp8_against_the_same_pick_without_it():
+    from aiak.strategy import Strategy, probe
+    from aiak.tune.candidates import candidate_strategies
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    found = probe(model, torch.optim.AdamW(model.parameters()))
+    pick = Strategy.from_dict({"name": "pick", "extends": "default", "precision": fp8("tensorwise")})
+    candidates = {c.label: c for c in candidate_strategies(pick, found, limit=8, max_seconds=None)}
+    assert candidates["fp8=off"].strategy.precision.fp8 == "off"
+    assert candidates["fp8=off"].changes == {k: v for k, v in candidates["pick"].changes.items()
+                                             if k != "precision.fp8"}
+    without = Strategy.from_dict({"name": "pick", "extends": "default", "precision": {"level": "O2", "dtype": "bf16"}})
+    assert all(c.strategy.precision.fp8 == "off"
+               for c in candidate_strategies(without, found, limit=8, max_seconds=None))  # never added by a variant
+
+
+def _gradients(precision, x, y):
+    from aiak.tune.gate import gradients
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    model, _, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                strategy={"precision": precision})
+    F.mse_loss(model(x).float(), y).backward()
+    return gradients(model)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_numerics_gate_passes_fp8_on_a_transformer(recipe):
+    """Against plain fp32's gradient on the same batch, with the sampling noise of that batch (from its two halves):
+    fp8's error stays well inside the noise and its scale near 1, as bf16's does."""
+    from aiak.tune.gate import compare, sampling_noise
+
+    x, y = batch(0, n=16)
+    fp32 = _gradients({"level": "O0"}, x, y)
+    halves = [_gradients({"level": "O0"}, x[i::2], y[i::2]) for i in range(2)]
+    noise = sampling_noise(halves[0], halves[1], 8, 8, 16)
+    result = compare(_gradients(fp8(recipe), x, y), fp32, noise)
+    bf16 = compare(_gradients({"level": "O2", "dtype": "bf16"}, x, y), fp32, noise)
+    assert result.passed and result.error_to_noise < 0.5 and abs(result.scale - 1) < 0.05, result
+    assert result.error_to_noise > bf16.error_to_noise, (result, bf16)  # fp8 rounds more than bf16
+
+
+def own_line(decision, knob):
+    return next(effect for name, _, effect in decision.effects if name == knob)
+
+
+def test_explain_says_what_fp8_trades_and_which_layers_stay_in_high_precision():
+    from aiak.api import explain
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    planned = explain(model, torch.optim.AdamW(model.parameters()), strategy={"precision": fp8()})
+    assert "trades: throughput of the linear layers' matrix multiplications" in planned.knobs["precision.fp8"]["reason"]
+    said = own_line(planned, "precision.fp8")
+    assert said.startswith("would convert 8 Linear layer(s) in fp8 rowwise; left in high precision: embed (the "
+                           "model's first Linear; precision.fp8_skip: first); squeeze (64x40"), said
+    assert all(type(m) in (nn.Linear, nn.LayerNorm, nn.Sequential, Block, TinyTransformer) for m in model.modules())
+    aiak.optimize(model, torch.optim.AdamW(model.parameters()), strategy={"precision": fp8()})
+    assert own_line(aiak.last_decision(), "precision.fp8") == said[len("would convert "):]

@@ -63,6 +63,8 @@ CASES = [
     ({"nodes": 1}, probes(), probes(nodes=4), "nodes: 1 (found 4)"),
     ({"params": "<1e8"}, probes(params=11_689_512), probes(params=300_000_000), "params <1e8 (found 300,000,000)"),
     ({"params": ">=2.5e7"}, probes(params=25_000_000), probes(params=24_999_999), "params >=2.5e7 (found 24,999,999)"),
+    ({"fp8_linear_share": ">=0.5"}, probes(fp8_linear_share=0.93), probes(fp8_linear_share=0.004),
+     "fp8_linear_share >=0.5 (found 0.00)"),
     ({"optimizer": ["AdamW", "Adam"]}, probes(optimizer="AdamW"), probes(optimizer="SGD"),
      "optimizer any of [AdamW, Adam] (found SGD)"),
     ({"optimizer": ["sgd"]}, probes(optimizer="SGD"), probes(), "optimizer any of [sgd] (found no optimizer)"),
@@ -149,6 +151,8 @@ def test_values_are_kept_as_written_and_round_trip(tmp_path):
     ({"cpu_features": "avx512_bf16"}, r"match.cpu_features must be a list of CPU flags"),
     ({"cpu_features": [512]}, r"match.cpu_features must be a list of CPU flags .*got item 512"),
     ({"world_size": "two"}, r"match.world_size must be a comparison \(a string\) such as '>=2' or '<1e8'"),
+    ({"fp8_linear_share": 0.5}, r"match.fp8_linear_share must be a comparison \(a string\) such as '>=0.5'"),
+    ({"fp8_linear_share": ">=50"}, r"match.fp8_linear_share must compare with a share between 0 and 1"),
     ({"nodes": 2.5}, r"match.nodes must be an integer \(matches that number\) or a comparison"),
     ({"params": True}, r"match.params must be an integer"),
     ({"optimizer": "AdamW"}, r"match.optimizer must be a list of optimizer class names \(e.g. \[AdamW, SGD\]\)"),
@@ -156,7 +160,7 @@ def test_values_are_kept_as_written_and_round_trip(tmp_path):
     ({"loader": 1}, r"match.loader must be true or false, got 1"),
     ({"modulse": ["conv2d"]}, r"match.modulse: unknown key \(did you mean 'modules'\?\); valid keys: \['modules', "
                               r"'device', 'cuda_capability', 'cpu_features', 'world_size', 'nodes', 'params', "
-                              r"'optimizer', 'variable_length', 'loader'\]"),
+                              r"'fp8_linear_share', 'optimizer', 'variable_length', 'loader'\]"),
 ])
 def test_each_bad_condition_has_its_message(conditions, message):
     with pytest.raises(StrategyError, match=message):

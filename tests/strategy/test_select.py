@@ -291,8 +291,8 @@ def test_a_user_profile_with_a_bad_match_key_is_reported(tmp_path, monkeypatch, 
     assert len(problems) == 3, problems
     assert problems[0].startswith(f"{tmp_path / 'p' / 'also_broken.yaml'}: match.nodes must be")
     assert problems[1] == (f"{path}: match.modulse: unknown key (did you mean 'modules'?); valid keys: ['modules', "
-                           "'device', 'cuda_capability', 'cpu_features', 'world_size', 'nodes', 'params', 'optimizer', "
-                           "'variable_length', 'loader']")
+                           "'device', 'cuda_capability', 'cpu_features', 'world_size', 'nodes', 'params', "
+                           "'fp8_linear_share', 'optimizer', 'variable_length', 'loader']")
     assert problems[2].startswith(f"{path}: match.device must be one of ['cpu', 'cuda'], got 'gpu'")
     with pytest.raises(StrategyError, match="match.modulse"):
         aiak.select_strategy(real_models.torchvision_resnet18())
@@ -385,3 +385,38 @@ def test_resolve_auto_is_select():
     model = real_models.torchvision_resnet18()
     auto = resolve_strategy("auto", model)
     assert auto.strategy == select(model).strategy and auto.matched == select(model).matched
+
+
+# -- fp8 ------------------------------------------------------------------------------------------------------
+CUDA_90 = {**CUDA_80, "cuda": {**CUDA_80["cuda"], "name": "NVIDIA H100 80GB HBM3", "capability": "9.0"}}
+
+
+@pytest.mark.parametrize("machine", list(MACHINES))
+def test_auto_never_proposes_fp8_without_fp8_tensor_cores(model_probes, machine):
+    """CPUs, V100 and A100 (compute capability below 8.9): fp8 would be emulated, so no rule proposes it."""
+    for name, found in model_probes.items():
+        assert compose(on(found, machine)).strategy.precision.fp8 == "off", (name, machine)
+
+
+def test_on_hopper_auto_proposes_fp8_for_a_transformer_and_not_for_a_cnn(model_probes):
+    """The fp8 profile matches where the eligible Linear layers carry most of the matrix-multiply work: BERT's do
+    (share 0.88 as probed), a ResNet's convolutions carry nearly all of it (share 0)."""
+    bert = compose(dataclasses.replace(model_probes["hf_bert"], **CUDA_90))
+    assert bert.strategy.precision.fp8 == "tensorwise" and bert.strategy.compile is True
+    assert bert.knobs["precision.fp8"].source == "profile:fp8"
+    assert "fp8_linear_share >=0.5 (found 0.88)" in bert.knobs["precision.fp8"].reason
+    resnet = compose(dataclasses.replace(model_probes["torchvision_resnet18"], **CUDA_90))
+    assert resnet.strategy.precision.fp8 == "off"
+    assert resnet.skipped["fp8"] == "fp8_linear_share >=0.5 (found 0.00)"
+
+
+def test_without_torchao_auto_leaves_fp8_out_and_says_why(model_probes, monkeypatch, warnings_said_again, said):
+    import sys
+
+    monkeypatch.setattr(sys.modules["aiak.strategy.select"], "torchao_problem", lambda: "needs torchao, which is not installed: pip "
+                                                                  "install 'aiak[fp8]' (torchao)")
+    with said:
+        bert = compose(dataclasses.replace(model_probes["hf_bert"], **CUDA_90))
+    assert bert.strategy.precision.fp8 == "off"
+    assert "asks for fp8 tensorwise: precision.fp8 needs torchao" in bert.knobs["precision.fp8"].reason
+    assert "ignored the fp8 tensorwise precision of profile 'fp8'" in said.text and "aiak[fp8]" in said.text
