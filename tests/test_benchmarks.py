@@ -52,6 +52,17 @@ def test_precision_cpu_one_round_of_fp8_against_bf16():
     assert rows[1].split()[-1] == "1.00x"  # the baseline against itself
 
 
+def test_fp8_loss_rows_run_here_under_emulation():
+    """benchmarks/fp8.py on the CPU: the loss rows of gpu_check's fp8 section, at a small width (torchao emulates
+    fp8 here; the timed rows need CUDA and are not taken)."""
+    out = subprocess.run([sys.executable, "benchmarks/fp8.py", "--widths", "32", "--steps", "20"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    rows = [line.strip().split(": vs bf16")[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert rows == ["ok  fp8: width 32 tensorwise loss after 20 steps", "ok  fp8: width 32 rowwise loss after 20 steps"], \
+        out.stdout + out.stderr[-2000:]
+    assert out.returncode == 0 and "fp8 tensor cores: no (emulated)" in out.stdout
+
+
 def test_auto_quick_sweeps_the_space_and_charges_auto_its_tuning(tmp_path):
     report = tmp_path / "auto.json"
     out = subprocess.run([sys.executable, "benchmarks/auto.py", "--quick", "--json", str(report)], cwd=ROOT,
