@@ -17,11 +17,15 @@ registered on the layer still run, and copies compute the same way. torchao's ow
 (``convert_to_float8_training``) builds new modules instead, which would lose hooks and attributes set on the
 layers. Only the float8 autograd function and the config objects come from torchao.
 
-Eligible: an ``nn.Linear`` whose class keeps ``nn.Linear.forward``, with both dimensions multiples of 16 (what
-the fp8 GEMM accepts), outside ``nn.MultiheadAttention`` (which reads its projection weights without calling
-them), outside modules kept in fp32 (:mod:`aiak.amp.fp32_modules`), and not named by ``precision.fp8_skip``.
+Eligible: an ``nn.Linear`` that is not parametrized and whose class keeps ``nn.Linear.forward``, with both
+dimensions multiples of 16 (what the fp8 GEMM accepts), outside ``nn.MultiheadAttention`` (which reads its
+projection weights without calling them), outside modules kept in fp32 (:mod:`aiak.amp.fp32_modules`), and not
+named by ``precision.fp8_skip``.
 That list defaults to ``[first, last]``, the model's first and last ``nn.Linear`` in registration order, since
 torchao advises keeping those in high precision. It also takes module paths and class names.
+
+torchao's float8 backward cannot be differentiated again: a backward with ``create_graph=True`` (a gradient
+penalty) through a converted layer is refused at once, naming the layer and ``precision.fp8_skip``.
 
 Where the device has no fp8 tensor cores (a CPU, a GPU below 8.9) torchao emulates the casts and products:
 numerically the same recipe and slow, which :mod:`aiak.amp.emulation` warns about once. This is how the tests
@@ -37,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from aiak.amp.config import FP8_EXTRA, FP8_RECIPES
 from aiak.amp.emulation import FP8_NATIVE_CAPABILITY
@@ -99,12 +104,35 @@ def _spec(recipe: str, emulate: bool) -> tuple:
     return _SPECS[key]
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity on a converted layer's output, whose backward refuses to be recorded for a second derivative.
+    torchao's float8 backward is not differentiable: a gradient penalty (``torch.autograd.grad(...,
+    create_graph=True)``, WGAN-GP, R1) through an fp8 layer would fail later inside torchao with an error about
+    float8 tensor types. Grad mode is on inside a backward exactly when ``create_graph=True``, so this says at once
+    which layer and what to do."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, path: str) -> torch.Tensor:
+        ctx.path = path
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"aiak: the Linear layer {ctx.path!r} computes in fp8 (precision.fp8), and a backward with "
+                "create_graph=True (a gradient penalty: WGAN-GP, R1) runs through it; torchao's float8 backward "
+                "cannot be differentiated again. Name the layers the penalty flows through in precision.fp8_skip "
+                "(module paths or class names), or set precision.fp8: off")
+        return grad, None
+
+
 class Float8Compute:
     """The mixin in front of a converted layer's class: its forward is torchao's float8 matmul of the input with
     the layer's weight, plus its bias. The recipe is the layer's ``_aiak_fp8`` mark."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        recipe, emulate = marked(self, "_aiak_fp8")
+        recipe, emulate, path = marked(self, "_aiak_fp8")
         config, mm_config, matmul = _spec(recipe, emulate)
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):  # autocast does not reach into the float8 function
@@ -112,7 +140,7 @@ class Float8Compute:
         output = matmul.apply(input, self.weight.t(), mm_config, config)
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
-        return output
+        return _FirstOrderOnly.apply(output, path) if torch.is_grad_enabled() else output
 
 
 @dataclass
@@ -167,7 +195,9 @@ def plan_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = EDGES) -> Fp8P
         module = modules[path]
         cls = original_class(module) or type(module)
         reason = None
-        if cls.forward is not nn.Linear.forward:
+        if parametrize.is_parametrized(module):
+            reason = "parametrized (torch.nn.utils.parametrize): its weight is computed anew at every read"
+        elif cls.forward is not nn.Linear.forward:
             reason = f"{cls.__name__} has a forward of its own"
         elif _inside(path, attention):
             reason = "inside nn.MultiheadAttention, which reads its weights without calling the layer"
@@ -210,7 +240,7 @@ def apply_fp8(model: nn.Module, recipe: str, skip: Sequence[str], device: torch.
     modules = dict(model.named_modules())
     for path in plan.converted:
         module = modules[path]
-        mark(module, "_aiak_fp8", (recipe, plan.emulated))
+        mark(module, "_aiak_fp8", (recipe, plan.emulated, path))
         if original_class(module) is None:
             swap_class(module, Float8Compute, "Float8")
     logger.info("aiak: %s; kept: %s", plan.describe(),

@@ -33,7 +33,8 @@ MARKS: Dict[str, Mark] = {row.name: row for row in (
     Mark("_aiak_keep_fp32", "True: O2 computes the module and its subtree in fp32 (copies of the module carry it; "
                             "aiak.amp.fp32_modules)",
          "a module named by precision.keep_fp32, or whose forward had no half-precision kernel", own=True),
-    Mark("_aiak_fp8", "(recipe, emulated): the layer computes with torchao's float8 matmul (aiak.amp.fp8)",
+    Mark("_aiak_fp8", "(recipe, emulated, module path): the layer computes with torchao's float8 matmul "
+                      "(aiak.amp.fp8)",
          "an nn.Linear precision.fp8 converted", own=True),
     Mark("_aiak_fp32_tried", "True: a module already ran its forward again in fp32 for this error (one retry per "
                              "error, however deep it was raised; aiak.amp.fp32_modules)",

@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-FEAT, HID, CLASSES = 6, 8, 3
+FEAT, HID, CLASSES = 16, 16, 3
 
 
 class AuxNet(nn.Module):

@@ -35,7 +35,10 @@ from tests.amp.conformance_models import (CLASSES, FEAT, HID, VOCAB, AuxNet, Blo
 pytestmark = pytest.mark.filterwarnings("ignore:aiak")
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CASES = [("O1", "bf16"), ("O1", "fp16"), ("O2", "bf16"), ("O2", "fp16")]
+# "O2+fp8": O2 bf16 with precision.fp8 tensorwise on every eligible Linear layer (fp8_skip: []), emulated by
+# torchao on this CPU; against the same autocast bf16 baseline and tolerances (fp8's gradient cosine to fp32 is
+# about 0.9996 on a transformer, tests/amp/test_fp8.py).
+CASES = [("O1", "bf16"), ("O1", "fp16"), ("O2", "bf16"), ("O2", "fp16"), ("O2+fp8", "bf16")]
 per_case = pytest.mark.parametrize("level,dtype", CASES)
 fp16_levels = pytest.mark.parametrize("level", ["O1", "O2"])
 
@@ -51,9 +54,30 @@ BATCH = 8
 # A factor of 2 (or 128) fails the ratio; a value left at 0 or a gradient in the wrong direction fails both.
 COS_MIN = 0.99
 RATIO = (0.8, 1.25)
+# fp8 (e4m3: 3 mantissa bits, a relative rounding of 2**-4 where bf16 has 2**-8) on these 16-wide layers, with one
+# scale per tensor over 8 samples: cosines down to 0.88 and norm ratios up to 1.37 measured on the small gradients
+# of the layers around a reused block. That is fp8's own error: aiak's fp8 layers give torchao's own Float8Linear's
+# gradients exactly (tests/amp/test_fp8.py), and those sit as far from fp32. The bounds below still fail a gradient
+# in the wrong direction and a factor of 2.
+FP8_COS_MIN = 0.85
+FP8_RATIO = (0.67, 1.5)
+# A gradient whose true value is 0 (a Linear's bias just before BatchNorm, which takes the batch mean out) is
+# rounding noise in both runs; under fp8 it is compared by size only: below this share of the largest gradient norm.
+NOISE_FLOOR = 0.0
+FP8_NOISE_FLOOR = 0.01
 # A scalar read from a half copy of a weight (its norm): bf16 rounds each element by at most 2**-9 relative, and
 # the norm (accumulated in fp32 by torch's CPU kernel, then rounded to bf16: 2**-9 again) stays within 1%.
 SCALAR_RTOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _fp8_tolerance(request, monkeypatch):
+    """The O2+fp8 case is compared with fp8's bounds (FP8_COS_MIN, FP8_RATIO, FP8_NOISE_FLOOR)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("level") == "O2+fp8":
+        monkeypatch.setitem(globals(), "COS_MIN", FP8_COS_MIN)
+        monkeypatch.setitem(globals(), "RATIO", FP8_RATIO)
+        monkeypatch.setitem(globals(), "NOISE_FLOOR", FP8_NOISE_FLOOR)
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -61,6 +85,8 @@ SCALAR_RTOL = 1e-2
 def strategy(level, dtype, loss_scale=SCALE):
     """The precision strategy; ``loss_scale=None``: aiak's default (dynamic) for fp16."""
     precision = {"level": level, "dtype": dtype}
+    if level == "O2+fp8":
+        precision.update(level="O2", fp8="tensorwise", fp8_skip=[])
     if dtype == "fp16" and loss_scale is not None:
         precision["loss_scale"] = loss_scale
     return {"precision": precision}
@@ -134,6 +160,7 @@ def assert_close(actual, expected, what):
 def assert_grads_match(model, base, what=""):
     """Every parameter's ``.grad`` (fp32, on the user's fp32 parameter) matches the baseline's true gradient."""
     ours = dict(bare(model).named_parameters())
+    floor = NOISE_FLOOR * max((float(q.grad.norm()) for q in base.parameters() if q.grad is not None), default=0.0)
     for name, q in bare(base).named_parameters():
         p = ours[name]
         if q.grad is None:
@@ -141,6 +168,9 @@ def assert_grads_match(model, base, what=""):
             continue
         assert p.grad is not None, f"{what}{name}: no gradient (baseline norm {float(q.grad.norm()):.4g})"
         assert p.dtype == p.grad.dtype == torch.float32, f"{what}{name}: param {p.dtype}, grad {p.grad.dtype}"
+        if float(q.grad.norm()) < floor:  # rounding noise in both runs (see NOISE_FLOOR)
+            assert float(p.grad.norm()) < 2 * floor, f"{what}grad of {name}: {float(p.grad.norm()):.4g}, noise"
+            continue
         assert_close(p.grad, q.grad, f"{what}grad of {name}")
 
 
@@ -281,6 +311,10 @@ def test_gradient_penalty(level, dtype):
     model, base = twins(Critic)
     model, opt = with_aiak(model, level, dtype)
     ref = Baseline(base, dtype)
+    if level == "O2+fp8":  # torchao's float8 backward cannot be differentiated again: refused, naming the fix
+        with pytest.raises(RuntimeError, match=r"the Linear layer 'net\.\d' computes in fp8 .* precision.fp8_skip"):
+            _gp_step(model, batch(0)[0])
+        return
     for step in range(2):
         x, _ = batch(step)
         g = _gp_step(model, x)
@@ -690,7 +724,7 @@ def test_pre_hook_edits_the_weight_in_place(level, dtype):
     # Under O2 the hook edits the weight's half copy (the forward computes with it), and that copy is written into
     # the fp32 parameter: 0.5x within the half dtype's rounding (2**-8 relative for bf16, 2**-11 for fp16).
     # O1 and the baseline edit the fp32 parameter itself: exact.
-    rounding = {"O1": 0.0, "O2": {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}[dtype]}[level]
+    rounding = {"O1": 0.0, "O2": {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}[dtype], "O2+fp8": 2.0 ** -8}[level]
 
     def check(model, ref, step):
         for who, m, tol in (("baseline", ref.model, 0.0), ("aiak", model, rounding)):

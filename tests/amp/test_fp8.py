@@ -8,6 +8,7 @@ fp32 must sit in fp8's range (15-35 dB; bf16 gives over 40), and where the same 
 (a copy, a reload, a resume) the results must be equal bit for bit.
 """
 import copy
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -443,3 +444,60 @@ def test_explain_says_what_fp8_trades_and_which_layers_stay_in_high_precision():
     assert all(type(m) in (nn.Linear, nn.LayerNorm, nn.Sequential, Block, TinyTransformer) for m in model.modules())
     aiak.optimize(model, torch.optim.AdamW(model.parameters()), strategy={"precision": fp8()})
     assert own_line(aiak.last_decision(), "precision.fp8") == said[len("would convert "):]
+
+
+# -- the same numbers as torchao's own conversion -------------------------------------------------------------------
+def _torchao_twin(model, recipe):
+    """``model`` converted by torchao's own ``convert_to_float8_training`` (emulated), with aiak's eligibility."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = set(plan_fp8(model, recipe, []).converted)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    return convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: name in converted)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_layers_compute_exactly_what_torchaos_own_float8_linear_computes(recipe):
+    """aiak keeps the user's modules and swaps their class; torchao's conversion builds new Float8Linear modules.
+    The outputs and every gradient agree to float rounding of the same ops (rtol 1e-5), on the transformer and
+    on a block called twice in one forward."""
+    for make in (TinyTransformer, lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32),
+                                                        nn.Tanh(), nn.Linear(32, 16))):
+        torch.manual_seed(0)
+        ours = make()
+        theirs = _torchao_twin(copy.deepcopy(ours), recipe)
+        aiak.optimize(ours, torch.optim.SGD(ours.parameters(), lr=0.1),
+                      strategy={"precision": {"level": "O0", "fp8": recipe, "fp8_skip": []}})
+        assert sum(isinstance(m, Float8Compute) for m in ours.modules()) == \
+            sum(type(m).__name__ == "Float8Linear" for m in theirs.modules()) > 0
+        x = torch.randn(B, T, IN) if isinstance(ours, TinyTransformer) else torch.randn(B, 16)
+        out, ref = ours(x), theirs(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_gradient_penalty_through_an_fp8_layer_is_refused_naming_the_layer_and_the_fix():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy={"precision": fp8()})
+    x = torch.randn(8, 16, requires_grad=True)
+    model(x).sum().backward()  # first-order training is fine
+    with pytest.raises(RuntimeError, match=r"'2' computes in fp8 .* create_graph=True .* precision.fp8_skip"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    skipped = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    aiak.optimize(skipped, torch.optim.SGD(skipped.parameters(), lr=0.1),
+                  strategy={"precision": fp8(fp8_skip=["first", "last", "2"])})
+    g, = torch.autograd.grad(skipped(x).sum(), x, create_graph=True)  # what the error advises works
+    g.norm().backward()
+
+
+def test_a_parametrized_linear_is_left_alone():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = nn.Sequential(nn.Linear(16, 32), weight_norm(nn.Linear(32, 32)), nn.Linear(32, 32), nn.Linear(32, 16))
+    plan = plan_fp8(model, "tensorwise", [])
+    assert plan.converted == ["0", "2", "3"]
+    assert dict(plan.skipped)["1"].startswith("parametrized")
