@@ -38,12 +38,10 @@ def is_kept_fp32(module: nn.Module) -> bool:
     return marked(module, "_aiak_keep_fp32", False) is True or is_norm_layer(module)
 
 
-def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.keep_fp32") -> List[nn.Module]:
-    """Mark the modules of ``model`` that ``names`` name (class names or module paths); every name must match a
-    module, else one :class:`StrategyError` lists the names that match none, with the choices."""
-    names = list(names)
-    if not names:
-        return []
+def modules_named(model: nn.Module, names: Iterable[str], key: str) -> List[nn.Module]:
+    """The modules of ``model`` that ``names`` name (class names or module paths, as ``precision.keep_fp32`` and
+    ``precision.fp8_skip`` take them); every name must match a module, else one :class:`StrategyError` lists the
+    names that match none under ``key``, with the choices."""
     paths = dict(model.named_modules())
     found, missing = [], []
     for name in names:
@@ -57,6 +55,12 @@ def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.
         raise StrategyError([f"{key}: {name!r} is neither a module class of this model nor a module path"
                              f"{did_you_mean(name, classes + list(paths))}; classes here: {classes}"
                              for name in missing])
+    return found
+
+
+def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.keep_fp32") -> List[nn.Module]:
+    """Mark the modules of ``model`` that ``names`` name (:func:`modules_named`) to compute in fp32."""
+    found = modules_named(model, names, key)
     for module in found:
         mark(module, "_aiak_keep_fp32", True)
     return found

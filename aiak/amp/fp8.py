@@ -45,7 +45,7 @@ from torch.nn.utils import parametrize
 
 from aiak.amp.config import FP8_EXTRA, FP8_RECIPES
 from aiak.amp.emulation import FP8_NATIVE_CAPABILITY
-from aiak.amp.fp32_modules import is_kept_fp32
+from aiak.amp.fp32_modules import is_kept_fp32, modules_named
 from aiak.runtime.class_swap import original_class, swap_class
 from aiak.runtime.marks import mark, marked
 from aiak.util.machine import devices
@@ -172,20 +172,12 @@ def _inside(path: str, prefixes: Sequence[str]) -> bool:
 
 
 def plan_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = EDGES) -> Fp8Plan:
-    """What :func:`apply_fp8` would convert, without torchao. An entry of ``skip`` that is neither ``first``,
-    ``last``, a module path nor a class name of ``model`` raises ``ValueError``."""
+    """What :func:`apply_fp8` would convert, without torchao. An entry of ``skip`` other than ``first`` and
+    ``last`` names modules as ``precision.keep_fp32`` does (:func:`~aiak.amp.fp32_modules.modules_named`: a class
+    name or a module path, else one ``StrategyError``); the layers inside them stay in high precision."""
     modules = dict(model.named_modules())
-    classes = {type(m).__name__ for m in modules.values()} | {
-        c.__name__ for m in modules.values() for c in (original_class(m),) if c is not None}
-    unknown = [s for s in skip if s not in EDGES and s not in modules and s not in classes]
-    if unknown:
-        raise ValueError(f"precision.fp8_skip: {unknown} name no module of {type(model).__name__}; each entry is "
-                         f"'first', 'last', a module path (such as {next(iter(p for p in modules if p), 'fc')!r}) "
-                         f"or a class name")
-    named_paths = [p for p in skip if p in modules]
-    named_classes = {s for s in skip if s not in EDGES and s not in modules}
-    class_paths = [p for p, m in modules.items()
-                   if type(m).__name__ in named_classes or getattr(original_class(m), "__name__", None) in named_classes]
+    named = {id(m) for m in modules_named(model, [s for s in skip if s not in EDGES], "precision.fp8_skip")}
+    named_paths = [p for p, m in modules.items() if id(m) in named]
     attention = [p for p, m in modules.items() if isinstance(m, nn.MultiheadAttention)]
     kept = [p for p, m in modules.items() if is_kept_fp32(m)]
     linears = [p for p, m in modules.items() if isinstance(m, nn.Linear)]
@@ -209,7 +201,7 @@ def plan_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = EDGES) -> Fp8P
             for word in EDGES:
                 if word in skip and path in edges[word]:
                     reason = f"the model's {word} Linear; precision.fp8_skip: {word}"
-            if reason is None and (_inside(path, named_paths) or _inside(path, class_paths)):
+            if reason is None and _inside(path, named_paths):
                 reason = "named by precision.fp8_skip"
         if reason is None:
             plan.converted.append(path)

@@ -96,6 +96,11 @@ CASES = {
                   "channels_last": True, "grad_accumulation": 2, "loader": {"prefetch": 2},
                   "cpu_affinity": True},
         error=(TypeError, "must be an iterable")),
+    # the same after fp8 swapped the classes of the Swin's eligible Linear layers (torchao, emulated here)
+    "fails-at-the-loader-after-fp8": dict(
+        make_model=_swin, loader=object(), input_shape=(2, 3, 56, 56),
+        strategy={"precision": {"level": "O2", "dtype": "bf16", "fp8": "rowwise"}, "loader": {"prefetch": 2}},
+        error=(TypeError, "must be an iterable")),
     # LAMB with no optimizer to take a learning rate from: fails at the optimizer swap, after CPU affinity and surgery
     # (the optimizer and scheduler are not given to aiak; they train the model afterwards)
     "fails-at-the-optimizer-swap": dict(
