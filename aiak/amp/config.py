@@ -1,7 +1,6 @@
 """The ``precision:`` section of a strategy: what :func:`aiak.amp.apply_precision` reads."""
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import List, Union
 
@@ -25,7 +24,10 @@ class Precision:
 
     ``fp8``: torchao's float8 training recipe for the eligible ``nn.Linear`` layers (:mod:`aiak.amp.fp8`), the
     rest computing as ``level`` says; ``off`` by default. ``fp8_skip``: layers left in high precision: ``first``
-    and ``last`` (the model's first and last ``nn.Linear``), module paths and class names.
+    and ``last`` (the model's first and last ``nn.Linear``), module paths and class names. Whether torchao is
+    installed is not a property of the file: a profile naming fp8 loads anywhere; applying it without torchao is
+    one error naming the extra (:func:`aiak.amp.fp8.apply_fp8`, before any layer changes), and ``auto`` leaves
+    fp8 out there.
     """
 
     level: str = field(default="O0", metadata=choices(*PRECISION_LEVELS))
@@ -37,8 +39,6 @@ class Precision:
 
     def _problems(self, where: Where, path: str) -> List[str]:
         problems = []
-        if self.fp8 != "off" and importlib.util.find_spec("torchao") is None:
-            problems.append(f"{where(path + 'fp8')}: {self.fp8!r} needs torchao, which is not installed: {FP8_EXTRA}")
         if not isinstance(self.loss_scale, str) and not self.loss_scale > 0:
             problems.append(f"{where(path + 'loss_scale')} must be one of ['dynamic', 'none', '<positive number>'], "
                             f"got {self.loss_scale!r}")
