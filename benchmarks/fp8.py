@@ -149,7 +149,7 @@ def speed_rows(width: int, tokens: int, device: torch.device, rounds: int, nativ
 
 def gpu_checks() -> list:
     """The fp8 rows of ``benchmarks/gpu_check.py``: widths 4096 and 8192, 8192 tokens a step, compiled."""
-    from aiak.amp.fp8 import native_fp8
+    from aiak.amp.emulation import native_fp8
 
     device = torch.device("cuda")
     native = native_fp8(device)
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="compile the loss runs too (always for the timings)")
     args = ap.parse_args(argv)
-    from aiak.amp.fp8 import native_fp8
+    from aiak.amp.emulation import native_fp8
 
     device = torch.device(args.device)
     native = native_fp8(device)

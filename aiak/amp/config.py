@@ -9,7 +9,6 @@ from aiak.util.config import Where, choices
 PRECISION_LEVELS = ("O0", "O1", "O2")
 PRECISION_DTYPES = ("fp16", "bf16")
 FP8_RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
-FP8_EXTRA = "pip install 'aiak[fp8]' (torchao)"
 
 
 @dataclass

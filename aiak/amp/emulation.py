@@ -31,7 +31,6 @@ from aiak.util.warn import warn_once
 
 FP16_CPU_COST = ("measured ~27x slower than fp32 per training step of torchvision's resnet18 and ~7x for the demo "
                  "CNN on a 2-core AMD EPYC (`python benchmarks/precision_cpu.py`)")
-FP8_NATIVE_CAPABILITY = (8, 9)
 FP8_EMULATED_COST = ("measured ~5.4x slower than O2 bf16 per training step of a transformer-shaped MLP on a 2-core "
                      "AMD EPYC (`python benchmarks/precision_cpu.py --models mlp --baseline 'O2 bf16' --candidates "
                      "'O2 bf16,fp8 tensorwise,fp8 rowwise'`)")
@@ -76,19 +75,28 @@ def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[F
     return None
 
 
+def native_fp8(device: torch.device, capability: Optional[Tuple[int, int]] = None) -> bool:
+    """Whether ``device`` has fp8 tensor cores (CUDA compute capability 8.9 and newer); ``capability`` describes
+    another GPU."""
+    if device.type != "cuda":
+        return False
+    cap = devices.cuda_capability(device) if capability is None else capability
+    return cap is not None and tuple(cap) >= devices.CUDA_NATIVE_FP8
+
+
 def fp8_warning(device: torch.device, compiled: bool, *,
                 capability: Optional[Tuple[int, int]] = None) -> Optional[Tuple[str, str]]:
     """``(key, message)`` when ``precision.fp8`` will not be fast on ``device``: emulated without fp8 tensor cores
     (a CPU, CUDA below compute capability 8.9), or native but without ``torch.compile`` (torchao's float8 casts
     run as separate eager kernels, slower than bf16); else None."""
+    if native_fp8(device, capability):
+        if compiled:
+            return None
+        return "fp8-without-compile", ("aiak: precision.fp8 without torch.compile: torchao's float8 casts and "
+                                       "scales run as separate eager kernels, slower than bf16 (torchao's "
+                                       "float8 training is built to be compiled); set compile: true.")
     if device.type == "cuda":
         cap = devices.cuda_capability(device) if capability is None else capability
-        if cap is not None and tuple(cap) >= FP8_NATIVE_CAPABILITY:
-            if compiled:
-                return None
-            return "fp8-without-compile", ("aiak: precision.fp8 without torch.compile: torchao's float8 casts and "
-                                           "scales run as separate eager kernels, slower than bf16 (torchao's "
-                                           "float8 training is built to be compiled); set compile: true.")
         where = f"{device} (compute capability {cap[0]}.{cap[1]})" if cap is not None else str(device)
     else:
         where = device.type

@@ -43,17 +43,17 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from aiak.amp.config import FP8_EXTRA, FP8_RECIPES
-from aiak.amp.emulation import FP8_NATIVE_CAPABILITY
+from aiak.amp.config import FP8_RECIPES
+from aiak.amp.emulation import native_fp8
 from aiak.amp.fp32_modules import is_kept_fp32, modules_named
 from aiak.runtime.class_swap import original_class, swap_class
 from aiak.runtime.marks import mark, marked
-from aiak.util.machine import devices
 
 logger = logging.getLogger("aiak")
 
 RECIPES = FP8_RECIPES[1:]   # after "off"
 EDGES = ("first", "last")
+FP8_EXTRA = "pip install 'aiak[fp8]' (torchao)"
 # What fp8 trades, said by `aiak explain`. Measured in tests/amp/test_fp8.py (a 64->256 Linear layer, random
 # weights and inputs, output SQNR against fp32): 28.7-29.0 dB for the three recipes, 51.1 dB for bf16.
 TRADES = ("throughput of the linear layers' matrix multiplications on fp8 tensor cores, for precision: about "
@@ -208,14 +208,6 @@ def plan_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = EDGES) -> Fp8P
         else:
             plan.skipped.append((_named(path), reason))
     return plan
-
-
-def native_fp8(device: torch.device, capability: Optional[Tuple[int, int]] = None) -> bool:
-    """Whether ``device`` has fp8 tensor cores (CUDA compute capability 8.9 and newer)."""
-    if device.type != "cuda":
-        return False
-    cap = devices.cuda_capability(device) if capability is None else capability
-    return cap is not None and tuple(cap) >= FP8_NATIVE_CAPABILITY
 
 
 def apply_fp8(model: nn.Module, recipe: str, skip: Sequence[str], device: torch.device) -> Fp8Plan:

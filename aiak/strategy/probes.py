@@ -23,11 +23,11 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 from torch import nn
 from torch.utils.data import IterableDataset
 
+from aiak.amp.fp8 import plan_fp8
 from aiak.comm.allreduce.topology import detect_topology
 from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.surgery import is_window_attention
 from aiak.util.machine.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
-from aiak.amp.fp8 import plan_fp8
 from aiak.util.dist import process_group_exists
 from aiak.util.machine.devices import CUDA_NATIVE_BF16, CUDA_NATIVE_FP16, cuda_capability, cuda_info, model_device
 from aiak.util.norm_layers import norm_kind

@@ -8,9 +8,11 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-# Compute capabilities from which CUDA runs bf16 (Ampere tensor cores) and fp16 (Volta tensor cores) natively.
+# Compute capabilities from which CUDA runs bf16 (Ampere tensor cores), fp16 (Volta tensor cores) and fp8 (Ada and
+# Hopper tensor cores) natively.
 CUDA_NATIVE_BF16 = (8, 0)
 CUDA_NATIVE_FP16 = (7, 0)
+CUDA_NATIVE_FP8 = (8, 9)
 
 
 def cuda_capability(device: Any) -> Optional[Tuple[int, int]]:
