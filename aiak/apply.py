@@ -113,6 +113,7 @@ class Applying:
     record: Optional[ModelRecord]      # the model's first optimize(), when this is another optimizer's
     summary: Summary = field(default_factory=Summary)
     scaler: Any = None                 # fp16's loss scaler: the precision phase's, or the model's record's
+    compute: Any = None                # the precision phase's HalfCompute (O1/O2), or None
     controller: Optional[StepController] = None
 
     def applied(self) -> Applied:
@@ -140,6 +141,8 @@ def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, 
         return _apply_to_another_optimizer(ctx)
     for apply_phase in PHASES.values():
         apply_phase(ctx)
+    if ctx.compute is not None:
+        ctx.compute.scale_trainable(ctx.bare)  # fp16 scaling from the first backward, compiled or not
     ctx.summary.add("tune", bool(s.tune), "candidates measured before this (see the trials)" if s.tune else "off")
     return ctx.applied()
 
@@ -207,7 +210,7 @@ def _precision(ctx: Applying) -> None:
     s = ctx.strategy
     precision = amp.apply_precision(ctx.bare, s.precision, ctx.device.type, device=ctx.device,
                                     scaled=ctx.optimizer is not None, compiled=bool(s.compile))
-    ctx.scaler = precision.scaler
+    ctx.scaler, ctx.compute = precision.scaler, precision.compute
     ctx.summary.add("precision", compact(s.precision, ("level", "dtype")), precision.describe())
     if precision.fp8 is not None:
         ctx.summary.add("precision.fp8", s.precision.fp8, precision.fp8.detail())

@@ -16,6 +16,7 @@ torch's BatchNorm, LayerNorm and GroupNorm take half inputs with fp32 weights na
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from typing import Iterable, List
 
@@ -95,37 +96,70 @@ _calls = _Calls()
 
 
 class Fp32Module:
-    """The hooks of a module kept in fp32: half inputs cast to fp32, and then its fp32 outputs cast back."""
+    """The hooks of a module kept in fp32: half inputs cast to fp32, and then its fp32 outputs cast back. While
+    dynamo traces the module (``torch.compile``), the hooks stand aside and :meth:`traced_call`, the module's
+    instance ``_call_impl``, does the same in one traceable call with autocast off inside."""
 
-    __slots__ = ("dtype",)
+    __slots__ = ("dtype", "device_type", "module")
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str):
+        self.module, self.dtype, self.device_type = module, dtype, device_type
 
     def enter(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None
         half = any(t.dtype in HALF_DTYPES for t in iter_tensors((args, kwargs)) if t.is_floating_point())
         _calls.cast_back.append(half)
         if not half:
             return None
-        to_fp32 = lambda t: t.float() if t.dtype in HALF_DTYPES else t  # noqa: E731
-        return map_tensors(args, to_fp32), map_tensors(kwargs, to_fp32)
+        return map_tensors(args, _to_fp32), map_tensors(kwargs, _to_fp32)
 
     def leave(self, module, args, output):
-        if not _calls.cast_back or not _calls.cast_back.pop():
+        if torch.compiler.is_compiling() or not _calls.cast_back or not _calls.cast_back.pop():
             return None
-        return map_tensors(output, lambda t: t.to(self.dtype) if t.dtype == torch.float32 else t)
+        return map_tensors(output, self._to_half)
+
+    def traced_call(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            module = called_module(self.module, sys._getframe(1))
+            return type(module)._call_impl(module, *args, **kwargs)
+        module = self.module
+        if not any(t.dtype in HALF_DTYPES for t in iter_tensors((args, kwargs))):
+            return type(module)._call_impl(module, *args, **kwargs)
+        with torch.autocast(self.device_type, enabled=False):  # a traced O2 region runs under autocast
+            out = type(module)._call_impl(module, *map_tensors(args, _to_fp32), **map_tensors(kwargs, _to_fp32))
+        return map_tensors(out, self._to_half)
+
+    def _to_half(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.dtype == torch.float32 else t
 
 
-def hook_fp32_module(module: nn.Module, dtype: torch.dtype) -> None:
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in HALF_DTYPES else t
+
+
+_WRAPPED_CALL = nn.Module._wrapped_call_impl.__code__  # Module.__call__, which looks _call_impl up on the instance
+
+
+def called_module(module: nn.Module, caller) -> nn.Module:
+    """The module an instance ``_call_impl`` installed on ``module`` was called for, from its caller's frame: a
+    copy sharing ``module``'s ``__dict__`` (a DataParallel replica) calls it too."""
+    if caller.f_code is _WRAPPED_CALL:
+        return caller.f_locals.get("self", module)
+    return module
+
+
+def hook_fp32_module(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
     """Give ``module`` the hooks of :class:`Fp32Module` (once; not needed by torch's mixed-input norms)."""
     if isinstance(module, NATIVE_MIXED_NORMS):
         return
     for hook in module._forward_pre_hooks.values():
         if isinstance(getattr(hook, "__self__", None), Fp32Module):
             return
-    keep = Fp32Module(dtype)
+    keep = Fp32Module(module, dtype, device_type)
     module.register_forward_pre_hook(keep.enter, with_kwargs=True)
     module.register_forward_hook(keep.leave, always_call=True)
+    vars(module)["_call_impl"] = keep.traced_call
 
 
 # These accept a half input with fp32 weights natively (CPU and CUDA) and return the input's dtype.

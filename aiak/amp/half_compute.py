@@ -55,26 +55,11 @@ from torch import nn
 
 from torch.nn.utils import parametrize
 
-from aiak.amp import root_scaling
-from aiak.amp.fp32_modules import HALF_DTYPES, hook_fp32_module, is_kept_fp32, keep_after_failure
+from aiak.amp import compiled_region, root_scaling
+from aiak.amp.compiled_region import compute_copy, to_fp32
+from aiak.amp.fp32_modules import HALF_DTYPES, called_module, hook_fp32_module, is_kept_fp32, keep_after_failure
 from aiak.amp.region_state import RegionState, region_closed, region_opened, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
-
-
-# -- the compute copy of a parameter whose gradient may be sparse --------------------------------------
-
-class _CastForCompute(torch.autograd.Function):
-    """``p.to(dtype)`` whose backward returns the gradient in fp32 and keeps a sparse gradient sparse (the
-    backward of a plain ``p.to(dtype)`` refuses one: "to(options) doesn't support converting to a different
-    layout")."""
-
-    @staticmethod
-    def forward(ctx, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return p.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.float(), None
 
 
 # -- the regions ----------------------------------------------------------------------------------------
@@ -120,7 +105,6 @@ class HalfCompute:
     # -- installing -------------------------------------------------------------------------------
     def install(self, model: nn.Module) -> int:
         """Hook every module of ``model`` that computes with floating tensors; returns how many were hooked."""
-        _run_eagerly_under_torch_compile()
         hooked = 0
         for module in _region_openers(model):
             module.register_forward_pre_hook(self.enter, with_kwargs=True, prepend=True)
@@ -133,11 +117,25 @@ class HalfCompute:
         if self.level == "O2":
             for module, kept in _modules_of(model):
                 if kept and is_kept_fp32(module):
-                    hook_fp32_module(module, self.dtype)
+                    hook_fp32_module(module, self.dtype, self.device_type)
         return hooked
+
+    def scale_trainable(self, model: nn.Module) -> None:
+        """Hand every trainable parameter ``model`` computes with in fp16 to root scaling now, not only at its first
+        eager forward: a forward dynamo traces (:mod:`aiak.amp.compiled_region`) cannot. Called once the whole
+        strategy applied, so a model ``optimize()`` put back after a failure stays unscaled."""
+        if self.scaler is None:
+            return
+        for module, kept in _modules_of(model):
+            if not (kept and self.level == "O2"):  # O1's autocast decides per op: any parameter may meet fp16
+                for p in module._parameters.values():
+                    if p is not None and p.requires_grad and p.is_floating_point() and p.dtype not in HALF_DTYPES:
+                        self._scaled(p)
 
     # -- the hooks --------------------------------------------------------------------------------
     def enter(self, module: nn.Module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None  # the guard made the region (compiled_region.region_call)
         state = _threads
         frame = _Frame(module)
         state.frames.append(frame)
@@ -163,13 +161,15 @@ class HalfCompute:
         return None
 
     def leave(self, module: nn.Module, args, output):
+        if torch.compiler.is_compiling():
+            return None
         state = _threads
         if not state.frames or state.frames[-1].module is not module:
             return None  # this call's enter() never ran (an earlier pre-hook raised)
         frame = state.frames.pop()
         _close(frame)
         if frame.boundary and output is not None:
-            return map_tensors(output, _to_fp32)
+            return map_tensors(output, to_fp32)
         return None
 
     # -- what a region does -----------------------------------------------------------------------
@@ -226,13 +226,9 @@ class HalfCompute:
             region_opened()
 
     def _param_copy(self, p: torch.Tensor, grad: bool, sparse: bool) -> torch.Tensor:
-        if not (grad and p.requires_grad):
-            return p.detach().to(self.dtype)
-        if self.scaler is not None:
+        if grad and p.requires_grad and self.scaler is not None:
             self._scaled(p)
-        if sparse:
-            return _CastForCompute.apply(p, self.dtype)
-        return p.to(self.dtype)
+        return compute_copy(p, self.dtype, grad, sparse)
 
     def _scaled(self, p: torch.Tensor) -> None:
         """Hand a trainable parameter a region computes with in fp16 to root scaling (at a forward, not at install:
@@ -246,10 +242,6 @@ class HalfCompute:
 
     def __repr__(self) -> str:
         return f"HalfCompute({self.level}, {self.dtype}, scaler={self.scaler!r})"
-
-
-def _to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
 
 
 def _close(frame: _Frame) -> None:
@@ -280,9 +272,6 @@ def close_to(depth: int) -> None:
         _close(state.frames.pop())
 
 
-_WRAPPED_CALL = nn.Module._wrapped_call_impl.__code__  # Module.__call__, which looks _call_impl up on the instance
-
-
 class _CallGuard:
     """A hooked module's ``_call_impl`` (looked up on the instance by ``Module.__call__``): torch's own, inside a
     ``try`` that puts the originals back whatever ends the call. torch runs ``always_call`` forward hooks for an
@@ -296,17 +285,16 @@ class _CallGuard:
         self.module, self.compute = module, compute
 
     def __call__(self, *args, **kwargs):
-        module = self.module
-        caller = sys._getframe(1)
-        if caller.f_code is _WRAPPED_CALL:  # a copy sharing this module's __dict__ (a DataParallel replica)
-            module = caller.f_locals.get("self", module)
+        if torch.compiler.is_compiling():  # dynamo traces the region into the graph
+            return compiled_region.region_call(self.compute, self.module, args, kwargs, inside=bool(_threads.frames))
+        module = called_module(self.module, sys._getframe(1))
         depth = len(_threads.frames)
         try:
             return type(module)._call_impl(module, *args, **kwargs)
         except BaseException as error:
             close_to(depth)
             if self.compute.level == "O2" and keep_after_failure(module, error):
-                _keep_fp32_now(module, self.compute.dtype)
+                _keep_fp32_now(module, self.compute)
                 return module(*args, **kwargs)
             raise
 
@@ -321,20 +309,6 @@ def _state_dict_of_originals(module: nn.Module, destination, prefix: str, local_
             if (owner is module._parameters or owner is module._buffers) and prefix + name in destination:
                 value = destination[prefix + name]
                 destination[prefix + name] = original if value is seen else original.detach()
-
-
-_eager_hooks = False
-
-
-def _run_eagerly_under_torch_compile() -> None:
-    """``torch.compile`` runs the region hooks eagerly (a graph break where a region opens and closes): traced,
-    the swap of parameters for their compute copies lost the parameters' gradients. Done once, at the first
-    install, because ``torch.compiler.disable`` imports ``torch._dynamo`` (heavy for ``import aiak``)."""
-    global _eager_hooks
-    if not _eager_hooks:
-        _eager_hooks = True
-        HalfCompute.enter = torch.compiler.disable(HalfCompute.enter, reason="aiak's half-precision region")
-        HalfCompute.leave = torch.compiler.disable(HalfCompute.leave, reason="aiak's half-precision region")
 
 
 # -- which modules ----------------------------------------------------------------------------------
@@ -381,7 +355,7 @@ def _owns_floating(module: nn.Module) -> bool:
     return False
 
 
-def _keep_fp32_now(module: nn.Module, dtype: torch.dtype) -> None:
+def _keep_fp32_now(module: nn.Module, compute: HalfCompute) -> None:
     """``module`` has just been marked kept in fp32 in the middle of a region: its tensors back to the user's in
     every open frame, its region hooks off (it opens no region any more), the fp32 hooks on."""
     inside = {id(m._parameters) for m in module.modules()} | {id(m._buffers) for m in module.modules()}
@@ -395,7 +369,7 @@ def _keep_fp32_now(module: nn.Module, dtype: torch.dtype) -> None:
             for key in [k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None), HalfCompute)]:
                 del hooks[key]
         vars(m).pop("_call_impl", None)
-    hook_fp32_module(module, dtype)
+    hook_fp32_module(module, compute.dtype, compute.device_type)
 
 
 def half_compute_of(model: nn.Module) -> Optional[HalfCompute]:

@@ -1,0 +1,120 @@
+"""A half-precision region as ``torch.compile`` sees it: plain Python that dynamo traces into the model's graph.
+
+The eager region (:mod:`aiak.amp.half_compute`) swaps tensors in the modules' ``_parameters`` and puts them back
+from forward hooks, with per-thread bookkeeping and a guard that catches ``KeyboardInterrupt``. None of that can be
+traced: run eagerly under ``torch.compile`` (``torch.compiler.disable``), it cut the model's graph at every module
+that owns parameters (a 4-block MLP made 9 graphs instead of plain autocast's 1, and its compiled step was 2.9x
+slower). So while dynamo traces a hooked module's call (``torch.compiler.is_compiling()``), the module's guard calls
+:func:`region_call` instead, which does what FSDP2's ``MixedPrecisionPolicy`` does in its traced pre-forward
+hooks: compute copies made in the graph, no state kept between calls.
+
+* **O1**: the call runs under ``torch.autocast`` (the region's dtype); floating outputs leave as fp32.
+* **O2**: each floating parameter of the module's subtree outside the modules kept in fp32 is replaced for the call
+  by its half copy (``p.to(dtype)``, an op of the graph, so the gradient lands on the fp32 parameter), through
+  ``torch.func.functional_call``, which dynamo traces; floating inputs enter in the half dtype and outputs leave as
+  fp32. The call also runs under ``torch.autocast``: buffers and the frozen parameters of the model's own module
+  classes stay the user's fp32 tensors (an in-place update lands in them exactly, as in the eager region), and an op
+  that meets them beside half tensors follows autocast's policy (a matrix product casts to the half dtype, an op
+  autocast keeps in fp32 runs in fp32), where the eager region shows them in half
+  (:class:`~aiak.amp.region_state.RegionState`, a tensor subclass dynamo does not trace).
+* A module kept in fp32 (:mod:`aiak.amp.fp32_modules`) called with half inputs runs with autocast off, from fp32
+  inputs, its floating outputs cast back to the half dtype (its own guard, ``Fp32Module.traced_call``).
+
+Modules called inside a region (dynamo inlines them, or runs them after a graph break) find a region open
+(:data:`_depth`, or an eager region of this thread) and run as they are. fp16's loss scaling needs no work here: it
+is applied at the root of the backward pass (:mod:`aiak.amp.root_scaling`) to the parameters registered when the
+hooks were installed.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import nn
+
+from aiak.amp.fp32_modules import HALF_DTYPES, is_kept_fp32
+from aiak.util.nested import map_tensors
+
+_depth = 0   # traced regions open in the call dynamo is tracing (a module-level value: dynamo traces its changes)
+
+
+class CastForCompute(torch.autograd.Function):
+    """``p.to(dtype)`` whose backward returns the gradient in fp32 and keeps a sparse gradient sparse (the
+    backward of a plain ``p.to(dtype)`` refuses one: "to(options) doesn't support converting to a different
+    layout")."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return p.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.float(), None
+
+
+def compute_copy(p: torch.Tensor, dtype: torch.dtype, grad: bool, sparse: bool) -> torch.Tensor:
+    """The half copy a region computes with in place of the parameter ``p``: in the autograd graph when ``p``
+    trains (``grad``: gradients are being recorded), detached otherwise."""
+    if not (grad and p.requires_grad):
+        return p.detach().to(dtype)
+    if sparse:
+        return CastForCompute.apply(p, dtype)
+    return p.to(dtype)
+
+
+def to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+
+
+def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
+    """``module``'s call while dynamo traces it: a region (see the module docstring) unless one is open already
+    (``inside``: an eager region of this thread; or a traced one)."""
+    global _depth
+    call = type(module)._call_impl
+    if inside or _depth:
+        return call(module, *args, **kwargs)
+    _depth += 1
+    try:
+        with torch.autocast(compute.device_type, dtype=compute.dtype):
+            if compute.level == "O1":
+                out = call(module, *args, **kwargs)
+            else:
+                cast = lambda t: t.to(compute.dtype) if t.is_floating_point() else t  # noqa: E731
+                out = torch.func.functional_call(module, _half_copies(module, compute.dtype),
+                                                 map_tensors(args, cast), map_tensors(kwargs, cast), strict=False)
+    finally:
+        _depth -= 1
+    return map_tensors(out, to_fp32)
+
+
+def _half_copies(module: nn.Module, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """``{path: half copy}`` for the floating parameters of ``module``'s subtree that O2 computes with in half:
+    outside the modules kept in fp32, and not the frozen parameters of the model's own module classes (state, kept
+    in fp32 as buffers are)."""
+    grad = torch.is_grad_enabled()
+    copies: Dict[str, torch.Tensor] = {}
+    made: Dict[int, torch.Tensor] = {}
+    for path, m in _half_modules(module):
+        sparse = m.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
+        own_class = not type(m).__module__.startswith("torch.nn.")
+        for name, p in m._parameters.items():
+            if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES or (own_class and not p.requires_grad):
+                continue
+            copy = made.get(id(p))
+            if copy is None:
+                copy = made[id(p)] = compute_copy(p, dtype, grad, sparse)
+            copies[path + name] = copy
+    return copies
+
+
+def _half_modules(module: nn.Module):
+    """``(path prefix, module)`` for ``module`` and its submodules outside those kept in fp32 (and what they hold)."""
+    stack = [("", module)]
+    seen = set()
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in seen or is_kept_fp32(m):
+            continue
+        seen.add(id(m))
+        yield prefix, m
+        stack.extend((f"{prefix}{name}.", child) for name, child in m._modules.items() if child is not None)
