@@ -483,6 +483,34 @@ def check_cell(case: Case, precision: str, seed: int = 0) -> dict:
     return cell
 
 
+# ------------------------------------------------------------------------------------------ under torch.compile
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _graphs(fn: Callable[[], Any]) -> Tuple[int, int]:
+    """(graphs, graph breaks) dynamo makes of ``fn`` (``torch._dynamo.explain``: traced, not compiled)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)()
+    return explained.graph_count, explained.graph_break_count
+
+
+def compiled_graphs(case: Case, precision: str, seed: int = 0) -> Dict[str, Tuple[int, int]]:
+    """What ``torch.compile`` of the model's forward makes (graphs, breaks), for the model under ``aiak.optimize``
+    with ``precision`` and for the same model in plain ``torch.autocast`` of that dtype: ``{"plain": .., "aiak":
+    ..}``. aiak's regions add nothing to dynamo's graphs when the two are equal."""
+    level, dtype = precision.split()
+    with warnings.catch_warnings(), _aiak_logger_quiet():
+        warnings.simplefilter("ignore")
+        run, plain, _ = new_run(case, PRECISIONS[precision], seed)
+        plain_run = Run(case, plain, torch.optim.AdamW(plain.parameters(), lr=LR), run.batch)
+        with torch.autocast("cpu", dtype=DTYPES[dtype]):
+            plain_graphs = _graphs(plain_run.forward)
+        return {"plain": plain_graphs, "aiak": _graphs(run.forward)}
+
+
 def sweep_model(case: Case, precisions: List[str], seed: int = 0) -> Dict[str, dict]:
     """Every precision of one model; an error outside the checks (building the model, say) fills its cells."""
     cells = {}

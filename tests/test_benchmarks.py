@@ -181,3 +181,16 @@ def test_gpu_checks_comm_algorithm_rows_run_on_cpu():
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert rows == {"comm: decentralized SGD (peers all) on cuda/nccl, one rank": True,
                     "comm: PowerSGD (rank 4) on cuda/nccl, one rank": True}
+
+
+def test_compiled_precision_counts_graphs_and_times_the_four_sides():
+    """benchmarks/compiled_precision.py on the MLP with the aot_eager backend, two rounds: the graph line (aiak no more
+    than plain) and a row per side."""
+    out = subprocess.run([sys.executable, "benchmarks/compiled_precision.py", "--models", "mlp", "--rounds", "2",
+                          "--steps", "8", "--warmup", "2", "--backend", "aot_eager"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "graphs (breaks) plain 1 (0), aiak 1 (0)" in out.stdout, out.stdout
+    for side in ("plain compiled", "aiak compiled", "aiak eager", "plain eager"):
+        assert f"   {side} " in out.stdout, out.stdout
+    assert "| mlp | 1 / 1 |" in out.stdout

@@ -21,7 +21,9 @@ hooks: compute copies made in the graph, no state kept between calls.
   inputs, its floating outputs cast back to the half dtype (its own guard, ``Fp32Module.traced_call``).
 
 Modules called inside a region (dynamo inlines them, or runs them after a graph break) find a region open
-(:data:`_depth`, or an eager region of this thread) and run as they are. fp16's loss scaling needs no work here: it
+(:data:`_depth`) and compute with their own parameters' half copies. A compiled module called inside an eager region
+(``block.compile()`` on each block of an optimized model) finds its parameters swapped already; the eager region
+leaves its buffers as the user's fp32 tensors, and the block runs under autocast as a traced region does. fp16's loss scaling needs no work here: it
 is applied at the root of the backward pass (:mod:`aiak.amp.root_scaling`) to the parameters registered when the
 hooks were installed.
 """
@@ -67,12 +69,18 @@ def to_fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
-    """``module``'s call while dynamo traces it: a region (see the module docstring) unless one is open already
-    (``inside``: an eager region of this thread; or a traced one)."""
+    """``module``'s call while dynamo traces it (see the module docstring). ``inside``: an eager region of this
+    thread is open, and has swapped the tensors already."""
     global _depth
     call = type(module)._call_impl
-    if inside or _depth:
-        return call(module, *args, **kwargs)
+    if inside:  # a compiled module inside an eager region: its parameters are half copies, its state is fp32
+        if compute.level == "O1":
+            return call(module, *args, **kwargs)
+        with torch.autocast(compute.device_type, dtype=compute.dtype):
+            return call(module, *args, **kwargs)
+    if _depth:
+        return _with_half_parameters(compute, module, args, kwargs) if compute.level == "O2" else \
+            call(module, *args, **kwargs)
     _depth += 1
     try:
         with torch.autocast(compute.device_type, dtype=compute.dtype):
@@ -80,41 +88,28 @@ def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
                 out = call(module, *args, **kwargs)
             else:
                 cast = lambda t: t.to(compute.dtype) if t.is_floating_point() else t  # noqa: E731
-                out = torch.func.functional_call(module, _half_copies(module, compute.dtype),
-                                                 map_tensors(args, cast), map_tensors(kwargs, cast), strict=False)
+                out = _with_half_parameters(compute, module, map_tensors(args, cast), map_tensors(kwargs, cast))
     finally:
         _depth -= 1
     return map_tensors(out, to_fp32)
 
 
-def _half_copies(module: nn.Module, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """``{path: half copy}`` for the floating parameters of ``module``'s subtree that O2 computes with in half:
-    outside the modules kept in fp32, and not the frozen parameters of the model's own module classes (state, kept
-    in fp32 as buffers are)."""
+def _with_half_parameters(compute, module: nn.Module, args, kwargs):
+    """O2: ``module`` called with each floating parameter it owns replaced by its half copy, the originals back
+    whatever ends the call. Not the frozen parameters of the model's own module classes: state, kept in fp32 as
+    buffers are."""
+    params = module._parameters
     grad = torch.is_grad_enabled()
-    copies: Dict[str, torch.Tensor] = {}
-    made: Dict[int, torch.Tensor] = {}
-    for path, m in _half_modules(module):
-        sparse = m.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
-        own_class = not type(m).__module__.startswith("torch.nn.")
-        for name, p in m._parameters.items():
-            if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES or (own_class and not p.requires_grad):
-                continue
-            copy = made.get(id(p))
-            if copy is None:
-                copy = made[id(p)] = compute_copy(p, dtype, grad, sparse)
-            copies[path + name] = copy
-    return copies
-
-
-def _half_modules(module: nn.Module):
-    """``(path prefix, module)`` for ``module`` and its submodules outside those kept in fp32 (and what they hold)."""
-    stack = [("", module)]
-    seen = set()
-    while stack:
-        prefix, m = stack.pop()
-        if id(m) in seen or is_kept_fp32(m):
+    sparse = module.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
+    own_class = not type(module).__module__.startswith("torch.nn.")
+    swapped = []
+    for name, p in list(params.items()):
+        if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES or (own_class and not p.requires_grad):
             continue
-        seen.add(id(m))
-        yield prefix, m
-        stack.extend((f"{prefix}{name}.", child) for name, child in m._modules.items() if child is not None)
+        swapped.append((name, p))
+        params[name] = compute_copy(p, compute.dtype, grad, sparse)
+    try:
+        return type(module)._call_impl(module, *args, **kwargs)
+    finally:
+        for name, p in swapped:
+            params[name] = p

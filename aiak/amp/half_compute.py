@@ -191,7 +191,7 @@ class HalfCompute:
         grad = torch.is_grad_enabled()
         versioned = not torch.is_inference_mode_enabled()  # inference tensors have no version counter
         copies = {}  # id(tensor) -> its copy: a tensor shared by two modules (tied weights) is cast once
-        for m, kept in _modules_of(module):
+        for m, kept, compiled in _walk(module):
             if id(m) in state.swapped:
                 continue
             state.swapped.add(id(m))
@@ -203,15 +203,16 @@ class HalfCompute:
                 if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES:
                     continue
                 if not p.requires_grad and not type(m).__module__.startswith("torch.nn."):
-                    self._show_state(frame, copies, m._parameters, name, p)  # a frozen parameter of the model's
-                    continue                                                 # own module: state, not a weight
+                    if not compiled:  # a frozen parameter of the model's own module: state, not a weight
+                        self._show_state(frame, copies, m._parameters, name, p)
+                    continue
                 copy = copies.get(id(p))
                 if copy is None:
                     copy = copies[id(p)] = self._param_copy(p, grad, sparse)
                 frame.swapped.append((m._parameters, name, p, copy, copy._version if versioned else None))
                 m._parameters[name] = copy
-            for name, b in m._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype not in HALF_DTYPES:
+            for name, b in m._buffers.items():  # (left as they are in a compiled module: its region_call's autocast)
+                if b is not None and b.is_floating_point() and b.dtype not in HALF_DTYPES and not compiled:
                     self._show_state(frame, copies, m._buffers, name, b)
 
     def _show_state(self, frame: _Frame, copies: dict, owner: dict, name: str, t: torch.Tensor) -> None:
@@ -316,16 +317,25 @@ def _state_dict_of_originals(module: nn.Module, destination, prefix: str, local_
 def _modules_of(model: nn.Module) -> Iterator[Tuple[nn.Module, bool]]:
     """``(module, kept in fp32?)`` for ``model`` and each of its submodules, once each (a module inside one kept
     in fp32 is kept too)."""
+    for module, kept, _ in _walk(model):
+        yield module, kept
+
+
+def _walk(model: nn.Module) -> Iterator[Tuple[nn.Module, bool, bool]]:
+    """``(module, kept in fp32?, inside a compiled module?)`` for ``model`` and each of its submodules, once each.
+    A compiled module (``module.compile()``, or ``torch.compile(module)`` put in its parent's place) is traced by
+    dynamo, which cannot trace a :class:`~aiak.amp.region_state.RegionState`."""
     seen: Set[int] = set()
-    stack = [(model, False)]
+    stack = [(model, False, False)]
     while stack:
-        module, kept = stack.pop()
+        module, kept, compiled = stack.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
         kept = kept or is_kept_fp32(module)
-        yield module, kept
-        stack.extend((m, kept) for m in module._modules.values() if m is not None)
+        compiled = compiled or module.__dict__.get("_compiled_call_impl") is not None or "_orig_mod" in module._modules
+        yield module, kept, compiled
+        stack.extend((m, kept, compiled) for m in module._modules.values() if m is not None)
 
 
 def _region_openers(model: nn.Module) -> List[nn.Module]:
