@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/precision_zoo.py [--models timm:resnet10t,hf:bert,...]
                                                          [--precisions "O2 bf16,O1 fp16"] [--json FILE]
+                                                         [--compiled]
 
 The zoo (``CASES``, 50+ models): timm, torchvision and Hugging Face transformers architectures (CNNs with
 BatchNorm, none, depthwise and grouped convolutions, squeeze-excite; ViT, DeiT, Swin, ConvNeXt, MLP-Mixer, MaxViT,
@@ -40,6 +41,11 @@ the summary counts the cells that passed, failed and were refused. The seconds p
 Not a check, a note: the first training step counts the ``Linear`` / ``Conv`` calls whose output is fp16/bf16. A
 cell that passed with some of them in fp32 says ``pass (note: H/N ...)``: correct, but not all in half precision
 (O2 keeps normalization layers, and what aiak takes for one, in fp32).
+
+``--compiled`` adds the compiled column: for each model and precision, the graphs (and graph breaks) dynamo makes of
+the forward (``torch._dynamo.explain``: traced, not compiled) for the model under ``aiak.optimize`` and for the
+same model called inside plain ``torch.autocast`` of that dtype (:func:`compiled_graphs`). aiak's regions are traced
+into the model's graph (:mod:`aiak.amp.compiled_region`): a cell where aiak makes more graphs is marked.
 
 Run with one thread on a shared CPU (``OMP_NUM_THREADS=1``; the script also calls ``torch.set_num_threads``
 with ``--threads``, default 1). fp16 on a CPU without AVX512-FP16 is emulated and slow: the inputs are tiny.
@@ -511,6 +517,32 @@ def compiled_graphs(case: Case, precision: str, seed: int = 0) -> Dict[str, Tupl
         return {"plain": plain_graphs, "aiak": _graphs(run.forward)}
 
 
+def compiled_table(names: List[str], precisions: List[str], seed: int = 0) -> Dict[str, Dict[str, dict]]:
+    """The compiled column: per model and precision, the graphs (breaks) of plain autocast and of aiak, printed as a
+    table with a count of the cells where aiak makes more graphs."""
+    found: Dict[str, Dict[str, dict]] = {}
+    print("\n| model | " + " | ".join(f"{p}: graphs (breaks) plain / aiak" for p in precisions) + " |")
+    print("|---" * (len(precisions) + 1) + "|")
+    for name in names:
+        cells = found[name] = {}
+        for precision in precisions:
+            try:
+                cells[precision] = compiled_graphs(CASES[name], precision, seed)
+            except Exception as e:  # noqa: BLE001 - a model dynamo cannot trace at all is a finding too
+                cells[precision] = {"error": _first_line(e)}
+        print(f"| {name} | " + " | ".join(_graphs_text(cells[p]) for p in precisions) + " |", flush=True)
+    more = sum(1 for cells in found.values() for c in cells.values() if "error" in c or c["aiak"][0] > c["plain"][0])
+    print(f"\naiak makes more graphs than plain autocast in {more} of {len(names) * len(precisions)} cells")
+    return found
+
+
+def _graphs_text(cell: dict) -> str:
+    if "error" in cell:
+        return cell["error"].replace("|", "\\|")
+    (pg, pb), (ag, ab) = cell["plain"], cell["aiak"]
+    return f"{pg} ({pb}) / {ag} ({ab})" + (" **more**" if ag > pg else "")
+
+
 def sweep_model(case: Case, precisions: List[str], seed: int = 0) -> Dict[str, dict]:
     """Every precision of one model; an error outside the checks (building the model, say) fills its cells."""
     cells = {}
@@ -560,6 +592,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--json", default=None, help="write every cell's checks, failures and aiak warnings here")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also count the graphs torch.compile makes of each forward, aiak against plain autocast")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = list(CASES) if not args.models else list(QUICK) if args.models == "quick" else \
@@ -600,10 +634,11 @@ def main(argv=None) -> int:
         print("\nEvery failure:")
         for n, p, f in failing:
             print(f"- {n} ({p}): {f}")
+    compiled = compiled_table(names, precisions, args.seed) if args.compiled else None
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "precisions": precisions,
-                       "seconds": seconds, "summary": counts,
+                       "seconds": seconds, "summary": counts, "compiled_graphs": compiled,
                        "results": {n: {"kind": CASES[n].kind, "cells": cells} for n, cells in results.items()}},
                       f, indent=1)
     return 0
