@@ -111,6 +111,7 @@ class HalfCompute:
             module.register_forward_hook(self.leave, always_call=True)
             module._register_state_dict_hook(_state_dict_of_originals)
             vars(module)["_call_impl"] = _CallGuard(module, self)
+            vars(module)["__prepare_scriptable__"] = _NotScriptable(self)  # torch.jit.script asks this first
             hooked += 1
         if self.scaler is not None:
             root_scaling.watch()
@@ -136,6 +137,8 @@ class HalfCompute:
     def enter(self, module: nn.Module, args, kwargs):
         if torch.compiler.is_compiling():
             return None  # the guard made the region (compiled_region.region_call)
+        if torch.jit.is_tracing() and self.level == "O2":  # (O1 traces: its autocast is recorded in the graph)
+            raise RuntimeError(_not_torchscript("torch.jit.trace", self))
         state = _threads
         frame = _Frame(module)
         state.frames.append(frame)
@@ -298,6 +301,28 @@ class _CallGuard:
                 _keep_fp32_now(module, self.compute)
                 return module(*args, **kwargs)
             raise
+
+
+class _NotScriptable:
+    """A hooked module's ``__prepare_scriptable__``, which ``torch.jit.script`` calls before compiling anything: it
+    refuses with :func:`_not_torchscript` (the region's hooks are Python that TorchScript cannot compile; it failed
+    inside them with "Unknown type name 'nn.Module'")."""
+
+    __slots__ = ("compute",)
+
+    def __init__(self, compute: HalfCompute):
+        self.compute = compute
+
+    def __call__(self):
+        raise RuntimeError(_not_torchscript("torch.jit.script", self.compute))
+
+
+def _not_torchscript(what: str, compute: HalfCompute) -> str:
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute.dtype, str(compute.dtype))
+    return (f"aiak: {what} cannot export a model that aiak.optimize() made compute in {compute.level} {dtype}: its "
+            "half-precision regions are Python hooks TorchScript does not run. Use torch.export.export(model, "
+            "args), which exports the optimized model, or get the plain model back: build it again and load this "
+            "model's state_dict() into it (same keys, the same fp32 tensors), then script or trace that one")
 
 
 def _state_dict_of_originals(module: nn.Module, destination, prefix: str, local_metadata) -> None:

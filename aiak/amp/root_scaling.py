@@ -90,7 +90,7 @@ class _Registry:
 _scalers = _Registry()
 _weighers = _Registry()             # trainable parameter -> weak reference to its counting optimizer's weigher
 _pending: "weakref.WeakSet" = weakref.WeakSet()  # weighers whose micro-batch's items are counted, not yet stepped
-_in_flight: List["_Pass"] = []      # factors of the scaled or weighted backward passes running now (innermost last)
+_in_flight: List["_Pass"] = []      # factors of the scaled or weighted backward passes running now, in any thread
 _lock = threading.Lock()
 _original = None                    # torch's _engine_run_backward while the wrapper is installed (read every pass)
 
@@ -215,9 +215,10 @@ class _Pass:
     number; another counting owner's: ``items / root``) or, for a leaf of no counting optimizer, to its true value
     (``1 / root``)."""
 
-    __slots__ = ("root", "_landing", "unowned")
+    __slots__ = ("root", "_landing", "unowned", "task")
 
     def __init__(self, scale: float, weights: Dict[Any, Tuple[Any, Any, float]]):
+        self.task = None                  # the autograd engine's id of this pass, once its root node has run
         self._landing: Dict[int, Any] = {}
         self.root = scale
         for i, (owner, (weight, items, reference)) in enumerate(weights.items()):
@@ -243,8 +244,9 @@ def _run_backward(t_outputs, *args: Any, **kwargs: Any):
     if not (_scalers or _pending) or not args:
         return original(t_outputs, *args, **kwargs)
     accumulate = kwargs.get("accumulate_grad", True)
-    if _in_flight and torch._C._current_graph_task_id() != -1:
-        return _nested(original, t_outputs, args, kwargs, accumulate)
+    outer = _running_inside()
+    if outer is not None:
+        return _nested(original, t_outputs, args, kwargs, accumulate, outer)
     leaves, scalers, weighers = _walk(t_outputs)
     scale = min((s.grad_scale() for s in scalers), default=1.0)
     weights = {w: w.root_weight(scale != 1.0) for w in weighers} if accumulate else {}
@@ -258,11 +260,13 @@ def _run_backward(t_outputs, *args: Any, **kwargs: Any):
             by = factors.landing(leaf.variable)
             if not _is_one(by):
                 handles.append(leaf.register_prehook(_Multiply(by)))
+    for node in _root_nodes(t_outputs):
+        handles.append(node.register_prehook(_Started(factors)))
     _in_flight.append(factors)
     try:
         result = original(t_outputs, grads, *args[1:], **kwargs)
     finally:
-        _in_flight.pop()
+        _in_flight.remove(factors)
         for handle in handles:
             handle.remove()
     if accumulate:
@@ -270,12 +274,43 @@ def _run_backward(t_outputs, *args: Any, **kwargs: Any):
     return tuple(_times(g, factors.unowned) if g is not None else None for g in result)
 
 
-def _nested(original, t_outputs, args, kwargs, accumulate: bool):
+class _Started:
+    """A pre-hook on a pass's root node: records the engine's id of the pass when it starts (in whatever thread runs
+    it: the caller's on a CPU, a device's worker thread on CUDA), so a pass started inside it finds its factors."""
+
+    __slots__ = ("factors",)
+
+    def __init__(self, factors: _Pass):
+        self.factors = factors
+
+    def __call__(self, grads):
+        self.factors.task = torch._C._current_graph_task_id()
+        return None
+
+
+def _root_nodes(t_outputs) -> list:
+    roots = t_outputs if isinstance(t_outputs, (tuple, list)) else (t_outputs,)
+    nodes = [r.node if isinstance(r, torch.autograd.graph.GradientEdge) else getattr(r, "grad_fn", None)
+             for r in roots]
+    return [node for node in nodes if node is not None]
+
+
+def _running_inside() -> Optional[_Pass]:
+    """The factors of the scaled or weighted pass this call runs inside (a reentrant checkpoint's backward), by the
+    engine's id of the running pass: not the latest pass of the process, which may be another thread's."""
+    if not _in_flight:
+        return None
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return None
+    return next((f for f in reversed(_in_flight) if f.task == task), None)
+
+
+def _nested(original, t_outputs, args, kwargs, accumulate: bool, factors: _Pass):
     """A backward pass run from inside a scaled one: its gradients are scaled already; bring those that land in
     parameters to their true (or counted) values, and hand the rest back scaled to the pass that asked for them."""
     if not accumulate:
         return original(t_outputs, *args, **kwargs)
-    factors = _in_flight[-1]
     leaves, _, _ = _walk(t_outputs)
     handles = []
     for leaf in leaves:

@@ -944,3 +944,38 @@ def test_torch_compile_after_optimize():
     twin_delta = deltas(twin, initial)
     for n, d in deltas(model, initial).items():
         assert_close(d, twin_delta[n], f"{n} update, compiled vs not")
+
+
+# -- 25. TorchScript after training ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("level,export", [("O1", "script"), ("O2", "script"), ("O2", "trace")])
+def test_torchscript_is_refused_at_once_naming_torch_export_and_the_way_back(level, export):
+    """``torch.jit.script(model)`` (O1, O2) / ``torch.jit.trace(model, x)`` (O2) of an optimized model: TorchScript
+    cannot run the region's Python hooks (it failed inside them with "Unknown type name 'nn.Module'", or "Graphs
+    differed across invocations"), so it is refused before anything runs, with one error naming torch.export (which
+    exports the optimized model) and how to get the plain model back; following that advice scripts and traces it,
+    and the model trains on afterwards."""
+    model, ref = twins(MLP)
+    model, opt = with_aiak(model, level, "bf16")
+    classify(model)(0).backward()
+    opt.step()
+    x, _ = batch(1)
+    with pytest.raises(RuntimeError, match=rf"torch\.jit\.{export} cannot export .* {level} bf16.*torch\.export\.export"
+                                           r".*state_dict\(\)"):
+        torch.jit.script(model) if export == "script" else torch.jit.trace(model, x)
+    ref.load_state_dict(model.state_dict())  # the way back the error gives
+    exported = torch.jit.script(ref) if export == "script" else torch.jit.trace(ref, x)
+    assert torch.equal(exported(x), ref(x))
+    assert torch.allclose(torch.export.export(model, (x,)).module()(x), model(x))
+    classify(model)(2).backward()  # the refusal left no region open: the model trains on
+    assert all(p.grad is not None and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_torch_jit_trace_of_an_o1_model_exports_what_it_computes():
+    """O1's region is autocast, which the tracer records: ``torch.jit.trace`` exports a module that computes what the
+    optimized model computes (exactly), and stays allowed."""
+    model, _ = twins(MLP)
+    model, _ = with_aiak(model, "O1", "bf16")
+    x, _ = batch(1)
+    traced = torch.jit.trace(model, x)
+    assert torch.equal(traced(x), model(x))

@@ -113,3 +113,100 @@ def test_the_gpu_checks_counted_items_row_holds_on_cpu(dtype):
     spec.loader.exec_module(module)
     row = module.counted_items_row(torch.device("cpu"), dtype)
     assert row["ok"], row
+
+
+class _Gate(torch.autograd.Function):
+    """Identity whose backward calls ``model.gate()`` (to hold one thread's backward pass at a chosen point)."""
+
+    @staticmethod
+    def forward(ctx, x, model):
+        ctx.model = model
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.model.gate is not None:
+            ctx.model.gate()
+        return grad, None
+
+
+class _CheckpointedNet(nn.Module):
+    """stem -> a block under reentrant activation checkpointing (a backward pass of its own, nested in the outer
+    one) -> a gate -> head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.gate = None
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.block, torch.tanh(self.stem(x)), use_reentrant=True)
+        return self.head(_Gate.apply(h, self))
+
+
+@pytest.mark.filterwarnings("ignore:aiak")
+def test_two_threads_backward_passes_with_nested_checkpoint_passes_keep_their_own_factors():
+    """Two fp16 models with other loss scales (1024, 65536), each trained in its own thread, their backward passes
+    in flight at once: a checkpoint's nested pass takes the factors of the pass it runs inside, not those of the
+    other thread's (the list of passes in flight was one list for the process: the nested pass of one model used
+    the other's scale, and each thread popped the other's entry). The gradients equal each model's trained alone."""
+    import threading
+
+    def build(scale):
+        torch.manual_seed(0)
+        model = _CheckpointedNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": "O2", "dtype": "fp16",
+                                                                          "loss_scale": scale}})
+        return model
+
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+
+    def backward(model):
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    alone = {}
+    for scale in (1024, 65536):
+        model = build(scale)
+        backward(model)
+        alone[scale] = [p.grad.clone() for p in model.parameters()]
+
+    a, b = build(1024), build(65536)
+    a_waiting, b_in_flight, a_done = threading.Event(), threading.Event(), threading.Event()
+    failures = []
+
+    def gate_a():  # A's pass is in flight; wait until B's is too, then go on into A's checkpoint
+        a_waiting.set()
+        assert b_in_flight.wait(30), "B's backward never started"
+
+    def gate_b():  # B's pass is in flight: let A go on, and stay in flight until A is done
+        b_in_flight.set()
+        assert a_done.wait(30), "A's backward never finished"
+
+    a.gate, b.gate = gate_a, gate_b
+
+    def run(model, after=None, before=None):
+        try:
+            if before is not None:
+                assert before.wait(30), "the other thread never started"
+            backward(model)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            failures.append(e)
+            b_in_flight.set()
+            a_done.set()
+        finally:
+            if after is not None:
+                after.set()
+
+    threads = [threading.Thread(target=run, args=(a, a_done)), threading.Thread(target=run, args=(b, None, a_waiting))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not failures, failures
+    for model, scale in ((a, 1024), (b, 65536)):
+        for p, want in zip(model.parameters(), alone[scale]):
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
