@@ -23,7 +23,7 @@ Models (random weights, nothing downloaded; CPU-sized): ``mlp`` (4 residual pre-
 64), ``resnet`` (torchvision ``resnet18`` at 64 px, batch 8), ``vit`` (timm ``vit_tiny_patch16_224`` at 64 px, batch
 8), ``gpt2`` and ``bert`` (Hugging Face, hidden 128, 2 layers, 4 heads, vocabulary 1024, 64 tokens, batch 4). One
 torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads wait for each other whenever
-another process holds a core.
+another process holds a core. :func:`gpu_checks` holds the rows of ``benchmarks/gpu_check.py --only compile``.
 """
 from __future__ import annotations
 
@@ -131,11 +131,11 @@ def _quiet():
     return contextlib.redirect_stderr(io.StringIO())
 
 
-def build(name: str, side: str, precision: str, backend: str):
+def build(name: str, side: str, precision: str, backend: str, device: torch.device = torch.device("cpu")):
     """``(module to call, optimizer, autocast context or None)`` for one side, from seed 0."""
     factory = MODELS[name][0]
     torch.manual_seed(0)
-    model = factory()
+    model = factory().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     level, dtype = precision.split()
     autocast = None
@@ -144,7 +144,7 @@ def build(name: str, side: str, precision: str, backend: str):
             model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": level, "dtype": dtype},
                                                                 "tune": False})
     else:
-        autocast = lambda: torch.autocast("cpu", dtype=DTYPES[dtype])  # noqa: E731
+        autocast = lambda: torch.autocast(device.type, dtype=DTYPES[dtype])  # noqa: E731
     if side.endswith("compiled"):
         model = torch.compile(model, backend=backend)
     return model, opt, autocast
@@ -161,13 +161,14 @@ def stepper(model, opt, autocast, inputs, target) -> Callable[[], torch.Tensor]:
     return step
 
 
-def graphs(name: str, precision: str, inputs: dict, target) -> Dict[str, Tuple[int, int]]:
+def graphs(name: str, precision: str, inputs: dict, target,
+           device: torch.device = torch.device("cpu")) -> Dict[str, Tuple[int, int]]:
     """(graphs, breaks) of the forward and loss, plain autocast against aiak, by ``torch._dynamo.explain``."""
     import torch._dynamo
 
     out = {}
     for side in ("plain", "aiak"):
-        model, _, autocast = build(name, side + " eager", precision, "eager")
+        model, _, autocast = build(name, side + " eager", precision, "eager", device)
         torch._dynamo.reset()
         with autocast() if autocast is not None else contextlib.nullcontext():
             explained = torch._dynamo.explain(lambda: _loss(model, inputs, target))()
@@ -176,16 +177,21 @@ def graphs(name: str, precision: str, inputs: dict, target) -> Dict[str, Tuple[i
     return out
 
 
-def run_model(name: str, args) -> dict:
+def _on(device: torch.device, inputs: dict, target):
+    return {k: v.to(device) for k, v in inputs.items()}, target.to(device) if target is not None else None
+
+
+def run_model(name: str, args, device: torch.device = torch.device("cpu")) -> dict:
     _, make_batch, batch = MODELS[name]
-    inputs, target = make_batch(torch.Generator().manual_seed(0), batch)
-    counted = graphs(name, args.precision, inputs, target)
+    inputs, target = _on(device, *make_batch(torch.Generator().manual_seed(0), batch))
+    counted = graphs(name, args.precision, inputs, target, device)
     print(f"\n== {name}, {args.precision}, batch {batch}: graphs (breaks) plain {counted['plain'][0]} "
           f"({counted['plain'][1]}), aiak {counted['aiak'][0]} ({counted['aiak'][1]})", flush=True)
     contenders = []
     for side in SIDES:
-        model, opt, autocast = build(name, side, args.precision, args.backend)
-        contenders.append(Contender(side, stepper(model, opt, autocast, inputs, target), switches=read_switches()))
+        model, opt, autocast = build(name, side, args.precision, args.backend, device)
+        contenders.append(Contender(side, stepper(model, opt, autocast, inputs, target), device=device,
+                                    switches=read_switches()))
     warmup, per_round = plan_rounds(args.steps, args.rounds, args.warmup)
     t0 = time.perf_counter()
     alternate(contenders, warmup=warmup, rounds=args.rounds, steps_per_round=per_round, slow_factor=1e9)
@@ -207,6 +213,27 @@ def run_model(name: str, args) -> dict:
             "eager_vs_plain": eager_vs_plain.to_dict()}
 
 
+def gpu_checks() -> list:
+    """The rows of ``benchmarks/gpu_check.py --only compile``: on the GPU, for the MLP, the ViT and GPT-2 under O2 and
+    O1 bf16, compiled aiak makes no more graphs than compiled plain autocast and is not slower than it (the median of
+    8 alternating rounds' ratios, goal >= 1.0 within the interval); the ratio to eager aiak is printed beside it."""
+    device = torch.device("cuda")
+    rows = []
+    for precision in ("O2 bf16", "O1 bf16"):
+        args = argparse.Namespace(precision=precision, rounds=8, steps=48, warmup=4, backend="inductor")
+        for name in ("mlp", "vit", "gpt2"):
+            r = run_model(name, args, device)
+            g, ratio = r["graphs"], r["compiled_vs_plain"]
+            rows.append({"check": f"compile: {name} {precision} graphs", "ok": g["aiak"][0] <= g["plain"][0],
+                         "metric": "aiak <= plain autocast", "value": f"{g['aiak'][0]} vs {g['plain'][0]}"})
+            rows.append({"check": f"compile: {name} {precision} step", "ok": ratio["high"] >= 1.0,
+                         "metric": "plain / aiak, compiled (goal >= 1.0)",
+                         "value": f"{ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f}); compiled / eager "
+                                  f"aiak {r['compiled_vs_eager']['median']:.2f}x"})
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
@@ -216,6 +243,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--warmup", type=int, default=4, help="warm-up steps per side, at least (compiles: default 4)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -229,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     warnings.filterwarnings("ignore", module="aiak")
     print(f"compiled_precision: torch {torch.__version__}, {torch.get_num_threads()} thread(s), backend "
           f"{args.backend}, {args.precision}")
-    results = [run_model(name, args) for name in names]
+    results = [run_model(name, args, torch.device(args.device)) for name in names]
     print("\n| model | graphs plain / aiak | aiak compiled vs plain compiled | aiak compiled vs aiak eager | "
           "aiak eager vs plain eager |\n|---|---|---|---|---|")
     for r in results:

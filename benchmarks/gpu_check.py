@@ -1,6 +1,7 @@
 """One script that checks and times every CUDA path of aiak on one GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8] [--budget-s 420]
+    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8,compile]
+                                   [--budget-s 420]
 
 Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals),
 auto (the probe on CUDA, the CUDA rules, trials timed with CUDA events and their peak memory, winner >= plain,
@@ -12,7 +13,8 @@ admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream o
 copies, NaN recovery, autotune and NCCL socket candidates in child processes on a one-rank NCCL group), doctor (what it reads of the GPUs, NCCL, Triton and DALI on the GPU),
 bench (``aiak bench`` on resnet18: CUDA memory, CUDA kernels in its trace, default = plain), fp8 (a transformer
 block at widths 4096 and 8192, compiled: tensorwise and rowwise against bf16, step time and loss; several minutes
-of compiling, so run it with ``--only fp8`` when the budget is short). Every row compares what it measured to its goal and says ok or NO.
+of compiling, so run it with ``--only fp8`` when the budget is short), compile (an MLP, a ViT and GPT-2 compiled
+under O2 and O1 bf16: graphs and step time against compiled plain autocast; minutes of compiling too). Every row compares what it measured to its goal and says ok or NO.
 Exit status 1 if any check failed. Without CUDA it prints why and exits 0 having checked nothing (so it is
 safe to run anywhere).
 """
@@ -298,13 +300,16 @@ def section(name: str):
     if name == "fp8":
         from fp8 import gpu_checks
         return gpu_checks()
+    if name == "compile":
+        from compiled_precision import gpu_checks
+        return gpu_checks()
     raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm, doctor, "
-                     "bench, fp8")
+                     "bench, fp8, compile")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8")
+    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8,compile")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -135,8 +135,11 @@ def watch() -> None:
         if not hasattr(graph, "_engine_run_backward"):
             raise RuntimeError(f"aiak: fp16 loss scaling needs torch.autograd.graph._engine_run_backward (torch >= "
                                f"2.3); this torch is {torch.__version__}: use precision.dtype bf16, or upgrade torch")
-        _original = patches.replace("backward-root", graph, "_engine_run_backward", _run_backward)
-        patches.replace("backward-root", torch.autograd, "_engine_run_backward", _run_backward)
+        # Run eagerly under torch.compile: dynamo runs a backward outside its graphs, and tracing this wrapper there
+        # cut a compiled train step into a graph per branch (6 where plain GradScaler makes 2).
+        wrapper = torch.compiler.disable(_run_backward, reason="aiak's backward root")
+        _original = patches.replace("backward-root", graph, "_engine_run_backward", wrapper)
+        patches.replace("backward-root", torch.autograd, "_engine_run_backward", wrapper)
         patches.on_undo("backward-root", _forget_original)
 
 

@@ -86,6 +86,22 @@ class _AfterAccumulation:
             controller.after_accumulation(param)
 
 
+_eager_steps = False
+
+
+def _run_eagerly_under_torch_compile() -> None:
+    """A script that compiles its whole train step (forward, ``loss.backward()``, ``optimizer.step()``) has dynamo
+    meet the controller's ``step`` and ``zero_grad``: traced, their bookkeeping (counters, the overflow check's
+    ``.item()``) cut the step into a graph per branch. They run eagerly instead, as torch's ``GradScaler.step`` does
+    under dynamo. Done once, at the first controller, because ``torch.compiler.disable`` imports ``torch._dynamo``
+    (heavy for ``import aiak``)."""
+    global _eager_steps
+    if not _eager_steps:
+        _eager_steps = True
+        StepController.step = torch.compiler.disable(StepController.step, reason="aiak's step controller")
+        StepController.zero_grad = torch.compiler.disable(StepController.zero_grad, reason="aiak's step controller")
+
+
 class StepController:
     """Owns ``step``/``zero_grad`` of one optimizer. Attached as ``optimizer._aiak_steps``."""
 
@@ -122,6 +138,7 @@ class StepController:
         self.sees_epoch_ends = False  # a loader aiak returned calls close_window (else: said at the first step)
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
+        _run_eagerly_under_torch_compile()
         mark(optimizer, "_aiak_steps", self)
         optimizer.step = types.MethodType(_make_patched_step(self._inner_step), optimizer)
         optimizer.zero_grad = types.MethodType(_patched_zero_grad, optimizer)

@@ -47,8 +47,9 @@ PHASES: Tuple[Phase, ...] = (
           "NHWC weights and 4-D inputs on the bare model (`runtime/switches.py`)",
           "each parameter's and buffer's tensor (its layout) and the modules' hook dicts"),
     Phase("precision", ("precision",),
-          "O1/O2 half compute hooked on the bare model (`amp/precision.py`, `amp/half_compute.py`); fp16 loss "
-          "scaling (`amp/loss_scaler.py`, `amp/root_scaling.py`); fp8 linear layers (`amp/fp8.py`), warned about "
+          "O1/O2 half compute hooked on the bare model (`amp/precision.py`, `amp/half_compute.py`, traced under "
+          "compile by `amp/compiled_region.py`); its fp16 parameters handed to root scaling once every phase "
+          "applied; fp16 loss scaling (`amp/loss_scaler.py`, `amp/root_scaling.py`); fp8 linear layers (`amp/fp8.py`), warned about "
           "where they would be slow (emulated, or without compile)",
           "the modules' classes, hook dicts and attributes (the parameters are never changed); the once-per-process "
           "wrappers of torch's backward and GradScaler stay",

@@ -79,7 +79,7 @@ def test_autograd_grad_returns_true_gradients_and_accumulates_nothing():
 def test_unwatch_puts_torchs_function_back_and_watch_installs_it_again():
     _fp16_model()
     wrapper = torch.autograd.graph._engine_run_backward
-    assert wrapper is root_scaling._run_backward and torch.autograd._engine_run_backward is wrapper
+    assert wrapper.__wrapped__ is root_scaling._run_backward and torch.autograd._engine_run_backward is wrapper
     root_scaling.unwatch()
     try:
         original = torch.autograd.graph._engine_run_backward
@@ -87,7 +87,7 @@ def test_unwatch_puts_torchs_function_back_and_watch_installs_it_again():
         assert original.__module__ == "torch.autograd.graph"
     finally:
         root_scaling.watch()
-    assert torch.autograd.graph._engine_run_backward is wrapper
+    assert torch.autograd.graph._engine_run_backward.__wrapped__ is root_scaling._run_backward
 
 
 def test_the_gpu_checks_root_scaling_row_holds_on_cpu():
