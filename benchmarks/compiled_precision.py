@@ -33,7 +33,6 @@ import io
 import json
 import logging
 import os
-import sys
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple

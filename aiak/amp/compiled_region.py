@@ -1,40 +1,41 @@
 """A half-precision region as ``torch.compile`` sees it: plain Python that dynamo traces into the model's graph.
 
-The eager region (:mod:`aiak.amp.half_compute`) swaps tensors in the modules' ``_parameters`` and puts them back
+The eager region (`aiak.amp.half_compute`) swaps tensors in the modules' ``_parameters`` and puts them back
 from forward hooks, with per-thread bookkeeping and a guard that catches ``KeyboardInterrupt``. None of that can be
 traced: run eagerly under ``torch.compile`` (``torch.compiler.disable``), it cut the model's graph at every module
 that owns parameters (a 4-block MLP made 9 graphs instead of plain autocast's 1, and its compiled step was 2.9x
 slower). So while dynamo traces a hooked module's call (``torch.compiler.is_compiling()``), the module's guard calls
-:func:`region_call` instead, which does what FSDP2's ``MixedPrecisionPolicy`` does in its traced pre-forward
+`region_call` instead, which does what FSDP2's ``MixedPrecisionPolicy`` does in its traced pre-forward
 hooks: compute copies made in the graph, no state kept between calls.
 
 * **O1**: the call runs under ``torch.autocast`` (the region's dtype); floating outputs leave as fp32.
-* **O2**: each floating parameter of the module's subtree outside the modules kept in fp32 is replaced for the call
-  by its half copy (``p.to(dtype)``, an op of the graph, so the gradient lands on the fp32 parameter), through
-  ``torch.func.functional_call``, which dynamo traces; floating inputs enter in the half dtype and outputs leave as
-  fp32. The call also runs under ``torch.autocast``: buffers and the frozen parameters of the model's own module
+* **O2**: the region's root casts floating inputs to the half dtype and its outputs back to fp32; every hooked
+  module inside swaps the floating parameters it owns for their half copies (``p.to(dtype)``, an op of the graph, so
+  the gradient lands on the fp32 parameter) at its own call and puts them back after it. Swapping each module's own
+  parameters where it is called, not the whole subtree's at the root, keeps the casts in the graph of the code that
+  uses them: where the model breaks the graph (GPT-2's loss), a root's casts made a graph of their own before the
+  break. The whole region runs under ``torch.autocast``: buffers and the frozen parameters of the model's own module
   classes stay the user's fp32 tensors (an in-place update lands in them exactly, as in the eager region), and an op
   that meets them beside half tensors follows autocast's policy (a matrix product casts to the half dtype, an op
   autocast keeps in fp32 runs in fp32), where the eager region shows them in half
-  (:class:`~aiak.amp.region_state.RegionState`, a tensor subclass dynamo does not trace).
-* A module kept in fp32 (:mod:`aiak.amp.fp32_modules`) called with half inputs runs with autocast off, from fp32
+  (`aiak.amp.region_state.RegionState`, a tensor subclass dynamo does not trace).
+* A module kept in fp32 (`aiak.amp.fp32_modules`) called with half inputs runs with autocast off, from fp32
   inputs, its floating outputs cast back to the half dtype (its own guard, ``Fp32Module.traced_call``).
 
 Modules called inside a region (dynamo inlines them, or runs them after a graph break) find a region open
-(:data:`_depth`) and compute with their own parameters' half copies. A compiled module called inside an eager region
+(`_depth`) and compute with their own parameters' half copies. A compiled module called inside an eager region
 (``block.compile()`` on each block of an optimized model) finds its parameters swapped already; the eager region
-leaves its buffers as the user's fp32 tensors, and the block runs under autocast as a traced region does. fp16's loss scaling needs no work here: it
-is applied at the root of the backward pass (:mod:`aiak.amp.root_scaling`) to the parameters registered when the
-hooks were installed.
+leaves its buffers as the user's fp32 tensors, and the block runs under autocast as a traced region does.
+
+fp16's loss scaling needs no work here: it is applied at the root of the backward pass (`aiak.amp.root_scaling`) to
+the parameters handed to it once the strategy applied (`HalfCompute.scale_trainable`).
 """
 from __future__ import annotations
-
-from typing import Dict
 
 import torch
 from torch import nn
 
-from aiak.amp.fp32_modules import HALF_DTYPES, is_kept_fp32
+from aiak.amp.fp32_modules import HALF_DTYPES
 from aiak.util.nested import map_tensors
 
 _depth = 0   # traced regions open in the call dynamo is tracing (a module-level value: dynamo traces its changes)

@@ -97,7 +97,7 @@ _calls = _Calls()
 
 class Fp32Module:
     """The hooks of a module kept in fp32: half inputs cast to fp32, and then its fp32 outputs cast back. While
-    dynamo traces the module (``torch.compile``), the hooks stand aside and :meth:`traced_call`, the module's
+    dynamo traces the module (``torch.compile``), the hooks stand aside and `traced_call`, the module's
     instance ``_call_impl``, does the same in one traceable call with autocast off inside."""
 
     __slots__ = ("dtype", "device_type", "module")

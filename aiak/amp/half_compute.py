@@ -123,7 +123,7 @@ class HalfCompute:
 
     def scale_trainable(self, model: nn.Module) -> None:
         """Hand every trainable parameter ``model`` computes with in fp16 to root scaling now, not only at its first
-        eager forward: a forward dynamo traces (:mod:`aiak.amp.compiled_region`) cannot. Called once the whole
+        eager forward: a forward dynamo traces (`aiak.amp.compiled_region`) cannot. Called once the whole
         strategy applied, so a model ``optimize()`` put back after a failure stays unscaled."""
         if self.scaler is None:
             return
@@ -305,7 +305,7 @@ class _CallGuard:
 
 class _NotScriptable:
     """A hooked module's ``__prepare_scriptable__``, which ``torch.jit.script`` calls before compiling anything: it
-    refuses with :func:`_not_torchscript` (the region's hooks are Python that TorchScript cannot compile; it failed
+    refuses with `_not_torchscript` (the region's hooks are Python that TorchScript cannot compile; it failed
     inside them with "Unknown type name 'nn.Module'")."""
 
     __slots__ = ("compute",)
@@ -349,7 +349,7 @@ def _modules_of(model: nn.Module) -> Iterator[Tuple[nn.Module, bool]]:
 def _walk(model: nn.Module) -> Iterator[Tuple[nn.Module, bool, bool]]:
     """``(module, kept in fp32?, inside a compiled module?)`` for ``model`` and each of its submodules, once each.
     A compiled module (``module.compile()``, or ``torch.compile(module)`` put in its parent's place) is traced by
-    dynamo, which cannot trace a :class:`~aiak.amp.region_state.RegionState`."""
+    dynamo, which cannot trace a `aiak.amp.region_state.RegionState`."""
     seen: Set[int] = set()
     stack = [(model, False, False)]
     while stack:
