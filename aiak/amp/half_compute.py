@@ -40,6 +40,9 @@ fp16 loss scaling is applied at the root of each backward pass, not inside the r
 (:mod:`aiak.amp.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
 and skips.
 
+While ``torch.compile`` traces the model, the guard opens the region in the graph instead
+(`aiak.amp.compiled_region`) and the hooks stand aside.
+
 Activation checkpointing recomputes a region's forward inside the backward pass: there the region takes the
 role it had in the forward (a block whose inputs are already in the half dtype, or under autocast, is inside
 a region), so the recomputed tensors match the saved ones.

@@ -143,9 +143,9 @@ def test_a_compile_failure_after_part_of_the_call_ran_says_what_was_updated_twic
 
 @pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
 def test_compiled_o2_model_trains_like_the_eager_one(monkeypatch):
-    """compile: true with O2: torch.compile runs aiak's region hooks eagerly, so the compiled model's fp32
-    parameters get the same gradients as the eager model's, bit for bit (traced, the hooks' swap of parameters
-    for their half copies left every gradient None)."""
+    """compile: true with O2: the region is traced into the graph (aiak/amp/compiled_region.py), and the compiled
+    model's fp32 parameters get the same gradients as the eager model's, bit for bit with the aot_eager backend (an
+    early traced swap of parameters for their half copies left every gradient None)."""
     monkeypatch.setenv("AIAK_COMPILE_BACKEND", "aot_eager")
     strategy = {"precision": {"level": "O2", "dtype": "bf16"}}
     torch.manual_seed(0)
