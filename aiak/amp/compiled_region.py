@@ -65,6 +65,13 @@ def compute_copy(p: torch.Tensor, dtype: torch.dtype, grad: bool, sparse: bool) 
     return p.to(dtype)
 
 
+def is_state(module: nn.Module, p: torch.Tensor) -> bool:
+    """``p``, a parameter of ``module``, is state rather than a weight: frozen, and owned by a module class of the
+    model's own (a VQ-VAE's codebook moved by an average in ``forward``), not one of torch's layers. O2 keeps it the
+    user's fp32 tensor."""
+    return not p.requires_grad and not type(module).__module__.startswith("torch.nn.")
+
+
 def to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
 
@@ -102,10 +109,9 @@ def _with_half_parameters(compute, module: nn.Module, args, kwargs):
     params = module._parameters
     grad = torch.is_grad_enabled()
     sparse = module.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
-    own_class = not type(module).__module__.startswith("torch.nn.")
     swapped = []
     for name, p in list(params.items()):
-        if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES or (own_class and not p.requires_grad):
+        if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES or is_state(module, p):
             continue
         swapped.append((name, p))
         params[name] = compute_copy(p, compute.dtype, grad, sparse)

@@ -59,7 +59,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from aiak.amp import compiled_region, root_scaling
-from aiak.amp.compiled_region import compute_copy, to_fp32
+from aiak.amp.compiled_region import compute_copy, is_state, to_fp32
 from aiak.amp.fp32_modules import HALF_DTYPES, called_module, hook_fp32_module, is_kept_fp32, keep_after_failure
 from aiak.amp.region_state import RegionState, region_closed, region_opened, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
@@ -208,8 +208,8 @@ class HalfCompute:
             for name, p in m._parameters.items():
                 if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES:
                     continue
-                if not p.requires_grad and not type(m).__module__.startswith("torch.nn."):
-                    if not compiled:  # a frozen parameter of the model's own module: state, not a weight
+                if is_state(m, p):
+                    if not compiled:
                         self._show_state(frame, copies, m._parameters, name, p)
                     continue
                 copy = copies.get(id(p))
