@@ -166,10 +166,7 @@ _ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.nex
 def _walk(roots) -> Tuple[list, list, list]:
     """``(AccumulateGrad nodes, loss scalers, pending weighers)`` reached from ``roots`` (tensors or gradient
     edges)."""
-    if not isinstance(roots, (tuple, list)):  # one root (an iterator is never consumed here: its owner reads it)
-        roots = (roots,)
-    stack = [r.node if isinstance(r, torch.autograd.graph.GradientEdge) else r.grad_fn
-             for r in roots if isinstance(r, (torch.Tensor, torch.autograd.graph.GradientEdge))]
+    stack = _root_nodes(roots)
     seen, leaves, scalers, weighers = set(), [], [], []
     while stack:
         node = stack.pop()
@@ -291,10 +288,13 @@ class _Started:
         return None
 
 
-def _root_nodes(t_outputs) -> list:
-    roots = t_outputs if isinstance(t_outputs, (tuple, list)) else (t_outputs,)
-    nodes = [r.node if isinstance(r, torch.autograd.graph.GradientEdge) else getattr(r, "grad_fn", None)
-             for r in roots]
+def _root_nodes(roots) -> list:
+    """The graph nodes of ``roots`` (a tensor, or a tuple or list of tensors and gradient edges; an iterator is never
+    consumed here: its owner reads it), leaves without a node left out."""
+    if not isinstance(roots, (tuple, list)):
+        roots = (roots,)
+    nodes = [r.node if isinstance(r, torch.autograd.graph.GradientEdge) else r.grad_fn
+             for r in roots if isinstance(r, (torch.Tensor, torch.autograd.graph.GradientEdge))]
     return [node for node in nodes if node is not None]
 
 
