@@ -20,7 +20,7 @@ hooks: compute copies made in the graph, no state kept between calls.
   autocast keeps in fp32 runs in fp32), where the eager region shows them in half
   (`aiak.amp.region_state.RegionState`, a tensor subclass dynamo does not trace).
 * A module kept in fp32 (`aiak.amp.fp32_modules`) called with half inputs runs with autocast off, from fp32
-  inputs, its floating outputs cast back to the half dtype (its own guard, ``Fp32Module.traced_call``).
+  inputs, its floating outputs cast back to the half dtype (its own call, `aiak.amp.fp32_modules.Fp32Module`).
 
 Modules called inside a region (dynamo inlines them, or runs them after a graph break) find a region open
 (`_depth`) and compute with their own parameters' half copies. A compiled module called inside an eager region
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from aiak.amp.fp32_modules import HALF_DTYPES
+from aiak.runtime.class_swap import original_class
 from aiak.util.nested import map_tensors
 
 _depth = 0   # traced regions open in the call dynamo is tracing (a module-level value: dynamo traces its changes)
@@ -69,7 +70,13 @@ def is_state(module: nn.Module, p: torch.Tensor) -> bool:
     """``p``, a parameter of ``module``, is state rather than a weight: frozen, and owned by a module class of the
     model's own (a VQ-VAE's codebook moved by an average in ``forward``), not one of torch's layers. O2 keeps it the
     user's fp32 tensor."""
-    return not p.requires_grad and not type(module).__module__.startswith("torch.nn.")
+    return not p.requires_grad and not is_torch_layer(module)
+
+
+def is_torch_layer(module: nn.Module) -> bool:
+    """``module`` was built as one of torch's own layers (``torch.nn``), whatever class aiak swapped in since (an fp8
+    ``Linear`` is still a ``Linear``), not a module class of the model's own."""
+    return (original_class(module) or type(module)).__module__.startswith("torch.nn.")
 
 
 def to_fp32(t: torch.Tensor) -> torch.Tensor:

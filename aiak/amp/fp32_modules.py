@@ -10,7 +10,8 @@ apex's O2 keeps batch normalization in fp32; ``torch.autocast`` keeps the ops it
   (:mod:`aiak.amp.half_compute`).
 
 A kept module's inputs arrive in fp32 and its floating outputs leave in the region's dtype, when it is called
-with half inputs; called with fp32 inputs (alone, or inside another kept module) it runs as plain PyTorch.
+with half inputs; called with fp32 inputs (alone, or inside another kept module) it runs as plain PyTorch. Either
+way autocast is off inside it: the region around it computes under autocast.
 torch's BatchNorm, LayerNorm and GroupNorm take half inputs with fp32 weights natively and need no cast.
 """
 from __future__ import annotations
@@ -96,9 +97,10 @@ _calls = _Calls()
 
 
 class Fp32Module:
-    """The hooks of a module kept in fp32: half inputs cast to fp32, and then its fp32 outputs cast back. While
-    dynamo traces the module (``torch.compile``), the hooks stand aside and `traced_call`, the module's
-    instance ``_call_impl``, does the same in one traceable call with autocast off inside."""
+    """The hooks of a module kept in fp32: half inputs cast to fp32, and then its fp32 outputs cast back; the
+    module's instance ``_call_impl`` (`traced_call`) turns autocast off around them, which the region around it
+    turns on. While dynamo traces the module (``torch.compile``), the hooks stand aside and `traced_call` does the
+    casts too, in one traceable call."""
 
     __slots__ = ("dtype", "device_type", "module")
 
@@ -120,9 +122,10 @@ class Fp32Module:
         return map_tensors(output, self._to_half)
 
     def traced_call(self, *args, **kwargs):
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():  # (the hooks cast; autocast, which the region turns on, is off inside)
             module = called_module(self.module, sys._getframe(1))
-            return type(module)._call_impl(module, *args, **kwargs)
+            with torch.autocast(self.device_type, enabled=False):
+                return type(module)._call_impl(module, *args, **kwargs)
         module = self.module
         if not any(t.dtype in HALF_DTYPES for t in iter_tensors((args, kwargs))):
             return type(module)._call_impl(module, *args, **kwargs)

@@ -15,26 +15,32 @@ How a module computes in half (:class:`HalfCompute`, one object per model, hooke
   methods of the model's one :class:`HalfCompute`, and a :class:`_CallGuard` as its instance ``_call_impl``. No
   closure over a module, a tensor or a bound ``forward``: ``copy.deepcopy`` (EMA, ``AveragedModel``) and
   ``torch.save`` of the whole model give an independent model that computes the same way with its own weights.
-* The first such module entered (in a thread) opens a *region*. For O2 it swaps each floating parameter of its
-  subtree, in ``_parameters``, for a half copy (``p.to(bf16)``, an op of the autograd graph where the parameter
-  trains; a detached copy under ``no_grad``, ``inference_mode`` or for a frozen weight of one of torch's
-  layers), shows each floating buffer and each frozen parameter of the model's own module classes through a
-  :class:`~aiak.amp.region_state.RegionState` (the user's fp32 tensor, half where it meets half tensors:
-  counters, running values and EMA codebooks stay exact), runs with autocast off, and puts the originals back on
-  the way out. A parameter copy the forward edited in place (a hook that rescales a weight) is written into the
-  parameter; a buffer the forward reassigned is stored back in its own dtype.
+* The first such module entered (in a thread) opens a *region*. For O2 it swaps each floating parameter of
+  torch's own layers in its subtree, in ``_parameters``, for a half copy (``p.to(bf16)``, an op of the autograd
+  graph where the parameter trains; a detached copy under ``no_grad``, ``inference_mode`` or for a frozen
+  weight), and shows each floating buffer, each parameter of the model's own module classes, the originals of a
+  parametrization and an embedding table with ``max_norm`` through a :class:`~aiak.amp.region_state.RegionState`
+  (the user's fp32 tensor, half where it meets half tensors: counters, running values and EMA codebooks stay
+  exact, ``slogdet(self.weight)`` and ``matrix_exp`` run on the fp32 weight, ``self.weight.data = renorm(...)``
+  lands in the user's tensor). It runs the forward under ``torch.autocast`` of its dtype, so an op autocast runs
+  in fp32 (``quantile``, ``inverse``, a loss; on CUDA ``softmax`` and ``layer_norm`` too) runs in fp32 under O2
+  as under autocast, and an fp32 tensor the forward makes (``x.float()`` into a router, a mask times a weight, a
+  frozen net the model keeps outside its tree) meets half ones as autocast casts them. On the way out it puts the
+  originals back. A parameter copy the forward edited in place or reassigned (a hook that rescales a weight) is
+  written into the parameter; a buffer the forward reassigned is stored back in its own dtype.
   Modules inside the region find their tensors swapped already and do nothing. So ``model(x)``, a
   LightningModule's ``self.net(x)``, ``model.backbone(x)`` and a submodule called alone all compute in half; a
   parameter read by a parent (tied weights) is the same half copy; a module called T times casts once.
 * For O1, the region runs the forward under ``torch.autocast`` (what to cast is autocast's choice) and swaps
-  nothing.
+  nothing. O2 differs from it where autocast leaves an op to its inputs' dtype: O2's activations and weights are
+  half there (an elementwise op, a residual sum), O1's may be fp32.
 * At a region's boundary floating inputs are cast to the half dtype (O2) and floating outputs to fp32, as
   apex's O2 does at the model's entry and exit.
 * Whatever ends the call (a return, an exception, ``KeyboardInterrupt``, ``SystemExit``), the originals are back
   when it leaves: the forward hook for a return or an ``Exception``, the guard for the rest. ``state_dict()``
   taken inside a region (in a forward hook) gives the user's tensors.
 * Modules kept in fp32 (:mod:`aiak.amp.fp32_modules`: normalization layers, ``precision.keep_fp32``, a module
-  whose op has no half kernel here) keep fp32 tensors and compute in fp32 from fp32 inputs.
+  whose op has no half kernel here) keep fp32 tensors and compute in fp32 from fp32 inputs, autocast off.
 
 fp16 loss scaling is applied at the root of each backward pass, not inside the regions
 (:mod:`aiak.amp.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
@@ -59,9 +65,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from aiak.amp import compiled_region, root_scaling
-from aiak.amp.compiled_region import compute_copy, is_state, to_fp32
+from aiak.amp.compiled_region import compute_copy, is_state, is_torch_layer, to_fp32
 from aiak.amp.fp32_modules import HALF_DTYPES, called_module, hook_fp32_module, is_kept_fp32, keep_after_failure
-from aiak.amp.region_state import RegionState, region_closed, region_opened, unwrap
+from aiak.amp.region_state import RegionState, plain_pointer, region_closed, region_opened, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
 
 
@@ -75,8 +81,8 @@ class _Frame:
     def __init__(self, module: nn.Module):
         self.module = module
         self.shows_state = False          # it shows tensors as RegionState (counted as an open region there)
-        # (owner dict, name, original, what the forward sees, its version or None)
-        self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, Optional[int]]] = []
+        # (owner dict, name, original, what the forward sees, its version or None, its data pointer)
+        self.swapped: List[Tuple[dict, str, torch.Tensor, torch.Tensor, Optional[int], int]] = []
         self.modules: List[int] = []      # ids of the modules whose tensors this call swapped
         self.autocast: Any = None
         self.boundary = False
@@ -157,12 +163,8 @@ class HalfCompute:
         if frame.boundary:
             if self.level == "O2":
                 args, kwargs = map_tensors(args, self._input), map_tensors(kwargs, self._input)
-            if self.level == "O1":
-                frame.autocast = torch.autocast(self.device_type, dtype=self.dtype)
-            elif torch.is_autocast_enabled(self.device_type):  # the script's autocast: O2 does its own casting
-                frame.autocast = torch.autocast(self.device_type, enabled=False)
-            if frame.autocast is not None:
-                frame.autocast.__enter__()
+            frame.autocast = torch.autocast(self.device_type, dtype=self.dtype)
+            frame.autocast.__enter__()
             return args, kwargs
         return None
 
@@ -205,17 +207,22 @@ class HalfCompute:
             if kept:
                 continue
             sparse = m.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
+            fp32 = _shows_fp32(m) and not compiled
             for name, p in m._parameters.items():
                 if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES:
                     continue
-                if is_state(m, p):
-                    if not compiled:
-                        self._show_state(frame, copies, m._parameters, name, p)
+                if fp32:
+                    if grad and p.requires_grad and self.scaler is not None:
+                        self._scaled(p)
+                    self._show_state(frame, copies, m._parameters, name, p)
+                    continue
+                if compiled and is_state(m, p):
                     continue
                 copy = copies.get(id(p))
                 if copy is None:
                     copy = copies[id(p)] = self._param_copy(p, grad, sparse)
-                frame.swapped.append((m._parameters, name, p, copy, copy._version if versioned else None))
+                frame.swapped.append((m._parameters, name, p, copy, copy._version if versioned else None,
+                                      copy.data_ptr()))
                 m._parameters[name] = copy
             for name, b in m._buffers.items():  # (left as they are in a compiled module: its region_call's autocast)
                 if b is not None and b.is_floating_point() and b.dtype not in HALF_DTYPES and not compiled:
@@ -226,7 +233,7 @@ class HalfCompute:
         seen = copies.get(id(t))
         if seen is None:
             seen = copies[id(t)] = RegionState.wrap(t, self.dtype)
-        frame.swapped.append((owner, name, t, seen, None))
+        frame.swapped.append((owner, name, t, seen, None, t.data_ptr()))
         owner[name] = seen
         if not frame.shows_state:
             frame.shows_state = True
@@ -254,13 +261,16 @@ class HalfCompute:
 def _close(frame: _Frame) -> None:
     """Put back what ``frame`` swapped: each original in its slot; a parameter copy the forward edited in place
     written into the parameter; a buffer the forward reassigned stored in the buffer's own dtype."""
-    for owner, name, original, seen, version in frame.swapped:
+    for owner, name, original, seen, version, pointer in frame.swapped:
         current = owner.get(name)
         if current is seen:
             owner[name] = original
-            if version is not None and seen._version != version:
-                with torch.no_grad():
-                    original.copy_(seen)  # a parameter the forward (or a hook) edited in place
+            with torch.no_grad():
+                if isinstance(seen, RegionState):
+                    if plain_pointer(seen) != pointer:  # ``.data`` of the user's tensor reassigned
+                        original.data = unwrap(seen, original).data
+                elif (version is not None and seen._version != version) or seen.data_ptr() != pointer:
+                    original.copy_(seen)  # a half copy the forward (or a hook) edited in place or reassigned
         elif name in owner and isinstance(seen, RegionState) and not isinstance(original, nn.Parameter):
             owner[name] = unwrap(current, original)  # a buffer the forward reassigned
     _threads.swapped.difference_update(frame.modules)
@@ -334,7 +344,7 @@ def _state_dict_of_originals(module: nn.Module, destination, prefix: str, local_
     if not _threads.frames:
         return
     for frame in _threads.frames:
-        for owner, name, original, seen, _ in frame.swapped:
+        for owner, name, original, seen, *_ in frame.swapped:
             if (owner is module._parameters or owner is module._buffers) and prefix + name in destination:
                 value = destination[prefix + name]
                 destination[prefix + name] = original if value is seen else original.detach()
@@ -364,6 +374,18 @@ def _walk(model: nn.Module) -> Iterator[Tuple[nn.Module, bool, bool]]:
         compiled = compiled or module.__dict__.get("_compiled_call_impl") is not None or "_orig_mod" in module._modules
         yield module, kept, compiled
         stack.extend((m, kept, compiled) for m in module._modules.values() if m is not None)
+
+
+def _shows_fp32(module: nn.Module) -> bool:
+    """O2 shows ``module``'s floating parameters as the user's fp32 tensors (`RegionState`, half only where they meet
+    half tensors) rather than swapping them for half copies: those of a module class of the model's own, which its
+    own ``forward`` may use with any op (``slogdet(self.weight)``, ``self.weight.data = renorm(...)``); the originals
+    of a parametrization (``orthogonal``'s ``matrix_exp``); an embedding with ``max_norm``, which renormalizes the
+    rows it looks up in place. torch's other layers use their weights in matrix products and convolutions only:
+    plain half copies, with no dispatch of their own."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return module.max_norm is not None
+    return isinstance(module, parametrize.ParametrizationList) or not is_torch_layer(module)
 
 
 def _region_openers(model: nn.Module) -> List[nn.Module]:
@@ -398,7 +420,7 @@ def _keep_fp32_now(module: nn.Module, compute: HalfCompute) -> None:
     every open frame, its region hooks off (it opens no region any more), the fp32 hooks on."""
     inside = {id(m._parameters) for m in module.modules()} | {id(m._buffers) for m in module.modules()}
     for frame in _threads.frames:
-        for owner, name, original, seen, _ in frame.swapped:
+        for owner, name, original, seen, *_ in frame.swapped:
             if id(owner) in inside and owner.get(name) is seen:
                 owner[name] = original
         frame.swapped = [entry for entry in frame.swapped if id(entry[0]) not in inside]

@@ -1,31 +1,39 @@
-"""State a module keeps, inside an O2 region: still the user's fp32 tensor, seen in half only where half tensors
-meet it.
+"""The user's fp32 tensors inside an O2 region: still the user's tensor, seen in half only where half tensors meet
+it.
 
 apex's O2 casts a model's buffers and parameters to half. A buffer is often state rather than a weight: a counter
 (``self.seen += n``), a running average updated in ``forward`` under ``no_grad``, a value reassigned each call
 (``self.total = self.total + x.sum()``); so is a frozen parameter of a model's own module class, such as a VQ-VAE's
 codebook moved by an exponential average inside ``forward``. In half, a counter stops at 256 in bf16, a reassigned
-buffer turns bf16 for good and an average is rounded at every update. So inside an O2 region
-(:mod:`aiak.amp.half_compute`) each floating buffer outside the modules kept in fp32, and each frozen parameter
-owned directly by a module whose class is not one of ``torch.nn``'s layers, is the user's tensor itself, seen
-through :class:`RegionState`, a view that shares its memory and version counter; ``__torch_function__`` decides
-per operation:
+buffer turns bf16 for good and an average is rounded at every update. A parameter a model's own module uses in its
+``forward`` may meet any op: ``torch.slogdet(self.weight)`` (Glow), ``matrix_exp`` of a generator (an orthogonal
+parametrization), ``self.weight.data = torch.renorm(...)`` (EEGNet's max-norm constraint); in half these raise,
+return inf, or edit a copy that is thrown away. So inside an O2 region (:mod:`aiak.amp.half_compute`) each floating
+buffer outside the modules kept in fp32, each parameter owned directly by a module whose class is not one of
+``torch.nn``'s layers, the originals of a parametrization and an embedding table with ``max_norm`` are the user's
+tensor itself, seen through :class:`RegionState`, a view that shares its memory, version counter and autograd
+history; ``__torch_function__`` decides per operation:
 
-* an in-place operation on it (``add_``, ``+=``, ``copy_``, ``buf[i] = v``, ``out=buf``) runs on the fp32 tensor:
-  fp32 arithmetic, exact for integer-valued counters, the update lands in the user's tensor;
+* an in-place operation on it (``add_``, ``+=``, ``copy_``, ``buf[i] = v``, ``out=buf``, ``t.data = v``) runs on the
+  fp32 tensor: fp32 arithmetic, exact for integer-valued counters, the update lands in the user's tensor;
 * an explicit conversion (``.float()``, ``.to(x.dtype)``, ``.type_as(x)``) gives what it asks for, as a plain
   tensor;
-* an operation that also takes other floating tensors sees it in the region's half dtype, as apex's O2 would
-  (``x + self.pos_table``, ``F.linear(self.coords, w)``, ``torch.cdist(z, self.codebook)``): the result is a
-  plain tensor;
-* an operation on such tensors alone (``self.seen + n``, ``self.table[:, :t]``) runs in fp32 and its floating
-  result is again a :class:`RegionState`, so a buffer reassigned from it keeps its fp32 value.
+* an operation that also takes half tensors with dimensions sees it in the region's half dtype, as apex's O2 would
+  (``x + self.pos_table``, ``F.linear(x, self.weight)``, ``torch.cat((self.cls_token, x))``): the result is a plain
+  tensor; except where autocast, which the region runs under, runs the operation in fp32 (``torch.cdist(z,
+  self.codebook)`` on a CPU, ``layer_norm`` on CUDA: `aiak.amp.autocast_policy` asks torch): it gets the fp32
+  value, not a rounded copy;
+* an operation on such tensors alone, or beside fp32 tensors and 0-dimensional ones (``self.seen + n``,
+  ``self.table[:, :t]``, ``slogdet(self.weight)``, ``mask * self.weight``), runs in fp32, as plain PyTorch would
+  on the fp32 parameter, and its floating result is again a :class:`RegionState`, so a buffer reassigned from it
+  keeps its fp32 value and a weight computed from it meets half tensors in half.
 
-These tensors are few and used by few operations, so the Python dispatch costs little; the frozen weights of
-torch's own layers (a frozen backbone's convolutions, a LoRA model's base ``Linear`` layers) are plain half
-copies, with no dispatch of their own. When the region closes, a buffer the forward reassigned is stored back as
-a plain tensor in the buffer's own dtype. A value the forward kept elsewhere (``self.last = self.total.clone()``)
-outlives the region as a :class:`RegionState`: outside every region it computes as the plain fp32 tensor it is.
+These tensors are few and used by few operations, so the Python dispatch costs little; the weights of torch's own
+layers (a frozen backbone's convolutions, a LoRA model's base ``Linear`` layers) are plain half copies, with no
+dispatch of their own. When the region closes, a buffer the forward reassigned is stored back as a plain tensor in
+the buffer's own dtype, and a tensor whose ``.data`` the forward reassigned takes that value. A value the forward
+kept elsewhere (``self.last = self.total.clone()``) outlives the region as a :class:`RegionState`: outside every
+region it computes as the plain fp32 tensor it is.
 """
 from __future__ import annotations
 
@@ -35,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+
+from aiak.amp.autocast_policy import runs_in_fp32
 
 _CONVERSIONS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
 _HALF = (torch.float16, torch.bfloat16)
@@ -57,13 +67,13 @@ def region_closed() -> None:
 
 def _mutates_first(func) -> bool:
     name = getattr(func, "__name__", "")
-    if name == "__setitem__" or name.startswith("__i"):
+    if name in ("__setitem__", "__set__") or name.startswith("__i"):  # (``__set__``: ``t.data = v``)
         return True
     return name.endswith("_") and not name.startswith("_")
 
 
 class RegionState(torch.Tensor):
-    """The user's fp32 buffer or frozen parameter inside an O2 region (see the module docstring); ``_half``: the
+    """The user's fp32 buffer or parameter inside an O2 region (see the module docstring); ``_half``: the
     region's dtype."""
 
     _half: torch.dtype
@@ -80,9 +90,10 @@ class RegionState(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        half = next(t._half for t in tensors if isinstance(t, RegionState))
-        others = any(not isinstance(t, RegionState) and t.is_floating_point() for t in tensors)  # (a method of
-        # a RegionState called here, outside the DisableTorchFunctionSubclass below, would recurse)
+        state = next(t for t in tensors if isinstance(t, RegionState))
+        half = state._half
+        # (a method of a RegionState called here, outside the DisableTorchFunctionSubclass below, would recurse)
+        others = any(not isinstance(t, RegionState) and t.dtype in _HALF and t.dim() for t in tensors)
         name = getattr(func, "__name__", "")
         with torch._C.DisableTorchFunctionSubclass():
             if not _open.count:                                    # outside every region: a plain fp32 tensor
@@ -91,19 +102,23 @@ class RegionState(torch.Tensor):
                     args and isinstance(args[0], RegionState) and _mutates_first(func)):
                 return func(*args, **kwargs)                       # fp32, in the user's tensor
             if name in _CONVERSIONS or others:
+                device = state.device.type
+                fp32 = name in _CONVERSIONS or (torch.is_autocast_enabled(device) and
+                                                runs_in_fp32(func, args, kwargs, device, half))
+
                 def as_plain(t):
                     if not isinstance(t, RegionState):
                         return t
                     t = t.as_subclass(torch.Tensor)
-                    return t if name in _CONVERSIONS else t.to(half)
+                    return t if fp32 else t.to(half)
                 return func(*tree_map(as_plain, args), **tree_map(as_plain, kwargs))
             result = func(*args, **kwargs)                          # region state alone: fp32, and stays so
         return tree_map(lambda t: cls.wrap(t, half) if _keeps(t) else _plain(t), result)
 
 
 class RegionParameter(RegionState, nn.Parameter):
-    """A frozen parameter inside an O2 region: a :class:`RegionState` that is still an ``nn.Parameter``, so
-    ``self.steps += 1`` (which assigns the result back to the attribute) is accepted by ``Module.__setattr__``."""
+    """A parameter inside an O2 region: a :class:`RegionState` that is still an ``nn.Parameter``, so ``self.steps +=
+    1`` (which assigns the result back to the attribute) is accepted by ``Module.__setattr__``."""
 
 
 def _keeps(t: Any) -> bool:
@@ -127,3 +142,9 @@ def unwrap(t: Any, like: torch.Tensor) -> Any:
         with torch.no_grad():
             plain = plain.to(like.dtype)
     return plain
+
+
+def plain_pointer(t: torch.Tensor) -> int:
+    """The data pointer of ``t``'s memory (a ``.data = ...`` inside a forward moves it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.data_ptr()

@@ -300,3 +300,193 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+# -- ops autocast keeps out of half precision (rows 26-31) ---------------------------------------------------------
+
+class InvertibleMix(nn.Module):
+    """Glow's invertible 1x1 convolution (Kingma & Dhariwal, 2018, section 3.2) on features: ``z = x W^T`` and the
+    log-determinant ``slogdet(W)`` added to the loss; the inverse ``W^-1`` maps the output back for a
+    reconstruction term. ``slogdet`` and ``inverse`` have no half kernel here; plain autocast runs them on the fp32
+    weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linalg.qr(torch.randn(HID, HID))[0] + 0.1 * torch.randn(HID, HID))
+
+    def forward(self, x):
+        z = x @ self.weight.t()
+        self.logdet = torch.slogdet(self.weight)[1]
+        self.back = z @ torch.inverse(self.weight).t()
+        return z
+
+
+class FlowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.mix = InvertibleMix()
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        z = self.mix(h)
+        self.aux_loss = -0.01 * self.mix.logdet + ((self.mix.back - h) ** 2).mean()
+        return self.head(torch.tanh(z))
+
+
+class QuantileNorm(nn.Module):
+    """Robust scaling by a quantile of the activations (``torch.quantile``, in autocast's fp32 list on a CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, x):
+        h = self.stem(x)
+        q = torch.quantile(h.abs(), 0.9, dim=1, keepdim=True)
+        return self.head(torch.tanh(h / (q + 1e-3)))
+
+
+class ComplexRotary(nn.Module):
+    """Rotary embedding through complex numbers (LLaMA's ``apply_rotary_emb`` without its ``.float()``):
+    ``view_as_complex`` of a half activation, which autocast runs in fp32 on a CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.head = nn.Linear(HID, CLASSES)
+        angles = torch.arange(HID // 2).float() / HID
+        self.register_buffer("freqs", torch.polar(torch.ones(HID // 2), angles), persistent=False)
+
+    def forward(self, x):
+        h = self.stem(x)
+        rotated = torch.view_as_real(torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2)) * self.freqs)
+        return self.head(torch.tanh(rotated.flatten(-2).type_as(h)))
+
+
+class RouterNet(nn.Module):
+    """A mixture of experts whose router is fed ``h.float()`` (Switch Transformer's selective precision, Fedus et
+    al., 2021, section 2.4) and whose mixing weights come out of an fp32 softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.router = nn.Linear(HID, 4)
+        self.experts = nn.ModuleList(nn.Linear(HID, HID) for _ in range(4))
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        gates = self.router(h.float()).float().softmax(-1)
+        mixed = sum(gates[:, i:i + 1] * expert(h) for i, expert in enumerate(self.experts))
+        return self.head(torch.tanh(mixed))
+
+
+class MaskedLinear(nn.Module):
+    """An autoregressive (MADE) layer: an fp32 mask built in ``forward`` times the weight of a ``Linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.lin = nn.Linear(HID, HID)
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        mask = torch.ones(HID, HID, device=x.device).tril()
+        return self.head(torch.tanh(F.linear(h, self.lin.weight * mask, self.lin.bias)))
+
+
+class PerceptualNet(nn.Module):
+    """A perceptual loss: a frozen feature net kept outside the module tree (``self.__dict__``, so neither
+    ``parameters()`` nor ``state_dict()`` sees it) is called on the model's features inside ``forward``."""
+
+    def __init__(self, features: nn.Module):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.head = nn.Linear(HID, CLASSES)
+        self.__dict__["features"] = features
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        self.aux_loss = (self.features(h) ** 2).mean()
+        return self.head(h)
+
+
+def frozen_features():
+    net = nn.Sequential(nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, HID))
+    return net.requires_grad_(False)
+
+
+class MatrixExpNet(nn.Module):
+    """A rotation learned through its generator: ``matrix_exp(A - A^T)`` on the weight alone (``torch.linalg``;
+    ``parametrizations.orthogonal`` does the same), with no half kernel on a CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.generator = nn.Parameter(0.5 * torch.randn(HID, HID))
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        rotation = torch.linalg.matrix_exp(self.generator - self.generator.t())
+        return self.head(h @ rotation)
+
+
+def orthogonal_net():
+    from torch.nn.utils.parametrizations import orthogonal
+
+    net = nn.Sequential(nn.Linear(FEAT, HID), nn.Tanh(), orthogonal(nn.Linear(HID, HID)), nn.Tanh(),
+                        nn.Linear(HID, CLASSES))
+    return net
+
+
+# -- edits through .data inside forward (rows 32-33) ---------------------------------------------------------------
+
+MAX_NORM = 0.25
+
+
+class ConstrainedLinear(nn.Linear):
+    """EEGNet's max-norm constraint (Lawhern et al., 2018): ``self.weight.data = torch.renorm(...)`` before each
+    forward; ``nonnegative`` clamps in place instead (``self.weight.data.clamp_(min=0)``)."""
+
+    def __init__(self, *args, nonnegative=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nonnegative = nonnegative
+        self.register_buffer("level", torch.zeros(self.out_features))
+
+    def forward(self, x):
+        if self.nonnegative:
+            self.weight.data.clamp_(min=0)
+        else:
+            self.weight.data = torch.renorm(self.weight.data, p=2, dim=0, maxnorm=MAX_NORM)
+        out = super().forward(x)
+        self.level.data = 0.9 * self.level.data + 0.1 * out.detach().float().mean(0)
+        return out
+
+
+class ConstrainedNet(nn.Module):
+    def __init__(self, nonnegative=False):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID)
+        self.lin = ConstrainedLinear(HID, HID, nonnegative=nonnegative)
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(torch.tanh(self.stem(x)))))
+
+
+class MaxNormEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=...)``: each forward renormalizes, in place, the rows it looks up whose norm exceeds
+    ``max_norm`` (here some rows do, most do not, and most rows are never looked up)."""
+
+    def __init__(self, vocab=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, HID, max_norm=4.5)
+        self.head = nn.Linear(HID, CLASSES)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.emb(tokens).mean(1)))

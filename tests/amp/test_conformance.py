@@ -27,10 +27,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import aiak
-from tests.amp.conformance_models import (CLASSES, FEAT, HID, VOCAB, AuxNet, BlockNet, BNNet, BombNet,
-                                          CheckpointNet, ConvNet, CountingNet, Critic, Decoder, EmaCodebook,
-                                          Encoder, HookedNet, LazyNet, MLP, ReusedNet, SpectralNet, TiedLM,
-                                          WithSpare, parametrized_net)
+from tests.amp.conformance_models import (CLASSES, FEAT, HID, MAX_NORM, VOCAB, AuxNet, BlockNet, BNNet, BombNet,
+                                          CheckpointNet, ComplexRotary, ConstrainedNet, ConvNet, CountingNet,
+                                          Critic, Decoder, EmaCodebook, Encoder, FlowNet, HookedNet, LazyNet,
+                                          MaskedLinear, MatrixExpNet, MaxNormEmbedding, MLP, PerceptualNet,
+                                          QuantileNorm, ReusedNet, RouterNet, SpectralNet, TiedLM, WithSpare,
+                                          frozen_features, orthogonal_net, parametrized_net)
 
 pytestmark = pytest.mark.filterwarnings("ignore:aiak")
 
@@ -979,3 +981,132 @@ def test_torch_jit_trace_of_an_o1_model_exports_what_it_computes():
     x, _ = batch(1)
     traced = torch.jit.trace(model, x)
     assert torch.equal(traced(x), model(x))
+
+
+# -- 26-31. ops that autocast keeps out of half precision ----------------------------------------------------------
+
+def with_aux_loss(model):
+    """The script adds the module's ``aux_loss`` to the cross entropy."""
+
+    def run(step):
+        x, y = batch(step)
+        return F.cross_entropy(model(x), y) + model.aux_loss
+
+    return run
+
+
+@per_case
+def test_slogdet_and_inverse_of_a_weight(level, dtype):
+    """Glow's invertible 1x1 mixing: ``slogdet(W)`` in the loss and ``inverse(W)`` for a reconstruction, on the weight
+    alone. Plain autocast runs both on the fp32 weight (no half kernel here); so must O2 (it raised "Low precision
+    dtypes not supported"). 3 steps, gradients compared at each, the log-determinant within bf16 rounding of plain's
+    (the weight's fp32 value, not a rounded copy: O2 gives it as plain does)."""
+
+    def check(model, ref, step):
+        ours, plain = model.mix.logdet, ref.model.mix.logdet
+        assert ours.dtype == plain.dtype == torch.float32
+        if step == 0:  # the same fp32 weight: the same fp32 computation
+            assert torch.equal(ours, plain), (float(ours), float(plain))
+        else:          # weights one update apart, by half-precision gradients
+            assert torch.allclose(ours, plain, rtol=SCALAR_RTOL), (float(ours), float(plain))
+
+    train_both(FlowNet, level, dtype, with_aux_loss, steps=3, check=check)
+
+
+@per_case
+@pytest.mark.parametrize("build", [QuantileNorm, ComplexRotary], ids=["quantile", "view_as_complex"])
+def test_op_autocast_runs_in_fp32_on_a_half_activation(level, dtype, build):
+    """``torch.quantile`` and ``torch.view_as_complex`` on a half activation: in autocast's fp32 list on a CPU
+    (neither has a bf16 kernel); O2 raised. 2 steps, gradients compared."""
+    train_both(build, level, dtype, steps=2)
+
+
+@per_case
+def test_router_fed_fp32_inputs(level, dtype):
+    """A mixture of experts whose router gets ``h.float()`` and whose gates come out of an fp32 softmax: O2 raised
+    "expected m1 and m2 to have the same dtype"; autocast casts the router's matmul. 2 steps, gradients compared."""
+    train_both(RouterNet, level, dtype, steps=2)
+
+
+@per_case
+def test_fp32_mask_times_a_weight(level, dtype):
+    """MADE's masked weight: an fp32 mask built in ``forward`` times ``lin.weight``, fed to ``F.linear`` (O2 raised:
+    the product is fp32 beside a half input). 2 steps, gradients compared."""
+    train_both(MaskedLinear, level, dtype, steps=2)
+
+
+@per_case
+def test_frozen_feature_net_outside_the_module_tree(level, dtype):
+    """A perceptual loss through a frozen net the model keeps outside its module tree (aiak never sees it): O2
+    raised on its fp32 weights; autocast casts them. 2 steps, gradients compared; the feature net is untouched."""
+    features = frozen_features()
+    frozen = copy.deepcopy(features.state_dict())
+    train_both(lambda: PerceptualNet(copy.deepcopy(features)), level, dtype, with_aux_loss, steps=2)
+    assert all(torch.equal(t, features.state_dict()[n]) for n, t in frozen.items())
+
+
+@per_case
+@pytest.mark.parametrize("build", [MatrixExpNet, orthogonal_net], ids=["matrix_exp", "orthogonal"])
+def test_matrix_exponential_of_a_weight(level, dtype, build):
+    """``torch.linalg.matrix_exp`` of a weight and ``parametrizations.orthogonal``: plain autocast computes both
+    from the fp32 weight (no half kernel here; half ``matrix_exp`` can return inf without raising, which left bf16
+    losses NaN and fp16 steps all skipped). 3 steps, gradients compared at each."""
+    train_both(build, level, dtype, steps=3)
+
+
+# -- 32-33. edits through .data inside forward, and embedding renormalization --------------------------------------
+
+@per_case
+@pytest.mark.parametrize("nonnegative", [False, True], ids=["renorm-assigned", "clamped-in-place"])
+def test_weight_constraint_through_data_in_forward(level, dtype, nonnegative):
+    """EEGNet's max-norm constraint (``self.weight.data = torch.renorm(self.weight.data, ...)``), a non-negative
+    weight (``self.weight.data.clamp_(min=0)``), and a statistic kept by ``self.level.data = 0.9 * self.level.data
+    + ...``, all inside ``forward``. O2 lost the three (row norm 0.82 for 0.25, a weight -0.254, the statistic 0).
+    After the first forward the constrained weight is plain's exactly (the edit is computed from the fp32 weight
+    alone); after 3 steps the constraint holds, the statistic matches plain's and the gradients matched at each."""
+    initial = {}
+
+    def check(model, ref, step):
+        weight, expected = model.lin.weight.detach(), ref.model.lin.weight.detach()
+        if step == 0:
+            initial["match"] = torch.equal(weight, expected)
+        assert weight.dtype == torch.float32
+        if nonnegative:
+            assert float(weight.min()) >= 0.0, float(weight.min())
+        else:
+            assert float(weight.norm(dim=1).max()) <= MAX_NORM * (1 + 1e-5), float(weight.norm(dim=1).max())
+        assert model.lin.level.dtype == torch.float32 and float(ref.model.lin.level.abs().sum()) > 0
+        assert_close(model.lin.level, ref.model.lin.level, f"step {step}: the statistic")
+
+    train_both(functools.partial(ConstrainedNet, nonnegative), level, dtype, steps=3, check=check)
+    assert initial["match"], "the constrained weight after the first forward is not plain's"
+
+
+@per_case
+def test_embedding_max_norm_renormalizes_only_what_it_looks_up(level, dtype):
+    """``nn.Embedding(max_norm=...)`` renormalizes in place, each forward, the rows it looks up. Rows never looked up
+    stay the user's fp32 values exactly (O2 copied the whole table back from its half copy every forward); after 30
+    Adam steps the table's update matches plain's (O2's had cosine 0.03)."""
+    model, base = twins(MaxNormEmbedding)
+    initial = snapshot(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer, _ = aiak.optimize(model, optimizer, strategy=strategy(level, dtype))
+    ref = Baseline(base, dtype)
+    ref.opt = torch.optim.Adam(base.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(7)
+    used = set()
+    for step in range(30):
+        tokens = torch.randint(0, 32, (BATCH, 4), generator=g)  # rows 32..63 are never looked up
+        used.update(tokens.flatten().tolist())
+        y = torch.randint(0, CLASSES, (BATCH,), generator=g)
+        F.cross_entropy(model(tokens), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with ref.autocast():
+            loss = F.cross_entropy(base(tokens), y)
+        ref.backward(loss)
+        ref.step()
+    unused = torch.tensor(sorted(set(range(64)) - used))
+    assert torch.equal(model.emb.weight[unused], initial["emb.weight"][unused]), "rows never looked up changed"
+    assert_close(model.emb.weight - initial["emb.weight"], base.emb.weight.detach() - initial["emb.weight"],
+                 "the table's update over 30 steps")

@@ -2,7 +2,8 @@
 
 Each kept module must see fp32 inputs and its own fp32 weights inside an O2 forward, hand the half region its
 output back, and train: the tests fail if the key did nothing (the module would see bf16) or if the fallback did
-nothing (``torch.fft`` in bf16 on a CPU raises "Unsupported dtype BFloat16")."""
+nothing (``torch.linalg.det`` in bf16 on a CPU raises "not implemented for 'BFloat16'"; autocast, which the region
+runs under, leaves it to its input's dtype)."""
 import copy
 import warnings
 
@@ -27,15 +28,15 @@ class Probe(nn.Module):
         return self.lin(x)
 
 
-class Fourier(nn.Module):
-    """FNet-style token mixing: the real part of a 2-D FFT after a projection."""
+class Determinants(nn.Module):
+    """Six determinants of 2x2 blocks of a projection (a volume-preserving flow's log-determinant terms)."""
 
     def __init__(self):
         super().__init__()
-        self.proj = nn.Linear(6, 6)
+        self.proj = nn.Linear(6, 24)
 
     def forward(self, x):
-        return torch.fft.fft2(self.proj(x)).real
+        return torch.linalg.det(self.proj(x).reshape(-1, 6, 2, 2))
 
 
 def _model(middle):
@@ -88,22 +89,22 @@ def test_keep_fp32_under_o1_warns_that_it_does_not_apply(warnings_said_again, sa
 
 
 def test_a_module_with_no_half_kernel_is_kept_in_fp32_once_said_and_trains_like_fp32(warnings_said_again):
-    reference = _model(Fourier())
+    reference = _model(Determinants())
     model, optimizer = _optimize(copy.deepcopy(reference), {"level": "O2", "dtype": "bf16"})
-    with torch.autocast("cpu", enabled=False):
-        with pytest.raises(NotImplementedError):   # the premise: no bf16 FFT kernel on a CPU
-            torch.fft.fft2(torch.randn(2, 6, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the premise: no bf16 kernel, and autocast does not cast
+        with pytest.raises(RuntimeError, match="not implemented for 'BFloat16'"):
+            torch.linalg.det(torch.randn(2, 2, 2, dtype=torch.bfloat16))
     x = torch.randn(4, 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = model(x)
         model(x)
-    said = [str(w.message) for w in caught if "Fourier" in str(w.message)]
+    said = [str(w.message) for w in caught if "Determinants" in str(w.message)]
     assert len(said) == 1 and "fp32" in said[0] and "precision.keep_fp32" in said[0]
     out.sum().backward()
     reference(x).sum().backward()
     for p, r in zip(model.parameters(), reference.parameters()):
-        # the FFT block in fp32, the two Linear layers around it in bf16: 8 bits of mantissa, a few percent
+        # the determinant block in fp32, the two Linear layers around it in bf16: 8 bits of mantissa, a few percent
         torch.testing.assert_close(p.grad, r.grad, rtol=0.05, atol=0.05)
     optimizer.step()
 
