@@ -28,7 +28,10 @@ controller finds and skips.
 A backward pass started inside a scaled one (reentrant activation checkpointing recomputes a block and runs a
 backward of its own) receives gradients that are scaled already: it is not multiplied again, and only what lands
 in ``nn.Parameter`` leaves is divided (the recomputed block's detached inputs hand their gradients back to the
-outer pass, which divides them where they land). A pass whose root was scaled by the script's own
+outer pass, which divides them where they land). The outer pass itself cannot see the parameters of a reentrant
+checkpoint's block (its graph is built when the backward recomputes it), so the walk reads them off the checkpoint's
+function (the module it calls): a LoRA model whose every adapter computes inside checkpoints is scaled like any
+other (it ran unscaled, and its fp16 gradients between the blocks underflowed to 0). A pass whose root was scaled by the script's own
 ``GradScaler`` is left alone (:mod:`aiak.amp.script_scaler`: that model's scaler stands aside). A backward pass
 that reaches no trainable fp16 parameter (the gradient of a frozen fp16 model's input, say) is not scaled.
 
@@ -47,6 +50,7 @@ otherwise): measured by ``benchmarks/overhead.py``.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -175,16 +179,59 @@ def _walk(roots) -> Tuple[list, list, list]:
         seen.add(id(node))
         if type(node) is _ACCUMULATE_GRAD:
             leaves.append(node)
-            scaler = _scalers.get(node.variable)
-            if scaler is not None and all(scaler is not s for s in scalers):
-                scalers.append(scaler)
-            if _pending:
-                weigher = _weigher_of(node.variable)
-                if weigher is not None and weigher in _pending and all(weigher is not w for w in weighers):
-                    weighers.append(weigher)
+            _reached(node.variable, scalers, weighers)
             continue
+        run_function = getattr(node, "run_function", None)  # a reentrant checkpoint: its graph is built later
+        if run_function is not None:
+            for variable in _checkpointed_parameters(run_function):
+                _reached(variable, scalers, weighers)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return leaves, scalers, weighers
+
+
+def _reached(variable: torch.Tensor, scalers: list, weighers: list) -> None:
+    scaler = _scalers.get(variable)
+    if scaler is not None and all(scaler is not s for s in scalers):
+        scalers.append(scaler)
+    if _pending:
+        weigher = _weigher_of(variable)
+        if weigher is not None and weigher in _pending and all(weigher is not w for w in weighers):
+            weighers.append(weigher)
+
+
+def _checkpointed_parameters(run_function) -> List[torch.Tensor]:
+    """The trainable parameters a reentrant checkpoint's function computes with: those of the modules it is, is a
+    method of, or holds (a ``functools.partial``'s function and arguments, a closure's cells, two levels deep).
+    The checkpoint's backward recomputes the function and runs a backward of its own, so its parameters are not in
+    the graph the outer pass walks; a function whose modules cannot be found counts as reaching every parameter
+    registered here (scaling a pass that needed none costs nothing: its gradients land divided)."""
+    modules = _modules_held(run_function, 2)
+    if not modules:
+        return [entry[0]() for entry in list(_scalers._entries.values()) if entry[0]() is not None]
+    return [p for module in modules for p in module.parameters() if p.requires_grad]
+
+
+def _modules_held(fn, depth: int) -> List[nn.Module]:
+    if isinstance(fn, nn.Module):
+        return [fn]
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return [owner]
+    if depth == 0:
+        return []
+    if isinstance(fn, functools.partial):
+        held = [fn.func, *fn.args, *fn.keywords.values()]
+    else:
+        held = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _filled(cell)]
+    return [m for h in held if callable(h) for m in _modules_held(h, depth - 1)]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
 
 
 class _Multiply:

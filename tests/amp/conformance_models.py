@@ -490,3 +490,41 @@ class MaxNormEmbedding(nn.Module):
 
     def forward(self, tokens):
         return self.head(torch.tanh(self.emb(tokens).mean(1)))
+
+
+# -- fp16 loss scaling through reentrant checkpoints (rows 34-35) --------------------------------------------------
+
+class LoraBlock(nn.Module):
+    """A frozen ``Linear`` with a trainable low-rank adapter beside it (LoRA, Hu et al., 2021)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(HID, HID).requires_grad_(False)
+        self.down = nn.Linear(HID, 4, bias=False)
+        self.up = nn.Linear(4, HID, bias=False)
+
+    def forward(self, h):
+        return torch.tanh(self.base(h) + self.up(self.down(h)))
+
+
+def _input_requires_grad(module, args, output):
+    output.requires_grad_(True)  # what Hugging Face's enable_input_require_grads() hooks on the embeddings
+
+
+class CheckpointedLora(nn.Module):
+    """PEFT's LoRA recipe with ``gradient_checkpointing_enable(use_reentrant=True)``: the stem and head frozen, the
+    stem's output made to require grad, every block checkpointed reentrantly, so every trainable parameter computes
+    inside a checkpoint and the outer backward reaches none of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(FEAT, HID).requires_grad_(False)
+        self.blocks = nn.ModuleList(LoraBlock() for _ in range(3))
+        self.head = nn.Linear(HID, CLASSES).requires_grad_(False)
+        self.stem.register_forward_hook(_input_requires_grad)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return self.head(h)

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 import aiak
 from tests.amp.conformance_models import (CLASSES, FEAT, HID, MAX_NORM, VOCAB, AuxNet, BlockNet, BNNet, BombNet,
-                                          CheckpointNet, ComplexRotary, ConstrainedNet, ConvNet, CountingNet,
+                                          CheckpointedLora, CheckpointNet, ComplexRotary, ConstrainedNet, ConvNet, CountingNet,
                                           Critic, Decoder, EmaCodebook, Encoder, FlowNet, HookedNet, LazyNet,
                                           MaskedLinear, MatrixExpNet, MaxNormEmbedding, MLP, PerceptualNet,
                                           QuantileNorm, ReusedNet, RouterNet, SpectralNet, TiedLM, WithSpare,
@@ -1110,3 +1110,65 @@ def test_embedding_max_norm_renormalizes_only_what_it_looks_up(level, dtype):
     assert torch.equal(model.emb.weight[unused], initial["emb.weight"][unused]), "rows never looked up changed"
     assert_close(model.emb.weight - initial["emb.weight"], base.emb.weight.detach() - initial["emb.weight"],
                  "the table's update over 30 steps")
+
+
+# -- 34-35. fp16 loss scaling when every trainable parameter computes inside reentrant checkpoints -----------------
+
+LORA_LOSS_WEIGHT = 1e-6  # a small loss (a weighted term, a long sequence's mean): its fp16 gradients need the scale
+
+
+@fp16_levels
+def test_loss_scaling_reaches_parameters_inside_reentrant_checkpoints(level):
+    """LoRA with reentrant checkpointing (every trainable parameter inside a checkpoint, the input made to require
+    grad) and a loss weighted 1e-6, fp16 with the loss scale 2**16 in both runs: the outer backward is scaled once,
+    so the gradients passed between the blocks survive fp16 and every adapter's gradient matches the baseline's
+    (they were all exactly 0: the outer pass reached no fp16 parameter and ran unscaled)."""
+    model, base = twins(CheckpointedLora)
+    model, opt = with_aiak(model, level, "fp16", loss_scale=2.0 ** 16)
+    ref = Baseline(base, "fp16", init_scale=2.0 ** 16)
+    run, run_ref = classify(model), classify(base)
+    for step in range(2):
+        (LORA_LOSS_WEIGHT * run(step)).backward()
+        with ref.autocast():
+            loss_ref = LORA_LOSS_WEIGHT * run_ref(step)
+        ref.backward(loss_ref)
+        ref.unscale()
+        assert all(p.grad is not None and p.grad.any() for p in base.parameters() if p.requires_grad)
+        assert_grads_match(model, base, f"step {step}: ")
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+
+
+@fp16_levels
+def test_script_grad_scaler_over_reentrant_checkpoints_stands_alone(level):
+    """The same LoRA model, the script keeping its own ``GradScaler`` (init 2**16): aiak stands aside and scales
+    nothing more, so over 24 steps the script's scale never falls (0 skipped steps, as in the baseline; it fell to 32
+    with 11 skipped: each recomputed block's inner backward was multiplied again), and the adapters move like the
+    baseline's."""
+    steps = 24
+    model, base = twins(CheckpointedLora)
+    initial = snapshot(model)
+    model, opt = with_aiak(model, level, "fp16", loss_scale=None)
+    opt_ref = torch.optim.SGD(base.parameters(), lr=LR)
+
+    def train(net, optimizer, autocast):
+        scaler, scales = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16), []
+        for step in range(steps):
+            x, y = batch(step)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                loss = F.cross_entropy(net(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scales.append(scaler.get_scale())
+        return scales
+
+    ref_scales = train(base, opt_ref, autocast=True)
+    scales = train(model, opt, autocast=False)
+    assert min(ref_scales) == 2.0 ** 16, f"the baseline itself overflowed: {ref_scales}"
+    assert min(scales) == 2.0 ** 16, f"scale fell (skipped steps): {scales}"
+    ref_delta = deltas(base, initial)
+    for n, d in deltas(model, initial).items():
+        assert_close(d, ref_delta[n], f"{n} update over {steps} steps")
