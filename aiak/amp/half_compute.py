@@ -64,7 +64,7 @@ from torch import nn
 
 from torch.nn.utils import parametrize
 
-from aiak.amp import compiled_region, root_scaling
+from aiak.amp import compiled_region, fp16_steps, root_scaling
 from aiak.amp.compiled_region import compute_copy, is_state, is_torch_layer, to_fp32
 from aiak.amp.fp32_modules import HALF_DTYPES, called_module, hook_fp32_module, is_kept_fp32, keep_after_failure
 from aiak.amp.region_state import RegionState, plain_pointer, region_closed, region_opened, unwrap
@@ -124,6 +124,7 @@ class HalfCompute:
             hooked += 1
         if self.scaler is not None:
             root_scaling.watch()
+            fp16_steps.watch()
         if self.level == "O2":
             for module, kept in _modules_of(model):
                 if kept and is_kept_fp32(module):

@@ -31,6 +31,7 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped_steps = 0
         self.stood_aside = False  # a script's own GradScaler scales this model's loss instead
+        self._updated = (-1, False)  # (the backward pass it was last updated after, and whether that found inf)
 
     def grad_scale(self) -> float:
         """The factor a backward pass through this model is multiplied by at its root (read as it starts): the
@@ -56,7 +57,11 @@ class LossScaler:
             found_inf = found_inf or bool(flag.item())
         return found_inf
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool, after_pass: int = -1) -> None:
+        """One step's verdict: back off on ``found_inf``, else count a clean step (and grow after
+        ``growth_interval`` of them). ``after_pass``: the number of the last scaled backward pass
+        (`aiak.amp.root_scaling.passes_scaled`), for :meth:`update_once`."""
+        self._updated = (after_pass, found_inf)
         if found_inf:
             self.skipped_steps += 1
             self.clean_steps = 0
@@ -67,6 +72,15 @@ class LossScaler:
         if self.dynamic and self.clean_steps >= self.growth_interval:
             self.scale = min(self.scale * self.growth_factor, self.max_scale)
             self.clean_steps = 0
+
+    def update_once(self, found_inf: bool, after_pass: int) -> None:
+        """:meth:`update`, at most once per backward pass for a clean step and once for an overflow: several
+        optimizers stepping one model after the same pass (one per parameter, inside the backward) make one step of
+        the scale's schedule, as ``GradScaler.update()`` once per iteration does."""
+        last_pass, last_inf = self._updated
+        if last_pass == after_pass and (last_inf or not found_inf):
+            return
+        self.update(found_inf, after_pass)
 
     def state_dict(self) -> Dict[str, float]:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps,

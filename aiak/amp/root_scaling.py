@@ -97,6 +97,13 @@ _pending: "weakref.WeakSet" = weakref.WeakSet()  # weighers whose micro-batch's 
 _in_flight: List["_Pass"] = []      # factors of the scaled or weighted backward passes running now, in any thread
 _lock = threading.Lock()
 _original = None                    # torch's _engine_run_backward while the wrapper is installed (read every pass)
+_passes = 0                         # scaled or weighted backward passes started so far (passes_scaled)
+
+
+def passes_scaled() -> int:
+    """How many scaled or weighted backward passes have started in this process: a step's verdict on the loss scale
+    is taken once per pass (`aiak.amp.loss_scaler.LossScaler.update_once`)."""
+    return _passes
 
 
 def register(param: torch.Tensor, scaler) -> None:
@@ -156,6 +163,11 @@ def unwatch() -> None:
 def _forget_original() -> None:
     global _original
     _original = None
+
+
+def scaler_of(param: torch.Tensor):
+    """The loss scaler of the fp16 model computing with ``param``, or None."""
+    return _scalers.get(param)
 
 
 def scalers_reached(roots) -> list:
@@ -299,6 +311,8 @@ def _run_backward(t_outputs, *args: Any, **kwargs: Any):
     weights = {w: w.root_weight(scale != 1.0) for w in weighers} if accumulate else {}
     if scale == 1.0 and not weights:  # no fp16 model or counted items reached, or the script's GradScaler's root
         return original(t_outputs, *args, **kwargs)
+    global _passes
+    _passes += 1
     factors = _Pass(scale, weights)
     grads = tuple(_times(g, factors.root) if g is not None else None for g in args[0])
     handles = []

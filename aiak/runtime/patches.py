@@ -4,7 +4,8 @@ aiak leaves the script's own lines as they are (``loss.backward()``, ``torch.nn.
 ``scheduler.step()``, ``DistributedDataParallel(model)``), so to act on them it replaces a few functions of torch
 (and timm's adaptive clipping) for the whole process. :data:`DECLARED` says, for each, what is replaced, when,
 why, which module owns the replacement and what undoing it means. The owners install lazily, on first use, with
-:func:`replace`; :func:`patches` (``aiak.patches()``) lists what is installed now, :func:`undo`
+:func:`replace` (or, for a global hook torch lets aiak register, :func:`hook`); :func:`patches`
+(``aiak.patches()``) lists what is installed now, :func:`undo`
 (``aiak.undo_patches()``) puts torch's originals back.
 
 :func:`replace` records an attribute's original the first time it is replaced (a second replacement of the same
@@ -44,6 +45,16 @@ DECLARED: Dict[str, DeclaredPatch] = {row.key: row for row in (
         "aiak.amp.root_scaling",
         "torch's function back in both modules (also root_scaling.unwatch()): fp16 losses no longer scaled, "
         "counted items no longer weighed"),
+    DeclaredPatch(
+        "fp16-steps",
+        "torch.optim.optimizer._global_optimizer_pre_hooks and _global_optimizer_post_hooks (a hook on every "
+        "optimizer's step, through torch's register_optimizer_step_pre_hook and _post_hook)",
+        "when a model first computes in fp16 with aiak's loss scaling",
+        "an optimizer aiak was not given (a new one after unfreezing, a deep copy's, one per parameter stepped "
+        "in the backward pass) skips a step whose gradients hold inf/NaN and backs the model's loss scale off, as "
+        "GradScaler.step does",
+        "aiak.amp.fp16_steps",
+        "torch's optimizers without aiak's hooks: such an optimizer steps inf/NaN gradients into the weights"),
     DeclaredPatch(
         "grad-scaler",
         "torch.amp.GradScaler.scale and torch.amp.GradScaler.unscale_",
@@ -106,6 +117,12 @@ class Patch:
 
 
 @dataclass
+class _Hook:
+    target: str       # what the hook is on, in words
+    handle: Any       # torch's RemovableHandle of the hook
+
+
+@dataclass
 class _Replaced:
     holder: Any       # the module or class whose attribute was replaced
     attribute: str
@@ -132,13 +149,21 @@ def replace(key: str, holder: Any, attribute: str, value: Any) -> Any:
     _declared(key)
     with _lock:
         record = next((r for records in _replaced.values() for r in records
-                       if r.holder is holder and r.attribute == attribute), None)
+                       if isinstance(r, _Replaced) and r.holder is holder and r.attribute == attribute), None)
         if record is None:
             record = _Replaced(holder, attribute, vars(holder).get(attribute, _ABSENT), value)
             _replaced.setdefault(key, []).append(record)
         record.value = value
         setattr(holder, attribute, value)
         return None if record.original is _ABSENT else record.original
+
+
+def hook(key: str, target: str, handle: Any) -> None:
+    """Record a global hook torch lets aiak register (``handle``, torch's ``RemovableHandle``; ``target``, what it is
+    on) as part of patch ``key``: listed with the patch, removed by its undo."""
+    _declared(key)
+    with _lock:
+        _replaced.setdefault(key, []).append(_Hook(target, handle))
 
 
 def on_undo(key: str, reset: Callable[[], None]) -> None:
@@ -160,7 +185,7 @@ def installed(key: str) -> bool:
 def is_replacement(value: Any) -> bool:
     """``value`` is one that :func:`replace` put in place and no undo has taken back."""
     with _lock:
-        return any(r.value is value for records in _replaced.values() for r in records)
+        return any(isinstance(r, _Replaced) and r.value is value for records in _replaced.values() for r in records)
 
 
 def undo(key: Optional[str] = None) -> None:
@@ -173,7 +198,9 @@ def undo(key: Optional[str] = None) -> None:
         resets = []
         for k in keys:
             for record in reversed(_replaced.pop(k, [])):
-                if record.original is _ABSENT:
+                if isinstance(record, _Hook):
+                    record.handle.remove()
+                elif record.original is _ABSENT:
                     if record.attribute in vars(record.holder):
                         delattr(record.holder, record.attribute)
                 else:
@@ -187,13 +214,14 @@ def patches() -> List[Patch]:
     """The global patches aiak installed in this process, in the order they were installed (none until the
     first ``aiak.optimize()`` needs one).
 
-    Each is a :class:`Patch`: its ``key`` (``"backward-root"``, ``"grad-scaler"``, ``"clip"``, ``"schedulers"``,
+    Each is a :class:`Patch`: its ``key`` (``"backward-root"``, ``"fp16-steps"``, ``"grad-scaler"``, ``"clip"``, ``"schedulers"``,
     ``"ddp-constructor"``, ``"deadlock-guard"``), the dotted ``targets`` it replaced, ``why``, and the module that
     holds the replacements (``owner``); ``str()`` of one is a line saying all that. Every patch aiak may install,
     with when, is :data:`DECLARED` (``aiak doctor`` lists them).
     """
     with _lock:
-        return [Patch(key, tuple(_dotted(r.holder, r.attribute) for r in records), DECLARED[key].why,
+        return [Patch(key, tuple(r.target if isinstance(r, _Hook) else _dotted(r.holder, r.attribute)
+                                 for r in records), DECLARED[key].why,
                       DECLARED[key].owner) for key, records in _replaced.items()]
 
 

@@ -361,7 +361,7 @@ class StepController:
         self._prepared = None
         self.items.new_window()
         if self.scaler is not None:
-            self.scaler.update(found_inf)
+            self.scaler.update(found_inf, root_scaling.passes_scaled())
             if found_inf:
                 logger.info("aiak: inf/NaN gradients, step skipped; loss scale now %g", self.scaler.scale)
                 self._clear_grads()

@@ -1172,3 +1172,57 @@ def test_script_grad_scaler_over_reentrant_checkpoints_stands_alone(level):
     ref_delta = deltas(base, initial)
     for n, d in deltas(model, initial).items():
         assert_close(d, ref_delta[n], f"{n} update over {steps} steps")
+
+
+# -- 36. fp16 overflow under an optimizer aiak was not given -------------------------------------------------------
+
+SPIKE_STEP = 2
+
+
+@fp16_levels
+@pytest.mark.parametrize("way", ["new optimizer", "deepcopy", "in backward"])
+def test_fp16_overflow_is_skipped_by_an_optimizer_aiak_was_not_given(level, way):
+    """fp16 with the default dynamic scale (2**16). The model is stepped by an optimizer other than the one given to
+    ``optimize()``: a new one made afterwards (after unfreezing), the optimizer of a ``copy.deepcopy`` of the model,
+    or one optimizer per parameter stepped in the backward pass (``register_post_accumulate_grad_hook``). Step 2's
+    loss is multiplied by 1e5, which overflows fp16. Like plain autocast + ``GradScaler.step``, the spike's step is
+    skipped and the scale halves; the other steps move the weights like the baseline's, and every weight stays
+    finite (before: one spike made them NaN, the scale stayed 2**16)."""
+    from aiak.amp.half_compute import half_compute_of
+
+    model, base = twins(MLP)
+    model, _ = with_aiak(model, level, "fp16", loss_scale=None)
+    if way == "deepcopy":
+        model = copy.deepcopy(model)
+    initial = snapshot(model)
+    if way == "in backward":
+        per_param = {p: torch.optim.SGD([p], lr=LR) for p in model.parameters()}
+
+        def step_now(p):
+            per_param[p].step()
+            per_param[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+        optimizer = None
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    ref = Baseline(base, "fp16", init_scale=2.0 ** 16)
+    for step in range(5):
+        spike = 1e5 if step == SPIKE_STEP else 1.0
+        x, y = batch(step)
+        (spike * F.cross_entropy(model(x), y)).backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        with ref.autocast():
+            loss = spike * F.cross_entropy(base(x), y)
+        ref.backward(loss)
+        ref.step()
+        scale = half_compute_of(model).scaler.scale
+        assert scale == ref.scaler.get_scale(), f"step {step}: loss scale {scale}, GradScaler's {ref.scaler.get_scale()}"
+        assert all(torch.isfinite(p).all() for p in model.parameters()), f"step {step}: weights not finite"
+    assert ref.scaler.get_scale() == 2.0 ** 15  # the baseline skipped the spike, for the record
+    ref_delta = deltas(base, initial)
+    for n, d in deltas(model, initial).items():
+        assert_close(d, ref_delta[n], f"{n} update over 5 steps")

@@ -14,12 +14,13 @@ from aiak.runtime import patches
 
 ROOT = Path(__file__).resolve().parents[2]
 AIAK = ROOT / "aiak"
-KEYS = {"backward-root", "grad-scaler", "clip", "schedulers", "ddp-constructor", "deadlock-guard"}
+KEYS = {"backward-root", "fp16-steps", "grad-scaler", "clip", "schedulers", "ddp-constructor", "deadlock-guard"}
 
 # Run in a fresh interpreter: the snapshot of torch's attributes is taken before aiak is imported.
 LIFECYCLE = textwrap.dedent('''
     import json, sys, tempfile, warnings
     import torch, torch.distributed as dist, torch.nn.utils.clip_grad
+    from torch.optim import optimizer as optimizer_module
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
     import timm.utils
@@ -42,6 +43,9 @@ LIFECYCLE = textwrap.dedent('''
                for attr, value in vars(holder).items() if callable(value) or isinstance(value, staticmethod)}
         ids.update({f"{dotted(holder)}.{attr}": id(vars(holder).get(attr)) for holder in HOLDERS
                     if isinstance(holder, type) for attr in ("__new__", "step")})
+        for kind in ("pre", "post"):  # the global hooks on every optimizer's step
+            name = f"_global_optimizer_{kind}_hooks"
+            ids[f"torch.optim.optimizer.{name}"] = hash(tuple(map(id, getattr(optimizer_module, name).values())))
         return ids
 
     def changed(before, after):
@@ -120,6 +124,7 @@ def test_optimize_installs_every_declared_patch_and_each_changes_what_it_names(l
                 "torch.amp.grad_scaler.GradScaler.scale", "torch.amp.grad_scaler.GradScaler.unscale_",
                 f"{ddp}.__new__", f"{ddp}.__init__", "torch.distributed.all_reduce", "torch.distributed.barrier",
                 f"{lr}.LRScheduler.step", f"{lr}.SequentialLR.step", f"{lr}.ReduceLROnPlateau.step",
+                "torch.optim.optimizer._global_optimizer_pre_hooks", "torch.optim.optimizer._global_optimizer_post_hooks",
                 "timm.utils.adaptive_clip_grad", "timm.utils.agc.adaptive_clip_grad",
                 "timm.utils.clip_grad.adaptive_clip_grad"}
     expected |= {f"{module}.{name}" for module in ("torch.nn.utils", "torch.nn.utils.clip_grad")
@@ -153,7 +158,8 @@ def test_every_patch_is_declared_once_with_what_when_why_owner_and_undo():
         owner = AIAK.joinpath(*row.owner.split(".")[1:]).with_suffix(".py")
         assert owner.is_file(), (key, row.owner)
         source = owner.read_text()
-        assert f'"{key}"' in source and "patches.replace(" in source, f"{row.owner} does not install {key}"
+        assert f'"{key}"' in source and ("patches.replace(" in source or "patches.hook(" in source), (
+            f"{row.owner} does not install {key}")
 
 
 def test_an_unknown_key_is_a_key_error_naming_the_declared_ones():
