@@ -1226,3 +1226,51 @@ def test_fp16_overflow_is_skipped_by_an_optimizer_aiak_was_not_given(level, way)
     ref_delta = deltas(base, initial)
     for n, d in deltas(model, initial).items():
         assert_close(d, ref_delta[n], f"{n} update over 5 steps")
+
+
+# -- 37. two fp16 models trained in two threads, with reentrant checkpointing --------------------------------------
+
+@fp16_levels
+def test_two_models_in_two_threads_with_reentrant_checkpoints(level):
+    """Two fp16 models (loss scales 1024 and 65536), each with a reentrantly checkpointed block, trained in two
+    threads at once (their backward passes and the checkpoints' nested passes overlap): each step's gradients match
+    the same model trained under plain autocast + GradScaler (before, 41 of 60 gradients were wrong, up to 41x: the
+    passes in flight were one list for the process, so a nested pass took the other thread's scale)."""
+    import threading
+
+    steps, scales = 15, (1024.0, 65536.0)
+    built = [twins(functools.partial(CheckpointNet, True)) for _ in scales]
+    models = [with_aiak(model, level, "fp16", loss_scale=s)[0] for (model, _), s in zip(built, scales)]
+    grads = [[] for _ in scales]
+    failures = []
+    start = threading.Barrier(len(scales), timeout=60)
+
+    def train(i):
+        try:
+            start.wait()
+            for step in range(steps):
+                x, y = batch(step)
+                models[i].zero_grad()
+                F.cross_entropy(models[i](x), y).backward()
+                grads[i].append({n: p.grad.clone() for n, p in models[i].named_parameters()})
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(len(scales))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads) and not failures, failures
+    for i, ((_, base), scale) in enumerate(zip(built, scales)):
+        ref = Baseline(base, "fp16", init_scale=scale)
+        for step in range(steps):
+            x, y = batch(step)
+            base.zero_grad()
+            with ref.autocast():
+                loss = F.cross_entropy(base(x), y)
+            ref.backward(loss)
+            ref.unscale()
+            for n, q in base.named_parameters():
+                assert_close(grads[i][step][n], q.grad, f"model {i}, step {step}: grad of {n}")
+            ref.scaler.update()
