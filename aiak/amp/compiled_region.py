@@ -32,6 +32,8 @@ the parameters handed to it once the strategy applied (`HalfCompute.scale_traina
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -87,6 +89,8 @@ def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
     """``module``'s call while dynamo traces it (see the module docstring). ``inside``: an eager region of this
     thread is open, and has swapped the tensors already."""
     global _depth
+    if not torch.compiler.is_compiling():  # dynamo gave up on this frame after a graph break and runs it eagerly
+        _casts_never_a_frame()
     call = type(module)._call_impl
     if inside:  # a compiled module inside an eager region: its parameters are half copies, its state is fp32
         if compute.level == "O1":
@@ -102,11 +106,44 @@ def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
             if compute.level == "O1":
                 out = call(module, *args, **kwargs)
             else:
-                cast = lambda t: t.to(compute.dtype) if t.is_floating_point() else t  # noqa: E731
-                out = _with_half_parameters(compute, module, map_tensors(args, cast), map_tensors(kwargs, cast))
+                args, kwargs = cast_tensors((args, kwargs), compute.dtype)
+                out = _with_half_parameters(compute, module, args, kwargs)
     finally:
         _depth -= 1
-    return map_tensors(out, to_fp32)
+    return cast_tensors(out, torch.float32)
+
+
+def _cast_floating(obj, dtype: torch.dtype):
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+
+
+_cast_floating_eagerly = None  # _cast_floating under torch.compiler.disable, made at first use (it loads dynamo)
+
+
+def cast_tensors(obj, dtype: torch.dtype):
+    """``obj`` with its floating tensors in ``dtype``: the casts at a region's entry and exit. Traced inline where
+    dynamo traces the region; where dynamo gave up on the region's frame (a graph break inside the model it could
+    not resume from) and runs it eagerly, the casts run eagerly too, instead of dynamo compiling each as a graph of
+    its own (GPT-2's O1 forward made 3 graphs where plain autocast makes 2, wav2vec2's 8 where it makes 6): dynamo
+    never starts a frame here (`_casts_never_a_frame`)."""
+    global _cast_floating_eagerly
+    if torch.compiler.is_compiling():
+        return _cast_floating(obj, dtype)
+    if _cast_floating_eagerly is None:
+        _cast_floating_eagerly = torch.compiler.disable(_cast_floating, reason="aiak: a region's casts, where dynamo "
+                                                        "runs the region's frame eagerly after a graph break")
+    return _cast_floating_eagerly(obj, dtype)
+
+
+def _casts_never_a_frame() -> None:
+    """Tell dynamo never to start a frame at `cast_tensors` (its ``skip_code``: what ``torch._dynamo.skip`` does,
+    without the flag that would stop dynamo inlining it). Called where a region's frame runs eagerly under
+    ``torch.compile``, so dynamo is loaded by then (``import aiak`` and ``optimize()`` never load it). Without
+    torch's private hook the casts make their small graph, nothing worse."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is not None:
+        skip_code(cast_tensors.__code__)
 
 
 def _with_half_parameters(compute, module: nn.Module, args, kwargs):

@@ -11,7 +11,7 @@ parameter in fp32, and gradients summed over accumulation micro-steps are summed
 How a module computes in half (:class:`HalfCompute`, one object per model, hooked on its modules):
 
 * Every module whose subtree owns floating parameters or buffers (outside the modules kept in fp32 and outside
-  parametrizations) gets a forward pre-hook, an always-called forward hook and a ``state_dict`` hook, bound
+  parametrizations) gets a forward pre-hook, a forward hook and a ``state_dict`` hook, bound
   methods of the model's one :class:`HalfCompute`, and a :class:`_CallGuard` as its instance ``_call_impl``. No
   closure over a module, a tensor or a bound ``forward``: ``copy.deepcopy`` (EMA, ``AveragedModel``) and
   ``torch.save`` of the whole model give an independent model that computes the same way with its own weights.
@@ -37,7 +37,7 @@ How a module computes in half (:class:`HalfCompute`, one object per model, hooke
 * At a region's boundary floating inputs are cast to the half dtype (O2) and floating outputs to fp32, as
   apex's O2 does at the model's entry and exit.
 * Whatever ends the call (a return, an exception, ``KeyboardInterrupt``, ``SystemExit``), the originals are back
-  when it leaves: the forward hook for a return or an ``Exception``, the guard for the rest. ``state_dict()``
+  when it leaves: the forward hook for a return, the guard for an exception of any kind. ``state_dict()``
   taken inside a region (in a forward hook) gives the user's tensors.
 * Modules kept in fp32 (:mod:`aiak.amp.fp32_modules`: normalization layers, ``precision.keep_fp32``, a module
   whose op has no half kernel here) keep fp32 tensors and compute in fp32 from fp32 inputs, autocast off.
@@ -117,7 +117,7 @@ class HalfCompute:
         hooked = 0
         for module in _region_openers(model):
             module.register_forward_pre_hook(self.enter, with_kwargs=True, prepend=True)
-            module.register_forward_hook(self.leave, always_call=True)
+            module.register_forward_hook(self.leave)  # (not always_call: the guard closes what an exception left)
             module._register_state_dict_hook(_state_dict_of_originals)
             vars(module)["_call_impl"] = _CallGuard(module, self)
             vars(module)["__prepare_scriptable__"] = _NotScriptable(self)  # torch.jit.script asks this first
@@ -292,9 +292,9 @@ def close_to(depth: int) -> None:
 
 class _CallGuard:
     """A hooked module's ``_call_impl`` (looked up on the instance by ``Module.__call__``): torch's own, inside a
-    ``try`` that puts the originals back whatever ends the call. torch runs ``always_call`` forward hooks for an
-    ``Exception`` only; a ``KeyboardInterrupt`` or ``SystemExit`` in a forward would leave the half copies in the
-    model. A call that fails for want of a half kernel (``torch.fft`` on a CPU) is run again with the module kept
+    ``try`` that puts the originals back whatever ends the call: an exception, ``KeyboardInterrupt`` or
+    ``SystemExit`` in a forward would leave the half copies in the model (torch's ``always_call`` forward hooks see an
+    ``Exception`` only, and dynamo guards a traced call on their ids, one compilation per module). A call that fails for want of a half kernel (``torch.fft`` on a CPU) is run again with the module kept
     in fp32 (:func:`aiak.amp.fp32_modules.keep_after_failure`)."""
 
     __slots__ = ("module", "compute")

@@ -186,30 +186,32 @@ def test_a_strategy_ten_times_slower_is_stopped_and_reported(tmp_path):
     assert f"{profile}: stopped after its first timed step" in err           # in the table's notes too
 
 
-FIXED_PROJECTION = '''
+FIXED_ANCHOR = '''
 import torch
 from torch import nn
 
 
-class FixedProjection(nn.Module):
-    """Its projection is a plain tensor attribute, so O2's cast of parameters and buffers never reaches it."""
+class FixedAnchor(nn.Module):
+    """Blends its input with a plain tensor attribute (neither a parameter nor a buffer) by torch.lerp, which wants both
+    in one dtype: O2's bf16 input beside the fp32 attribute fails in the step (autocast does not cast lerp)."""
 
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.projection = torch.randn(8, 10)
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(8, 10))
+        self.anchor = torch.randn(3, 16, 16)
 
     def forward(self, x):
-        return self.body(x) @ self.projection
+        return self.body(torch.lerp(x, self.anchor, 0.5))
 
 
 def build():
-    return FixedProjection(), (3, 16, 16)
+    return FixedAnchor(), (3, 16, 16)
 '''
 
 
 def test_a_strategy_failing_in_its_step_is_reported_and_the_others_go_on(tmp_path):
-    (tmp_path / "model.py").write_text(FIXED_PROJECTION)
+    (tmp_path / "model.py").write_text(FIXED_ANCHOR)
     (tmp_path / "bf16.yaml").write_text("extends: default\nprecision: {level: O2, dtype: bf16}\n")
     code, out, err = run("--model", f"{tmp_path / 'model.py'}:build", "--batch-size", "4", *TINY,
                          "--strategy", str(tmp_path / "bf16.yaml"), "--strategy", "default", "--json",

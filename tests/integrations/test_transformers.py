@@ -44,6 +44,15 @@ class TinyClassifier(nn.Module):
                 "logits": logits}
 
 
+class LoudClassifier(TinyClassifier):
+    """A loss a thousand times larger: fp16's first backward passes overflow at the initial loss scale (2**16), so
+    the scale moves within a few steps."""
+
+    def forward(self, x, labels=None, num_items_in_batch=None, **kwargs):
+        out = super().forward(x, labels, num_items_in_batch, **kwargs)
+        return {"loss": 1e3 * out["loss"], "logits": out["logits"]}
+
+
 def _train(tmp_path, batch, strategy=None, real_steps=4, **args):
     model = TinyClassifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -126,7 +135,7 @@ def test_resuming_from_a_checkpoint_with_the_callback_continues_bit_for_bit(tmp_
         arguments = transformers.TrainingArguments(output_dir=str(tmp_path / out), report_to=[], use_cpu=True,
                                                    per_device_train_batch_size=4, max_steps=8, save_steps=4,
                                                    disable_tqdm=True, learning_rate=1e-2, seed=0)
-        trainer = transformers.Trainer(model=TinyClassifier(), args=arguments, train_dataset=Samples(),
+        trainer = transformers.Trainer(model=LoudClassifier(), args=arguments, train_dataset=Samples(),
                                        callbacks=[AiakTrainerCallback(strategy)])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
