@@ -134,7 +134,7 @@ def _row(check, ok, metric, value):
 
 
 def root_scaling_row(dev) -> dict:
-    """fp16 loss scaling at the backward's root (:mod:`aiak.amp.root_scaling`) on ``dev``, where a CUDA backward
+    """fp16 loss scaling at the backward's root (:mod:`aiak.amp.scaling.root_scaling`) on ``dev``, where a CUDA backward
     runs on a device thread: an auxiliary loss kept on the module, a block under reentrant checkpointing (a
     backward inside the backward) and a gradient penalty's ``autograd.grad``, all in one loss; O2 fp16 against the
     same model in fp32. Goal: every parameter's gradient within cosine 0.99 and 5% of its norm, and the input's."""

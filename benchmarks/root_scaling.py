@@ -1,4 +1,4 @@
-"""What a factor at the backward's root costs per backward pass (:mod:`aiak.amp.root_scaling`): fp16 loss scaling,
+"""What a factor at the backward's root costs per backward pass (:mod:`aiak.amp.scaling.root_scaling`): fp16 loss scaling,
 and counted items (``aiak.count_items``).
 
     python benchmarks/root_scaling.py [--rounds 15] [--models mlp,deep,resnet50] [--factors fp16,items]
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import aiak
-from aiak.amp import root_scaling
+from aiak.amp.scaling import root_scaling
 
 
 def _models():

@@ -5,7 +5,7 @@ The TF32 switch, which the public contract lists under ``aiak.amp``, lives with 
 :mod:`aiak.runtime.switches` and is handed on here; nothing in aiak imports it from here."""
 from aiak.amp.emulation import emulation_warning
 from aiak.amp.half_compute import HalfCompute
-from aiak.amp.loss_scaler import LossScaler
+from aiak.amp.scaling.loss_scaler import LossScaler
 from aiak.amp.precision import PrecisionState, apply_precision
 from aiak.runtime.switches import apply_tf32
 

@@ -27,7 +27,7 @@ Modules called inside a region (dynamo inlines them, or runs them after a graph 
 (``block.compile()`` on each block of an optimized model) finds its parameters swapped already; the eager region
 leaves its buffers as the user's fp32 tensors, and the block runs under autocast as a traced region does.
 
-fp16's loss scaling needs no work here: it is applied at the root of the backward pass (`aiak.amp.root_scaling`) to
+fp16's loss scaling needs no work here: it is applied at the root of the backward pass (`aiak.amp.scaling.root_scaling`) to
 the parameters handed to it once the strategy applied (`HalfCompute.scale_trainable`).
 """
 from __future__ import annotations

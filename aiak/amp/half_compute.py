@@ -43,7 +43,7 @@ How a module computes in half (:class:`HalfCompute`, one object per model, hooke
   whose op has no half kernel here) keep fp32 tensors and compute in fp32 from fp32 inputs, autocast off.
 
 fp16 loss scaling is applied at the root of each backward pass, not inside the regions
-(:mod:`aiak.amp.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
+(:mod:`aiak.amp.scaling.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
 and skips.
 
 While ``torch.compile`` traces the model, the guard opens the region in the graph instead
@@ -64,7 +64,8 @@ from torch import nn
 
 from torch.nn.utils import parametrize
 
-from aiak.amp import compiled_region, fp16_steps, root_scaling
+from aiak.amp import compiled_region
+from aiak.amp.scaling import fp16_steps, root_scaling
 from aiak.amp.compiled_region import compute_copy, is_state, is_torch_layer, to_fp32
 from aiak.amp.fp32_modules import HALF_DTYPES, called_module, hook_fp32_module, is_kept_fp32, keep_after_failure
 from aiak.amp.region_state import RegionState, plain_pointer, region_closed, region_opened, unwrap

@@ -7,9 +7,9 @@ arrive on the fp32 parameters in fp32, and an EMA copy, an in-place edit of a we
 later, a checkpoint loaded in any order and DDP all see plain fp32 parameters. Floating inputs are cast to
 the half dtype on the way into the model and outputs come back as fp32.
 
-fp16 uses a :class:`~aiak.amp.loss_scaler.LossScaler` (Micikevicius et al., section 3.2) applied inside the
+fp16 uses a :class:`~aiak.amp.scaling.loss_scaler.LossScaler` (Micikevicius et al., section 3.2) applied inside the
 graph, at the model's outputs and undone where gradients leave it; bf16 has fp32's exponent range and needs
-none. A script's own ``torch.amp.GradScaler`` takes the place of aiak's (:mod:`aiak.amp.script_scaler`). A
+none. A script's own ``torch.amp.GradScaler`` takes the place of aiak's (:mod:`aiak.amp.scaling.script_scaler`). A
 precision the device only emulates (fp16 on a CPU, say) warns once, with its measured cost
 (:mod:`aiak.amp.emulation`).
 """
@@ -21,13 +21,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from aiak.amp import script_scaler
+from aiak.amp.scaling import script_scaler
 from aiak.amp.config import Precision
 from aiak.amp.emulation import warn_if_emulated, warn_if_fp8_is_slow
 from aiak.amp.fp8 import Fp8Plan, apply_fp8
 from aiak.amp.fp32_modules import keep_declared
 from aiak.amp.half_compute import HalfCompute
-from aiak.amp.loss_scaler import LossScaler
+from aiak.amp.scaling.loss_scaler import LossScaler
 from aiak.util.machine.devices import model_device
 from aiak.util.warn import warn_once
 

@@ -42,7 +42,7 @@ DECLARED: Dict[str, DeclaredPatch] = {row.key: row for row in (
         "when a model first computes in fp16 with aiak's loss scaling, or a step controller first counts items",
         "fp16 loss scaling and counted items act at the root of every backward pass, so the script's own "
         "loss.backward() needs no change",
-        "aiak.amp.root_scaling",
+        "aiak.amp.scaling.root_scaling",
         "torch's function back in both modules (also root_scaling.unwatch()): fp16 losses no longer scaled, "
         "counted items no longer weighed"),
     DeclaredPatch(
@@ -53,7 +53,7 @@ DECLARED: Dict[str, DeclaredPatch] = {row.key: row for row in (
         "an optimizer aiak was not given (a new one after unfreezing, a deep copy's, one per parameter stepped "
         "in the backward pass) skips a step whose gradients hold inf/NaN and backs the model's loss scale off, as "
         "GradScaler.step does",
-        "aiak.amp.fp16_steps",
+        "aiak.amp.scaling.fp16_steps",
         "torch's optimizers without aiak's hooks: such an optimizer steps inf/NaN gradients into the weights"),
     DeclaredPatch(
         "grad-scaler",
@@ -61,7 +61,7 @@ DECLARED: Dict[str, DeclaredPatch] = {row.key: row for row in (
         "when a strategy first asks for fp16 loss scaling, or the first step controller is made",
         "a script's own GradScaler makes aiak's loss scaler stand aside (two scalers would multiply), and its "
         "unscale_ under aiak's grad_accumulation is refused with what to change",
-        "aiak.amp.script_scaler",
+        "aiak.amp.scaling.script_scaler",
         "torch's methods back: a script's GradScaler and aiak's loss scaler no longer know of each other"),
     DeclaredPatch(
         "clip",

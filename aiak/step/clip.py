@@ -6,7 +6,7 @@ instead of its average on the last). So aiak patches torch's functions; when the
 given belong to an optimizer aiak patched, the call is handed to that optimizer's step controller
 (``aiak.step.controller.StepController``, the one implementation), which clips the true gradient of the
 real step: the window's average, unscaled (fp16 loss scaling is undone as each gradient lands, see
-:mod:`aiak.amp.root_scaling`). On a micro-step it clips nothing, and a norm it returns is the norm accumulated
+:mod:`aiak.amp.scaling.root_scaling`). On a micro-step it clips nothing, and a norm it returns is the norm accumulated
 so far in the window, in the real step's units (finite, for a loop that logs ``norm.item()`` every
 iteration). Every other call is torch's original function, with the same arguments.
 

@@ -9,7 +9,7 @@ checks and schedulers built earlier keep working). Its ``step()`` then:
 2. on the real step, divides the summed gradients by the window's micro-steps, or by its counted items summed over
    the ranks (:func:`count_items`, :mod:`aiak.step.window_items`; they are the model's fp32 parameters'
    own gradients under every precision, summed in fp32) and, under fp16 loss scaling, checks them for inf/NaN
-   in the same fused pass (:mod:`aiak.amp.root_scaling` has already unscaled them during the backward); an
+   in the same fused pass (:mod:`aiak.amp.scaling.root_scaling` has already unscaled them during the backward); an
    overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
 3. runs the real optimizer step and clears the gradients.
 
@@ -40,8 +40,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from aiak.amp import root_scaling, script_scaler
-from aiak.amp.loss_scaler import LossScaler
+from aiak.amp.scaling import root_scaling, script_scaler
+from aiak.amp.scaling.loss_scaler import LossScaler
 from aiak.step import clip as grad_clip
 from aiak.step import scheduler_steps
 from aiak.step.stacking import framework_accumulation
@@ -322,7 +322,7 @@ class StepController:
         root_scaling.set_pending(self, True)
 
     def root_weight(self, scaled: bool):
-        """For :mod:`aiak.amp.root_scaling`: the pending count as ``(weight, items, reference)``."""
+        """For :mod:`aiak.amp.scaling.root_scaling`: the pending count as ``(weight, items, reference)``."""
         return self.items.root_weight(scaled)
 
     # -- the patched methods ------------------------------------------------------------------

@@ -49,7 +49,7 @@ PHASES: Tuple[Phase, ...] = (
     Phase("precision", ("precision",),
           "O1/O2 half compute hooked on the bare model (`amp/precision.py`, `amp/half_compute.py`, traced under "
           "compile by `amp/compiled_region.py`); its fp16 parameters handed to root scaling once every phase "
-          "applied; fp16 loss scaling (`amp/loss_scaler.py`, `amp/root_scaling.py`); fp8 linear layers (`amp/fp8.py`), warned about "
+          "applied; fp16 loss scaling (`amp/scaling/loss_scaler.py`, `amp/scaling/root_scaling.py`); fp8 linear layers (`amp/fp8.py`), warned about "
           "where they would be slow (emulated, or without compile)",
           "the modules' classes, hook dicts and attributes (the parameters are never changed); the once-per-process "
           "wrappers of torch's backward and GradScaler stay",

@@ -1,4 +1,4 @@
-"""fp16 loss scaling at the root of each backward pass (:mod:`aiak.amp.root_scaling`): what it scales, what it leaves
+"""fp16 loss scaling at the root of each backward pass (:mod:`aiak.amp.scaling.root_scaling`): what it scales, what it leaves
 alone, and that it can be undone. The conformance catalogue (``test_conformance.py``) checks the scripts' idioms
 against autocast + GradScaler; these tests pin the mechanism itself."""
 import importlib.util
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import aiak
-from aiak.amp import root_scaling
+from aiak.amp.scaling import root_scaling
 
 pytestmark = pytest.mark.filterwarnings("ignore:aiak. precision.dtype")
 FP16 = {"precision": {"level": "O2", "dtype": "fp16", "loss_scale": 1024}}

@@ -129,7 +129,7 @@ def test_a_failing_optimize_leaves_everything_as_it_was(case, monkeypatch):
         aiak.optimize(model, None if spec.get("no_optimizer") else opt, spec.get("loader"),
                       strategy=spec["strategy"], scheduler=None if spec.get("no_optimizer") else sched)
     _assert_same(before, _fingerprint(model, opt, sched))
-    from aiak.amp import root_scaling
+    from aiak.amp.scaling import root_scaling
     assert not any(p in root_scaling._scalers for p in model.parameters())  # no backward of it will be scaled
     # and it trains exactly like objects aiak never touched (no hook, cast or step patch left behind)
     g = torch.Generator().manual_seed(1)

@@ -32,7 +32,7 @@ What aiak changes around torch's arithmetic:
   (:class:`~aiak.comm.allreduce.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and
   a non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
 - **residuals in the gradients' own units.** aiak's loss scaling is undone before a gradient reaches
-  its ``.grad`` (:mod:`aiak.amp.root_scaling`), so the hook sees unscaled gradients and a residual means the same after
+  its ``.grad`` (:mod:`aiak.amp.scaling.root_scaling`), so the hook sees unscaled gradients and a residual means the same after
   the loss scale changes.
 - **residuals tied to their bucket's layout.** DDP rebuilds its buckets after the first step, in the order the
   gradients became ready (hence a warm-up of at least 2 steps: the state is tied to the rebuilt buckets). Each

@@ -6,7 +6,7 @@ parameters stay fp32 under O1/O2, so that scaler unscales and steps them as it w
 scalers must not multiply, though (aiak's 65536 times the script's 65536 overflows fp16 at once, and each
 would back off without the other knowing): so when an enabled ``GradScaler`` scales a loss computed with an
 aiak model's fp16 parameters, that model's own loss scaler stands aside for good (from this very backward on,
-:mod:`aiak.amp.root_scaling` leaves a pass that reaches only stood-aside models unscaled; one warning), and the
+:mod:`aiak.amp.scaling.root_scaling` leaves a pass that reaches only stood-aside models unscaled; one warning), and the
 script's scaler is the only one, with its own dynamic scale and overflow skips. Which models a loss comes from
 is read from its autograd graph (the parameters it reaches), so a loss through two aiak models, ``B(A(x))``,
 sets both aside. Other aiak models in the process keep their scaling.
@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from aiak.amp.root_scaling import scalers_reached
+from aiak.amp.scaling.root_scaling import scalers_reached
 from aiak.runtime import patches
 from aiak.runtime.marks import marked
 from aiak.util.warn import warn_once

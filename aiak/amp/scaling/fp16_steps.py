@@ -12,11 +12,11 @@ and the loss scale never moved.
 
 So while an fp16 model exists, a global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``, the
 ``fp16-steps`` patch of :mod:`aiak.runtime.patches`) looks at every step of an optimizer that has no step
-controller: when it holds parameters of an fp16 model (`aiak.amp.root_scaling.scaler_of`), it checks all its
+controller: when it holds parameters of an fp16 model (`aiak.amp.scaling.root_scaling.scaler_of`), it checks all its
 gradients for inf/NaN in one fused pass, as ``GradScaler.step`` does, and on an overflow hides them (``.grad``
 set to None, which torch's optimizers skip: weights and state untouched) until the step returns, when the
 post-hook puts them back. Each model's scaler takes the verdict once per backward pass
-(`aiak.amp.loss_scaler.LossScaler.update_once`): per-parameter optimizers make one step of the scale's schedule,
+(`aiak.amp.scaling.loss_scaler.LossScaler.update_once`): per-parameter optimizers make one step of the scale's schedule,
 not one per parameter. A scaler standing aside for the script's own ``GradScaler`` is left to it.
 
 Per-parameter optimizers step as their gradient arrives, so an overflow skips the parameters whose gradients
@@ -30,8 +30,8 @@ from typing import Dict, List, Tuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from aiak.amp import root_scaling
-from aiak.amp.loss_scaler import LossScaler
+from aiak.amp.scaling import root_scaling
+from aiak.amp.scaling.loss_scaler import LossScaler
 from aiak.runtime import patches
 from aiak.runtime.marks import marked
 

@@ -32,7 +32,7 @@ outer pass, which divides them where they land). The outer pass itself cannot se
 checkpoint's block (its graph is built when the backward recomputes it), so the walk reads them off the checkpoint's
 function (the module it calls): a LoRA model whose every adapter computes inside checkpoints is scaled like any
 other (it ran unscaled, and its fp16 gradients between the blocks underflowed to 0). A pass whose root was scaled by the script's own
-``GradScaler`` is left alone (:mod:`aiak.amp.script_scaler`: that model's scaler stands aside). A backward pass
+``GradScaler`` is left alone (:mod:`aiak.amp.scaling.script_scaler`: that model's scaler stands aside). A backward pass
 that reaches no trainable fp16 parameter (the gradient of a frozen fp16 model's input, say) is not scaled.
 
 Counted items (:func:`aiak.count_items`) use the same root. A micro-batch whose loss is a mean over ``n`` items
@@ -102,7 +102,7 @@ _passes = 0                         # scaled or weighted backward passes started
 
 def passes_scaled() -> int:
     """How many scaled or weighted backward passes have started in this process: a step's verdict on the loss scale
-    is taken once per pass (`aiak.amp.loss_scaler.LossScaler.update_once`)."""
+    is taken once per pass (`aiak.amp.scaling.loss_scaler.LossScaler.update_once`)."""
     return _passes
 
 
