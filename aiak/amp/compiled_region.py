@@ -17,8 +17,9 @@ hooks: compute copies made in the graph, no state kept between calls.
   break. The whole region runs under ``torch.autocast``: buffers and the frozen parameters of the model's own module
   classes stay the user's fp32 tensors (an in-place update lands in them exactly, as in the eager region), and an op
   that meets them beside half tensors follows autocast's policy (a matrix product casts to the half dtype, an op
-  autocast keeps in fp32 runs in fp32), where the eager region shows them in half
-  (`aiak.amp.region_state.RegionState`, a tensor subclass dynamo does not trace).
+  autocast keeps in fp32 runs in fp32), where the eager region shows them in half outside autocast's fp32 ops
+  (`aiak.amp.region_state.RegionState`, a tensor subclass dynamo does not trace). The trainable parameters of the
+  model's own module classes are half copies here, where the eager region shows them as the user's fp32 tensors.
 * A module kept in fp32 (`aiak.amp.fp32_modules`) called with half inputs runs with autocast off, from fp32
   inputs, its floating outputs cast back to the half dtype (its own call, `aiak.amp.fp32_modules.Fp32Module`).
 
@@ -27,8 +28,12 @@ Modules called inside a region (dynamo inlines them, or runs them after a graph 
 (``block.compile()`` on each block of an optimized model) finds its parameters swapped already; the eager region
 leaves its buffers as the user's fp32 tensors, and the block runs under autocast as a traced region does.
 
-fp16's loss scaling needs no work here: it is applied at the root of the backward pass (`aiak.amp.scaling.root_scaling`) to
-the parameters handed to it once the strategy applied (`HalfCompute.scale_trainable`).
+Where dynamo gives up on a frame after a graph break inside the model and runs it eagerly, the casts at the region's
+entry and exit run eagerly too (`cast_tensors`): they make no graph of their own.
+
+fp16's loss scaling needs no work here: it is applied at the root of the backward pass
+(`aiak.amp.scaling.root_scaling`) to the parameters handed to it once the strategy applied
+(`HalfCompute.scale_trainable`).
 """
 from __future__ import annotations
 
