@@ -44,3 +44,22 @@ def test_state_dict_round_trip():
     t = LossScaler(growth_interval=5)
     t.load_state_dict(s.state_dict())
     assert (t.scale, t.clean_steps, t.skipped_steps) == (s.scale, s.clean_steps, s.skipped_steps)
+
+
+def test_update_once_takes_one_verdict_per_backward_pass_and_lets_an_overflow_through_after_a_clean_one():
+    """Per-parameter optimizers stepped in one backward pass (aiak.amp.scaling.fp16_steps) make one step of the
+    schedule: repeated clean verdicts after the same pass count once, repeated overflows halve once, and an overflow
+    after a clean verdict of the same pass still backs off; a new pass counts again."""
+    s = LossScaler(init_scale=2.0 ** 10, growth_interval=2)
+    for _ in range(5):
+        s.update_once(False, after_pass=1)
+    assert s.clean_steps == 1 and s.scale == 2.0 ** 10
+    s.update_once(True, after_pass=1)
+    s.update_once(True, after_pass=1)
+    assert s.scale == 2.0 ** 9 and s.skipped_steps == 1
+    s.update_once(False, after_pass=2)
+    s.update_once(False, after_pass=3)
+    assert s.scale == 2.0 ** 10  # two clean passes: grown
+    s.update(False, after_pass=4)  # the step controller's verdict after pass 4
+    s.update_once(False, after_pass=4)
+    assert s.clean_steps == 1
