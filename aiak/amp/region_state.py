@@ -86,6 +86,17 @@ class RegionState(torch.Tensor):
         out._half = half
         return out
 
+    def half_copy(self) -> torch.Tensor:
+        """This tensor in the region's half dtype, a plain tensor made once per region and reused while the user's
+        tensor is unchanged (its version) and gradients are recorded or not as when it was made: a weight a forward
+        uses T times (a recurrent cell's) is cast once, as the region's half copies of torch's layers are. Called
+        with subclass dispatch off."""
+        key = (self._version, torch.is_grad_enabled())
+        kept = self.__dict__.get("_half_copy")
+        if kept is None or kept[0] != key:
+            kept = self.__dict__["_half_copy"] = (key, self.as_subclass(torch.Tensor).to(self._half))
+        return kept[1]
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -109,8 +120,7 @@ class RegionState(torch.Tensor):
                 def as_plain(t):
                     if not isinstance(t, RegionState):
                         return t
-                    t = t.as_subclass(torch.Tensor)
-                    return t if fp32 else t.to(half)
+                    return t.as_subclass(torch.Tensor) if fp32 else t.half_copy()
                 return func(*tree_map(as_plain, args), **tree_map(as_plain, kwargs))
             result = func(*args, **kwargs)                          # region state alone: fp32, and stays so
         return tree_map(lambda t: cls.wrap(t, half) if _keeps(t) else _plain(t), result)
