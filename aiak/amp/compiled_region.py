@@ -145,10 +145,16 @@ def _casts_never_a_frame() -> None:
     without the flag that would stop dynamo inlining it). Called where a region's frame runs eagerly under
     ``torch.compile``, so dynamo is loaded by then (``import aiak`` and ``optimize()`` never load it). Without
     torch's private hook the casts make their small graph, nothing worse."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    skip_code = getattr(eval_frame, "skip_code", None)
+    global _casts_skipped
+    if _casts_skipped:
+        return
+    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
     if skip_code is not None:
         skip_code(cast_tensors.__code__)
+        _casts_skipped = True
+
+
+_casts_skipped = False
 
 
 def _with_half_parameters(compute, module: nn.Module, args, kwargs):

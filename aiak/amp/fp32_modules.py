@@ -3,11 +3,11 @@
 apex's O2 keeps batch normalization in fp32; ``torch.autocast`` keeps the ops it lists in fp32 (softmax, losses,
 ``torch.fft`` on CUDA). aiak's O2 keeps, with their whole subtree, in fp32:
 
-* normalization layers (:func:`aiak.util.norm_layers.is_norm_layer`);
+* normalization layers (`aiak.util.norm_layers.is_norm_layer`);
 * the modules named by ``precision.keep_fp32`` (a class name, or a module path such as ``encoder.fourier``);
 * a module whose forward failed for want of a half-precision kernel on the device (``torch.fft`` in bf16 on a
   CPU raises "Unsupported dtype BFloat16"): the region marks it, says so once, and runs the call again in fp32
-  (:mod:`aiak.amp.half_compute`).
+  (`aiak.amp.half_compute`).
 
 A kept module's inputs arrive in fp32 and its floating outputs leave in the region's dtype, when it is called
 with half inputs; called with fp32 inputs (alone, or inside another kept module) it runs as plain PyTorch. Either
@@ -42,7 +42,7 @@ def is_kept_fp32(module: nn.Module) -> bool:
 
 def modules_named(model: nn.Module, names: Iterable[str], key: str) -> List[nn.Module]:
     """The modules of ``model`` that ``names`` name (class names or module paths, as ``precision.keep_fp32`` and
-    ``precision.fp8_skip`` take them); every name must match a module, else one :class:`StrategyError` lists the
+    ``precision.fp8_skip`` take them); every name must match a module, else one `StrategyError` lists the
     names that match none under ``key``, with the choices."""
     paths = dict(model.named_modules())
     found, missing = [], []
@@ -61,7 +61,7 @@ def modules_named(model: nn.Module, names: Iterable[str], key: str) -> List[nn.M
 
 
 def keep_declared(model: nn.Module, names: Iterable[str], key: str = "precision.keep_fp32") -> List[nn.Module]:
-    """Mark the modules of ``model`` that ``names`` name (:func:`modules_named`) to compute in fp32."""
+    """Mark the modules of ``model`` that ``names`` name (`modules_named`) to compute in fp32."""
     found = modules_named(model, names, key)
     for module in found:
         mark(module, "_aiak_keep_fp32", True)
@@ -153,7 +153,7 @@ def called_module(module: nn.Module, caller) -> nn.Module:
 
 
 def hook_fp32_module(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
-    """Give ``module`` the hooks of :class:`Fp32Module` (once; not needed by torch's mixed-input norms)."""
+    """Give ``module`` the hooks of `Fp32Module` (once; not needed by torch's mixed-input norms)."""
     if isinstance(module, NATIVE_MIXED_NORMS):
         return
     for hook in module._forward_pre_hooks.values():

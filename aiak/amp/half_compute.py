@@ -8,18 +8,18 @@ Training", ICLR 2018, figure 1: a half copy of the fp32 weights for the forward 
 fp32), with no master copy to keep in sync: the cast is an autograd op, so each gradient arrives on the fp32
 parameter in fp32, and gradients summed over accumulation micro-steps are summed in fp32.
 
-How a module computes in half (:class:`HalfCompute`, one object per model, hooked on its modules):
+How a module computes in half (`HalfCompute`, one object per model, hooked on its modules):
 
 * Every module whose subtree owns floating parameters or buffers (outside the modules kept in fp32 and outside
   parametrizations) gets a forward pre-hook, a forward hook and a ``state_dict`` hook, bound
-  methods of the model's one :class:`HalfCompute`, and a :class:`_CallGuard` as its instance ``_call_impl``. No
+  methods of the model's one `HalfCompute`, and a `_CallGuard` as its instance ``_call_impl``. No
   closure over a module, a tensor or a bound ``forward``: ``copy.deepcopy`` (EMA, ``AveragedModel``) and
   ``torch.save`` of the whole model give an independent model that computes the same way with its own weights.
 * The first such module entered (in a thread) opens a *region*. For O2 it swaps each floating parameter of
   torch's own layers in its subtree, in ``_parameters``, for a half copy (``p.to(bf16)``, an op of the autograd
   graph where the parameter trains; a detached copy under ``no_grad``, ``inference_mode`` or for a frozen
   weight), and shows each floating buffer, each parameter of the model's own module classes, the originals of a
-  parametrization and an embedding table with ``max_norm`` through a :class:`~aiak.amp.region_state.RegionState`
+  parametrization and an embedding table with ``max_norm`` through a `aiak.amp.region_state.RegionState`
   (the user's fp32 tensor, half where it meets half tensors: counters, running values and EMA codebooks stay
   exact, ``slogdet(self.weight)`` and ``matrix_exp`` run on the fp32 weight, ``self.weight.data = renorm(...)``
   lands in the user's tensor). It runs the forward under ``torch.autocast`` of its dtype, so an op autocast runs
@@ -39,11 +39,11 @@ How a module computes in half (:class:`HalfCompute`, one object per model, hooke
 * Whatever ends the call (a return, an exception, ``KeyboardInterrupt``, ``SystemExit``), the originals are back
   when it leaves: the forward hook for a return, the guard for an exception of any kind. ``state_dict()``
   taken inside a region (in a forward hook) gives the user's tensors.
-* Modules kept in fp32 (:mod:`aiak.amp.fp32_modules`: normalization layers, ``precision.keep_fp32``, a module
+* Modules kept in fp32 (`aiak.amp.fp32_modules`: normalization layers, ``precision.keep_fp32``, a module
   whose op has no half kernel here) keep fp32 tensors and compute in fp32 from fp32 inputs, autocast off.
 
 fp16 loss scaling is applied at the root of each backward pass, not inside the regions
-(:mod:`aiak.amp.scaling.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
+(`aiak.amp.scaling.root_scaling`). An overflow leaves inf/NaN on the gradients, which the step controller finds
 and skips.
 
 While ``torch.compile`` traces the model, the guard opens the region in the graph instead
@@ -196,7 +196,7 @@ class HalfCompute:
         """O2: in every module of ``module``'s subtree outside the modules kept in fp32, swap each floating
         parameter for its half copy (an op of the autograd graph where it trains), and show each floating buffer
         and each frozen parameter of a module class that is not one of torch's layers through a
-        :class:`~aiak.amp.region_state.RegionState`."""
+        `aiak.amp.region_state.RegionState`."""
         state = _threads
         grad = torch.is_grad_enabled()
         versioned = not torch.is_inference_mode_enabled()  # inference tensors have no version counter
@@ -296,7 +296,7 @@ class _CallGuard:
     ``try`` that puts the originals back whatever ends the call: an exception, ``KeyboardInterrupt`` or
     ``SystemExit`` in a forward would leave the half copies in the model (torch's ``always_call`` forward hooks see an
     ``Exception`` only, and dynamo guards a traced call on their ids, one compilation per module). A call that fails for want of a half kernel (``torch.fft`` on a CPU) is run again with the module kept
-    in fp32 (:func:`aiak.amp.fp32_modules.keep_after_failure`)."""
+    in fp32 (`aiak.amp.fp32_modules.keep_after_failure`)."""
 
     __slots__ = ("module", "compute")
 
@@ -435,7 +435,7 @@ def _keep_fp32_now(module: nn.Module, compute: HalfCompute) -> None:
 
 
 def half_compute_of(model: nn.Module) -> Optional[HalfCompute]:
-    """The :class:`HalfCompute` hooked on ``model`` (or on the model a DDP wraps), if any."""
+    """The `HalfCompute` hooked on ``model`` (or on the model a DDP wraps), if any."""
     model = getattr(model, "module", model)
     for hook in model._forward_pre_hooks.values():
         owner = getattr(hook, "__self__", None)

@@ -2,16 +2,16 @@
 
 O1 runs each forward under ``torch.autocast``; O2 (apex's "almost fp16") computes every module except
 normalization layers in the half dtype. Under both, the model's parameters stay the user's fp32 tensors: a
-forward computes with half copies made in the autograd graph (:mod:`aiak.amp.half_compute`), so gradients
+forward computes with half copies made in the autograd graph (`aiak.amp.half_compute`), so gradients
 arrive on the fp32 parameters in fp32, and an EMA copy, an in-place edit of a weight, a parameter group added
 later, a checkpoint loaded in any order and DDP all see plain fp32 parameters. Floating inputs are cast to
 the half dtype on the way into the model and outputs come back as fp32.
 
-fp16 uses a :class:`~aiak.amp.scaling.loss_scaler.LossScaler` (Micikevicius et al., section 3.2) applied inside the
+fp16 uses a `aiak.amp.scaling.loss_scaler.LossScaler` (Micikevicius et al., section 3.2) applied inside the
 graph, at the model's outputs and undone where gradients leave it; bf16 has fp32's exponent range and needs
-none. A script's own ``torch.amp.GradScaler`` takes the place of aiak's (:mod:`aiak.amp.scaling.script_scaler`). A
+none. A script's own ``torch.amp.GradScaler`` takes the place of aiak's (`aiak.amp.scaling.script_scaler`). A
 precision the device only emulates (fp16 on a CPU, say) warns once, with its measured cost
-(:mod:`aiak.amp.emulation`).
+(`aiak.amp.emulation`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class PrecisionState:
-    """What :func:`apply_precision` did: the config, the loss scaler (fp16) and the model's compute hooks."""
+    """What `apply_precision` did: the config, the loss scaler (fp16) and the model's compute hooks."""
 
     def __init__(self, config: Precision, scaler: Optional[LossScaler], compute: Optional[HalfCompute] = None,
                  hooked: int = 0, emulated: Optional[str] = None, fp8: Optional[Fp8Plan] = None):
@@ -83,7 +83,7 @@ def apply_precision(model: nn.Module, config: Precision, device_type: str, *,
     in fp8 when ``precision.fp8`` names a recipe; its parameters are untouched.
 
     ``scaled``: fp16 loss scaling is wanted (it needs a step controller to skip overflowing steps and adjust the
-    scale, so :func:`aiak.apply.apply_strategy` passes False without an optimizer). ``device`` (default: where the
+    scale, so `aiak.apply.apply_strategy` passes False without an optimizer). ``device`` (default: where the
     parameters are) only tells whether the device computes the half dtype (and fp8) natively. ``compiled``: the
     model will run under ``torch.compile`` (torchao's fp8 is slower than bf16 without it).
     """

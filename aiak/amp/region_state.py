@@ -8,10 +8,10 @@ codebook moved by an exponential average inside ``forward``. In half, a counter 
 buffer turns bf16 for good and an average is rounded at every update. A parameter a model's own module uses in its
 ``forward`` may meet any op: ``torch.slogdet(self.weight)`` (Glow), ``matrix_exp`` of a generator (an orthogonal
 parametrization), ``self.weight.data = torch.renorm(...)`` (EEGNet's max-norm constraint); in half these raise,
-return inf, or edit a copy that is thrown away. So inside an O2 region (:mod:`aiak.amp.half_compute`) each floating
+return inf, or edit a copy that is thrown away. So inside an O2 region (`aiak.amp.half_compute`) each floating
 buffer outside the modules kept in fp32, each parameter owned directly by a module whose class is not one of
 ``torch.nn``'s layers, the originals of a parametrization and an embedding table with ``max_norm`` are the user's
-tensor itself, seen through :class:`RegionState`, a view that shares its memory, version counter and autograd
+tensor itself, seen through `RegionState`, a view that shares its memory, version counter and autograd
 history; ``__torch_function__`` decides per operation:
 
 * an in-place operation on it (``add_``, ``+=``, ``copy_``, ``buf[i] = v``, ``out=buf``, ``t.data = v``) runs on the
@@ -25,14 +25,14 @@ history; ``__torch_function__`` decides per operation:
   value, not a rounded copy;
 * an operation on such tensors alone, or beside fp32 tensors and 0-dimensional ones (``self.seen + n``,
   ``self.table[:, :t]``, ``slogdet(self.weight)``, ``mask * self.weight``), runs in fp32, as plain PyTorch would
-  on the fp32 parameter, and its floating result is again a :class:`RegionState`, so a buffer reassigned from it
+  on the fp32 parameter, and its floating result is again a `RegionState`, so a buffer reassigned from it
   keeps its fp32 value and a weight computed from it meets half tensors in half.
 
 These tensors are few and used by few operations, so the Python dispatch costs little; the weights of torch's own
 layers (a frozen backbone's convolutions, a LoRA model's base ``Linear`` layers) are plain half copies, with no
 dispatch of their own. When the region closes, a buffer the forward reassigned is stored back as a plain tensor in
 the buffer's own dtype, and a tensor whose ``.data`` the forward reassigned takes that value. A value the forward
-kept elsewhere (``self.last = self.total.clone()``) outlives the region as a :class:`RegionState`: outside every
+kept elsewhere (``self.last = self.total.clone()``) outlives the region as a `RegionState`: outside every
 region it computes as the plain fp32 tensor it is.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class _Open(threading.local):
-    count = 0   # regions of this thread that show state as RegionState (:mod:`aiak.amp.half_compute`)
+    count = 0   # regions of this thread that show state as RegionState (`aiak.amp.half_compute`)
 
 
 _open = _Open()
@@ -80,7 +80,7 @@ class RegionState(torch.Tensor):
 
     @staticmethod
     def wrap(t: torch.Tensor, half: torch.dtype) -> "RegionState":
-        """``t`` seen as a :class:`RegionState` (a :class:`RegionParameter` for a parameter)."""
+        """``t`` seen as a `RegionState` (a `RegionParameter` for a parameter)."""
         with torch._C.DisableTorchFunctionSubclass():
             out = t.as_subclass(RegionParameter if isinstance(t, nn.Parameter) else RegionState)
         out._half = half
@@ -127,7 +127,7 @@ class RegionState(torch.Tensor):
 
 
 class RegionParameter(RegionState, nn.Parameter):
-    """A parameter inside an O2 region: a :class:`RegionState` that is still an ``nn.Parameter``, so ``self.steps +=
+    """A parameter inside an O2 region: a `RegionState` that is still an ``nn.Parameter``, so ``self.steps +=
     1`` (which assigns the result back to the attribute) is accepted by ``Module.__setattr__``."""
 
 

@@ -2,16 +2,16 @@
 
 aiak leaves the script's own lines as they are (``loss.backward()``, ``torch.nn.utils.clip_grad_norm_(...)``,
 ``scheduler.step()``, ``DistributedDataParallel(model)``), so to act on them it replaces a few functions of torch
-(and timm's adaptive clipping) for the whole process. :data:`DECLARED` says, for each, what is replaced, when,
+(and timm's adaptive clipping) for the whole process. `DECLARED` says, for each, what is replaced, when,
 why, which module owns the replacement and what undoing it means. The owners install lazily, on first use, with
-:func:`replace` (or, for a global hook torch lets aiak register, :func:`hook`); :func:`patches`
-(``aiak.patches()``) lists what is installed now, :func:`undo`
+`replace` (or, for a global hook torch lets aiak register, `hook`); `patches`
+(``aiak.patches()``) lists what is installed now, `undo`
 (``aiak.undo_patches()``) puts torch's originals back.
 
-:func:`replace` records an attribute's original the first time it is replaced (a second replacement of the same
+`replace` records an attribute's original the first time it is replaced (a second replacement of the same
 attribute, before an undo, keeps the first record), so an undo restores the true original, and an attribute
 that a class only inherited is deleted again rather than set to the inherited value. It knows what it installed
-(:func:`is_replacement`), so an owner that installs again skips what is already its own: installing twice wraps
+(`is_replacement`), so an owner that installs again skips what is already its own: installing twice wraps
 once.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ DECLARED: Dict[str, DeclaredPatch] = {row.key: row for row in (
 
 @dataclass(frozen=True)
 class Patch:
-    """A global patch installed in this process: its ``key`` (a row of :data:`DECLARED`), the dotted ``targets``
+    """A global patch installed in this process: its ``key`` (a row of `DECLARED`), the dotted ``targets``
     replaced, ``why``, and the module that holds the replacements (``owner``)."""
 
     key: str
@@ -183,14 +183,14 @@ def installed(key: str) -> bool:
 
 
 def is_replacement(value: Any) -> bool:
-    """``value`` is one that :func:`replace` put in place and no undo has taken back."""
+    """``value`` is one that `replace` put in place and no undo has taken back."""
     with _lock:
         return any(isinstance(r, _Replaced) and r.value is value for records in _replaced.values() for r in records)
 
 
 def undo(key: Optional[str] = None) -> None:
     """Put back every original of patch ``key`` (of every patch when None), the last replaced first, and call
-    what their owners registered with :func:`on_undo`."""
+    what their owners registered with `on_undo`."""
     if key is not None:
         _declared(key)
     with _lock:
@@ -214,10 +214,10 @@ def patches() -> List[Patch]:
     """The global patches aiak installed in this process, in the order they were installed (none until the
     first ``aiak.optimize()`` needs one).
 
-    Each is a :class:`Patch`: its ``key`` (``"backward-root"``, ``"fp16-steps"``, ``"grad-scaler"``, ``"clip"``, ``"schedulers"``,
+    Each is a `Patch`: its ``key`` (``"backward-root"``, ``"fp16-steps"``, ``"grad-scaler"``, ``"clip"``, ``"schedulers"``,
     ``"ddp-constructor"``, ``"deadlock-guard"``), the dotted ``targets`` it replaced, ``why``, and the module that
     holds the replacements (``owner``); ``str()`` of one is a line saying all that. Every patch aiak may install,
-    with when, is :data:`DECLARED` (``aiak doctor`` lists them).
+    with when, is `DECLARED` (``aiak doctor`` lists them).
     """
     with _lock:
         return [Patch(key, tuple(r.target if isinstance(r, _Hook) else _dotted(r.holder, r.attribute)

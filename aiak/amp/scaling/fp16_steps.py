@@ -4,14 +4,14 @@ loss scale backs off, whichever optimizer steps the model.
 Loss scaling (Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2) needs every step to check
 the gradients first: an overflow in fp16 leaves inf/NaN, which a step would write into the weights for good.
 ``torch.amp.GradScaler`` checks the optimizers the script hands to ``scaler.step(optimizer)``; aiak's step
-controller (:mod:`aiak.step.controller`) checks the optimizer given to ``aiak.optimize()``. Scripts step fp16 models
+controller (`aiak.step.controller`) checks the optimizer given to ``aiak.optimize()``. Scripts step fp16 models
 with others too: a new optimizer made after unfreezing a backbone, the optimizer of a ``copy.deepcopy`` of the
 model (its own loss scaler came with the copy), one optimizer per parameter stepped inside the backward pass
 (``register_post_accumulate_grad_hook``, the optimizer-in-backward recipe). Those stepped inf/NaN into the weights,
 and the loss scale never moved.
 
 So while an fp16 model exists, a global optimizer step pre-hook (torch's ``register_optimizer_step_pre_hook``, the
-``fp16-steps`` patch of :mod:`aiak.runtime.patches`) looks at every step of an optimizer that has no step
+``fp16-steps`` patch of `aiak.runtime.patches`) looks at every step of an optimizer that has no step
 controller: when it holds parameters of an fp16 model (`aiak.amp.scaling.root_scaling.scaler_of`), it checks all its
 gradients for inf/NaN in one fused pass, as ``GradScaler.step`` does, and on an overflow hides them (``.grad``
 set to None, which torch's optimizers skip: weights and state untouched) until the step returns, when the

@@ -13,7 +13,7 @@ import torch
 
 
 class LossScaler:
-    """Holds the scale (applied at the root of each backward pass by :mod:`aiak.amp.scaling.root_scaling`), checks
+    """Holds the scale (applied at the root of each backward pass by `aiak.amp.scaling.root_scaling`), checks
     gradients for overflow and decides whether a step may be taken."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, dynamic: bool = True, growth_interval: int = 2000,
@@ -36,7 +36,7 @@ class LossScaler:
     def grad_scale(self) -> float:
         """The factor a backward pass through this model is multiplied by at its root (read as it starts): the
         scale, or 1 once a script's own ``torch.amp.GradScaler`` scales this model's loss
-        (:mod:`aiak.amp.scaling.script_scaler`)."""
+        (`aiak.amp.scaling.script_scaler`)."""
         return 1.0 if self.stood_aside else self.scale
 
     @staticmethod
@@ -60,7 +60,7 @@ class LossScaler:
     def update(self, found_inf: bool, after_pass: int = -1) -> None:
         """One step's verdict: back off on ``found_inf``, else count a clean step (and grow after
         ``growth_interval`` of them). ``after_pass``: the number of the last scaled backward pass
-        (`aiak.amp.scaling.root_scaling.passes_scaled`), for :meth:`update_once`."""
+        (`aiak.amp.scaling.root_scaling.passes_scaled`), for `update_once`."""
         self._updated = (after_pass, found_inf)
         if found_inf:
             self.skipped_steps += 1
@@ -74,7 +74,7 @@ class LossScaler:
             self.clean_steps = 0
 
     def update_once(self, found_inf: bool, after_pass: int) -> None:
-        """:meth:`update`, at most once per backward pass for a clean step and once for an overflow: several
+        """`update`, at most once per backward pass for a clean step and once for an overflow: several
         optimizers stepping one model after the same pass (one per parameter, inside the backward) make one step of
         the scale's schedule, as ``GradScaler.update()`` once per iteration does."""
         last_pass, last_inf = self._updated

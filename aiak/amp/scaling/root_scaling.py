@@ -10,7 +10,7 @@ as it is, so it finds the root where every backward pass goes through: torch's `
 that imported ``grad`` or ``backward`` under another name).
 
 For a pass whose graph reaches a trainable parameter of a model that computes in fp16 under aiak (registered
-here by :mod:`aiak.amp.half_compute`), the wrapper
+here by `aiak.amp.half_compute`), the wrapper
 
 * multiplies the root gradients by S (the smallest scale of the models reached, ``LossScaler.grad_scale``: one
   factor for the whole pass);
@@ -32,13 +32,13 @@ outer pass, which divides them where they land). The outer pass itself cannot se
 checkpoint's block (its graph is built when the backward recomputes it), so the walk reads them off the checkpoint's
 function (the module it calls): a LoRA model whose every adapter computes inside checkpoints is scaled like any
 other (it ran unscaled, and its fp16 gradients between the blocks underflowed to 0). A pass whose root was scaled by the script's own
-``GradScaler`` is left alone (:mod:`aiak.amp.scaling.script_scaler`: that model's scaler stands aside). A backward pass
+``GradScaler`` is left alone (`aiak.amp.scaling.script_scaler`: that model's scaler stands aside). A backward pass
 that reaches no trainable fp16 parameter (the gradient of a frozen fp16 model's input, say) is not scaled.
 
-Counted items (:func:`aiak.count_items`) use the same root. A micro-batch whose loss is a mean over ``n`` items
+Counted items (`aiak.count_items`) use the same root. A micro-batch whose loss is a mean over ``n`` items
 must enter the window's gradient as ``n`` times its gradient (the window is then divided by the items of all its
-micro-batches, :mod:`aiak.step.window_items`): a pass reaching the parameters of an optimizer whose controller
-has a pending count (:func:`weigh`, :func:`set_pending`) multiplies its root by ``n`` (by ``n / reference`` under
+micro-batches, `aiak.step.window_items`): a pass reaching the parameters of an optimizer whose controller
+has a pending count (`weigh`, `set_pending`) multiplies its root by ``n`` (by ``n / reference`` under
 an fp16 loss scale, the reference a power of two near the first count, so the half-precision graph sees the loss
 scale's magnitude; the landing multiplies by the reference again). Leaves of no counting optimizer land true
 (divided by the root), so a second optimizer's parameters or an adversarial input reached by the same pass are
@@ -57,6 +57,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from aiak.runtime import patches
 
@@ -113,7 +114,7 @@ def register(param: torch.Tensor, scaler) -> None:
 
 def weigh(params, weigher) -> None:
     """The gradients of ``params`` are weighted by ``weigher`` (a step controller counting items, held weakly)
-    while it is pending (:func:`set_pending`): ``weigher.root_weight(scaled)`` returns ``(weight, items,
+    while it is pending (`set_pending`): ``weigher.root_weight(scaled)`` returns ``(weight, items,
     reference)``, the root of a pass reaching them is multiplied by ``weight`` (``items / reference``), and their
     gradients land multiplied by ``items``. ``reference`` is 1 unless ``scaled`` (an fp16 loss scale is on the
     root too), where a power of two near the items keeps the root's magnitude that of the loss scale."""
@@ -137,7 +138,7 @@ def _weigher_of(variable: torch.Tensor):
 
 def watch() -> None:
     """Install the wrapper around torch's ``_engine_run_backward`` (once per process: the ``backward-root`` patch
-    of :mod:`aiak.runtime.patches`)."""
+    of `aiak.runtime.patches`)."""
     global _original
     with _lock:
         if patches.installed("backward-root"):
@@ -177,6 +178,7 @@ def scalers_reached(roots) -> list:
 
 
 _ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
+_REENTRANT_CHECKPOINT = CheckpointFunction._backward_cls  # the node of torch.utils.checkpoint(use_reentrant=True)
 
 
 def _walk(roots) -> Tuple[list, list, list]:
@@ -193,9 +195,8 @@ def _walk(roots) -> Tuple[list, list, list]:
             leaves.append(node)
             _reached(node.variable, scalers, weighers)
             continue
-        run_function = getattr(node, "run_function", None)  # a reentrant checkpoint: its graph is built later
-        if run_function is not None:
-            for variable in _checkpointed_parameters(run_function):
+        if type(node) is _REENTRANT_CHECKPOINT:  # its graph is built when the backward recomputes it
+            for variable in _checkpointed_parameters(node.run_function):
                 _reached(variable, scalers, weighers)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return leaves, scalers, weighers

@@ -6,7 +6,7 @@ parameters stay fp32 under O1/O2, so that scaler unscales and steps them as it w
 scalers must not multiply, though (aiak's 65536 times the script's 65536 overflows fp16 at once, and each
 would back off without the other knowing): so when an enabled ``GradScaler`` scales a loss computed with an
 aiak model's fp16 parameters, that model's own loss scaler stands aside for good (from this very backward on,
-:mod:`aiak.amp.scaling.root_scaling` leaves a pass that reaches only stood-aside models unscaled; one warning), and the
+`aiak.amp.scaling.root_scaling` leaves a pass that reaches only stood-aside models unscaled; one warning), and the
 script's scaler is the only one, with its own dynamic scale and overflow skips. Which models a loss comes from
 is read from its autograd graph (the parameters it reaches), so a loss through two aiak models, ``B(A(x))``,
 sets both aside. Other aiak models in the process keep their scaling.
@@ -16,7 +16,7 @@ sets both aside. Other aiak models in the process keep their scaling.
 every micro-step, so that combination is refused with what to change.
 
 Only ``torch.amp.GradScaler.scale`` and ``unscale_`` are wrapped (``torch.cuda.amp.GradScaler`` is a subclass),
-when a strategy first asks for fp16 loss scaling (the ``grad-scaler`` patch of :mod:`aiak.runtime.patches`);
+when a strategy first asks for fp16 loss scaling (the ``grad-scaler`` patch of `aiak.runtime.patches`);
 every call runs torch's own method.
 """
 from __future__ import annotations
