@@ -7,7 +7,7 @@ step's loss) to :func:`compare`. That is how ``aiak demo`` measures (:func:`aiak
 machine a step's time drifts several-fold within minutes, so one run of each side after the other measures the
 drift as much as aiak. Here both sides warm up in turn, the timed steps are cut into rounds with the order
 rotating, and the speedup is the median of the per-round ratios with its confidence interval
-(:mod:`aiak.measure.rounds`), called "within noise" when the interval straddles 1.00x.
+(:mod:`aiak.measure.rounds`), called "within noise" when the interval straddles 1.00x or the median is within 3% of it.
 
 Global switches that ``aiak.optimize`` sets for the process (TF32, cuDNN autotuning) would also speed up the
 plain side; each side's steps run under its own setting of them, so the plain side stays plain.

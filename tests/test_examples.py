@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 BEFORE_AFTER = re.compile(
     r"^before/after: plain (?P<plain>[\d.]+) samples/s, aiak (?P<aiak>[\d.]+) samples/s: "
-    r"(?P<speedup>\d+\.\d\dx(?: faster| slower|, within noise) \(\d+\.\d% CI \d+\.\d\d-\d+\.\d\dx, \d+ rounds\)"
+    r"(?P<speedup>\d+\.\d\dx(?: faster| slower|, within noise) \(\d+\.\d% CI \d+\.\d\d-\d+\.\d\dx, \d+ rounds"
+    r"(?:; closer than \d+% to 1\.00x is never called a speedup)?\)"
     # a machine too busy for the rounds to agree gets no ratio (aiak.measure.rounds.Speedup.too_noisy)
     r"|no verdict: the machine was too busy to tell \(the rounds' ratios span \d+\.\d\d-\d+\.\d\dx, \d+\.\d% CI "
     r"over \d+ rounds, so their median \d+\.\d\dx means nothing\); run it again on an idle machine); "

@@ -71,6 +71,7 @@ from aiak.apply import apply_strategy
 from aiak.loaders.prefetch import PrefetchLoader
 from aiak.measure.clock import StepClock
 from aiak.measure.rounds import Contender, alternate
+from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.rollback import Snapshot
 from aiak.runtime.switches import read_switches, write_switches
 from aiak.step.training_step import training_step
@@ -90,7 +91,6 @@ from aiak.util.machine.versions import installed_version
 BUDGET_FRACTION = 0.05     # the trials' budget: 5% ...
 BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
 MIN_TIMED_ROUNDS = 2
-NOISE_FLOOR = 0.03         # step times closer than 3% are never told apart
 WARMUP_MAX_STEPS = 6       # steps per candidate before timing starts at the latest (the gate's included) ...
 SETTLE_TOLERANCE = 0.2     # ... until they stop getting faster by more than 20% (first-call costs: multiples)
 

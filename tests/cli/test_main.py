@@ -202,15 +202,16 @@ def demo(*args):
 
 @pytest.mark.slow
 def test_demo_default_is_plain_pytorch_and_reads_within_noise():
-    """``--strategy default`` is numerically plain PyTorch: the same losses, and 1.00x within its interval
-    (by chance this fails in about one run of 400: when 17 of the 20 rounds land on one side of 1.0)."""
+    """``--strategy default`` is numerically plain PyTorch: the same losses, and never a speedup: its interval
+    holds 1.00x, or the median is within the noise floor (the two sides' memory can make one a steady percent
+    faster; aiak.measure.rounds)."""
     rows, verdict, _ = demo("--strategy", "default", "--no-progress")
     assert rows["baseline"]["loss"] == rows["aiak"]["loss"]
     # within noise; on a loaded machine possibly "no verdict: too busy to tell" over 40 rounds, never a ratio
     assert ("within noise" in verdict and "99.7% CI" in verdict and "20 rounds" in verdict) or \
         ("no verdict: the machine was too busy" in verdict and "40 rounds" in verdict), verdict
     low, high = map(float, re.search(r"(?:CI|span) ([\d.]+)-([\d.]+)x", verdict).groups())
-    assert low <= 1.0 <= high
+    assert low <= 1.0 <= high or "never called a speedup" in verdict, verdict
 
 
 def test_demo_shows_a_stopped_side_with_its_reason_and_no_traceback(monkeypatch, capsys):
