@@ -28,16 +28,19 @@ Modules called inside a region (dynamo inlines them, or runs them after a graph 
 (``block.compile()`` on each block of an optimized model) finds its parameters swapped already; the eager region
 leaves its buffers as the user's fp32 tensors, and the block runs under autocast as a traced region does.
 
-Where dynamo gives up on a frame after a graph break inside the model and runs it eagerly, the casts at the region's
-entry and exit run eagerly too (`cast_tensors`): they make no graph of their own.
+Where dynamo runs a frame of the model without tracing it (it gave up on the frame after a graph break it could not
+resume from), a hooked module called there opens the same region untraced (`region_call_untraced`): the casts and
+swaps run eagerly, in functions dynamo never enters, and dynamo starts its next frame at the module's ``forward``, as
+it does for plain autocast's modules. Dynamo never starts a frame at aiak's code on the way (`never_a_frame`): a
+frame at the guard, one code object shared by every hooked module, traced the hooks Hugging Face installs during the
+forward and was compiled again for each layer (wav2vec2's encoder, after LayerDrop's branch, made 7 graphs where
+plain autocast makes 6), and a frame at a region's casts made a graph of one op.
 
 fp16's loss scaling needs no work here: it is applied at the root of the backward pass
 (`aiak.amp.scaling.root_scaling`) to the parameters handed to it once the strategy applied
 (`HalfCompute.scale_trainable`).
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 from torch import nn
@@ -94,8 +97,6 @@ def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
     """``module``'s call while dynamo traces it (see the module docstring). ``inside``: an eager region of this
     thread is open, and has swapped the tensors already."""
     global _depth
-    if not torch.compiler.is_compiling():  # dynamo gave up on this frame after a graph break and runs it eagerly
-        _casts_never_a_frame()
     call = type(module)._call_impl
     if inside:  # a compiled module inside an eager region: its parameters are half copies, its state is fp32
         if compute.level == "O1":
@@ -111,56 +112,115 @@ def region_call(compute, module: nn.Module, args, kwargs, inside: bool):
             if compute.level == "O1":
                 out = call(module, *args, **kwargs)
             else:
-                args, kwargs = cast_tensors((args, kwargs), compute.dtype)
+                args, kwargs = _cast_floating((args, kwargs), compute.dtype)
                 out = _with_half_parameters(compute, module, args, kwargs)
     finally:
         _depth -= 1
-    return cast_tensors(out, torch.float32)
+    return _cast_floating(out, torch.float32)
+
+
+_dynamo_ext = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)  # torch's C side of dynamo
+_frame_callback = getattr(_dynamo_ext, "get_eval_frame_callback", lambda: None)
+
+
+def dynamo_runs_untraced() -> bool:
+    """This thread is inside a call of ``torch.compile`` that dynamo runs without tracing (torch's frame callback is
+    set, ``torch.compiler.is_compiling()`` is not)."""
+    callback = _frame_callback()
+    return callback is not None and callback is not False and not torch.compiler.is_compiling()
+
+
+def open_untraced() -> bool:
+    """A region `region_call_untraced` opened is open in this thread: the eager region's hooks stand aside."""
+    return _depth > 0 and dynamo_runs_untraced()
+
+
+class _Opened:
+    """What `region_call_untraced` opened, to shut it whatever ends the call."""
+
+    __slots__ = ("args", "kwargs", "root", "swapped", "autocast")
+
+    def __init__(self, args, kwargs):
+        self.args, self.kwargs, self.root, self.swapped, self.autocast = args, kwargs, False, [], None
+
+
+def region_call_untraced(compute, module: nn.Module, args, kwargs, inside: bool):
+    """``module``'s call where dynamo runs the calling frame without tracing it: what `region_call` does, the region
+    opened and shut eagerly (`_open`, `_shut`: never entered by dynamo), the module's own call in between, where
+    dynamo starts its frame at the module's ``forward`` (see the module docstring)."""
+    opened = _untraced(_open)(compute, module, args, kwargs, inside)
+    try:
+        out = type(module)._call_impl(module, *opened.args, **opened.kwargs)
+    finally:
+        _untraced(_shut)(opened)
+    return _untraced(_cast_floating)(out, torch.float32) if opened.root else out
+
+
+def _open(compute, module: nn.Module, args, kwargs, inside: bool) -> _Opened:
+    global _depth
+    opened = _Opened(args, kwargs)
+    o2 = compute.level == "O2"
+    if inside:        # an eager region swapped the tensors: autocast only (O2), as region_call does
+        if o2:
+            opened.autocast = torch.autocast(compute.device_type, dtype=compute.dtype)
+    elif _depth:      # inside a region: the module's own parameters (O2)
+        if o2:
+            opened.swapped = _swap_own(compute, module)
+    else:
+        _depth += 1
+        opened.root = True
+        opened.autocast = torch.autocast(compute.device_type, dtype=compute.dtype)
+        if o2:
+            opened.args, opened.kwargs = _cast_floating((args, kwargs), compute.dtype)
+            opened.swapped = _swap_own(compute, module)
+    if opened.autocast is not None:
+        opened.autocast.__enter__()
+    return opened
+
+
+def _shut(opened: _Opened) -> None:
+    global _depth
+    for params, name, p in opened.swapped:
+        params[name] = p
+    if opened.autocast is not None:
+        opened.autocast.__exit__(None, None, None)
+    if opened.root:
+        _depth -= 1
+
+
+_untraced_made = {}  # fn -> fn under torch.compiler.disable, made at first use (dynamo is loaded by then)
+
+
+def _untraced(fn):
+    made = _untraced_made.get(fn)
+    if made is None:
+        made = _untraced_made[fn] = torch.compiler.disable(fn, reason="aiak: a region opened or shut in a frame "
+                                                                       "dynamo runs without tracing")
+    return made
 
 
 def _cast_floating(obj, dtype: torch.dtype):
+    """``obj`` with its floating tensors in ``dtype``: the casts at a region's entry and exit."""
     return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
-_cast_floating_eagerly = None  # _cast_floating under torch.compiler.disable, made at first use (it loads dynamo)
-
-
-def cast_tensors(obj, dtype: torch.dtype):
-    """``obj`` with its floating tensors in ``dtype``: the casts at a region's entry and exit. Traced inline where
-    dynamo traces the region; where dynamo gave up on the region's frame (a graph break inside the model it could
-    not resume from) and runs it eagerly, the casts run eagerly too, instead of dynamo compiling each as a graph of
-    its own (GPT-2's O1 forward made 3 graphs where plain autocast makes 2, wav2vec2's 8 where it makes 6): dynamo
-    never starts a frame here (`_casts_never_a_frame`)."""
-    global _cast_floating_eagerly
-    if torch.compiler.is_compiling():
-        return _cast_floating(obj, dtype)
-    if _cast_floating_eagerly is None:
-        _cast_floating_eagerly = torch.compiler.disable(_cast_floating, reason="aiak: a region's casts, where dynamo "
-                                                        "runs the region's frame eagerly after a graph break")
-    return _cast_floating_eagerly(obj, dtype)
-
-
-def _casts_never_a_frame() -> None:
-    """Tell dynamo never to start a frame at `cast_tensors` (its ``skip_code``: what ``torch._dynamo.skip`` does,
-    without the flag that would stop dynamo inlining it). Called where a region's frame runs eagerly under
-    ``torch.compile``, so dynamo is loaded by then (``import aiak`` and ``optimize()`` never load it). Without
-    torch's private hook the casts make their small graph, nothing worse."""
-    global _casts_skipped
-    if _casts_skipped:
+def never_a_frame(fn) -> None:
+    """Tell dynamo never to start a frame at ``fn``'s code (what ``torch._dynamo.skip`` does, without the flag that
+    would stop dynamo inlining it where it traces a caller), through torch's C extension, so dynamo is not loaded
+    for it. Without that private entry point the frames start there, which costs graphs, not correctness."""
+    ext = _dynamo_ext
+    if ext is None or not hasattr(ext, "set_code_exec_strategy"):
         return
-    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip_code is not None:
-        skip_code(cast_tensors.__code__)
-        _casts_skipped = True
+    ext.set_code_exec_strategy(fn.__code__, ext._FrameExecStrategy(ext._FrameAction.SKIP, ext._FrameAction.DEFAULT))
 
 
-_casts_skipped = False
+for _fn in (dynamo_runs_untraced, open_untraced, region_call_untraced, _untraced):  # called where dynamo does not trace
+    never_a_frame(_fn)
 
 
-def _with_half_parameters(compute, module: nn.Module, args, kwargs):
-    """O2: ``module`` called with each floating parameter it owns replaced by its half copy, the originals back
-    whatever ends the call. Not the frozen parameters of the model's own module classes: state, kept in fp32 as
-    buffers are."""
+def _swap_own(compute, module: nn.Module) -> list:
+    """O2: each floating parameter ``module`` owns replaced by its half copy; returns ``(params, name, original)``
+    to put back. Not the frozen parameters of the model's own module classes: state, kept in fp32 as buffers are."""
     params = module._parameters
     grad = torch.is_grad_enabled()
     sparse = module.__dict__.get("sparse", False) is True  # nn.Embedding / EmbeddingBag(sparse=True)
@@ -168,10 +228,17 @@ def _with_half_parameters(compute, module: nn.Module, args, kwargs):
     for name, p in list(params.items()):
         if p is None or not p.is_floating_point() or p.dtype in HALF_DTYPES or is_state(module, p):
             continue
-        swapped.append((name, p))
+        swapped.append((params, name, p))
         params[name] = compute_copy(p, compute.dtype, grad, sparse)
+    return swapped
+
+
+def _with_half_parameters(compute, module: nn.Module, args, kwargs):
+    """O2: ``module`` called with each floating parameter it owns replaced by its half copy (`_swap_own`), the
+    originals back whatever ends the call."""
+    swapped = _swap_own(compute, module)
     try:
         return type(module)._call_impl(module, *args, **kwargs)
     finally:
-        for name, p in swapped:
+        for params, name, p in swapped:
             params[name] = p

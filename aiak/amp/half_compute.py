@@ -47,7 +47,9 @@ fp16 loss scaling is applied at the root of each backward pass, not inside the r
 and skips.
 
 While ``torch.compile`` traces the model, the guard opens the region in the graph instead
-(`aiak.amp.compiled_region`) and the hooks stand aside.
+(`aiak.amp.compiled_region`) and the hooks stand aside; in a frame dynamo runs without tracing (after a graph break
+it could not resume from), the guard opens the region untraced around the module's own call, where dynamo starts
+its next frame.
 
 Activation checkpointing recomputes a region's forward inside the backward pass: there the region takes the
 role it had in the forward (a block whose inputs are already in the half dtype, or under autocast, is inside
@@ -146,8 +148,8 @@ class HalfCompute:
 
     # -- the hooks --------------------------------------------------------------------------------
     def enter(self, module: nn.Module, args, kwargs):
-        if torch.compiler.is_compiling():
-            return None  # the guard made the region (compiled_region.region_call)
+        if torch.compiler.is_compiling() or (compiled_region._depth and compiled_region.open_untraced()):
+            return None  # the guard made the region (compiled_region.region_call or region_call_untraced)
         if torch.jit.is_tracing() and self.level == "O2":  # (O1 traces: its autocast is recorded in the graph)
             raise RuntimeError(_not_torchscript("torch.jit.trace", self))
         state = _threads
@@ -171,7 +173,7 @@ class HalfCompute:
         return None
 
     def leave(self, module: nn.Module, args, output):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (compiled_region._depth and compiled_region.open_untraced()):
             return None
         state = _threads
         if not state.frames or state.frames[-1].module is not module:
@@ -306,6 +308,9 @@ class _CallGuard:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # dynamo traces the region into the graph
             return compiled_region.region_call(self.compute, self.module, args, kwargs, inside=bool(_threads.frames))
+        if compiled_region.dynamo_runs_untraced():  # a frame of torch.compile that dynamo runs without tracing
+            return compiled_region.region_call_untraced(self.compute, self.module, args, kwargs,
+                                                        inside=bool(_threads.frames))
         module = called_module(self.module, sys._getframe(1))
         depth = len(_threads.frames)
         try:
@@ -316,6 +321,11 @@ class _CallGuard:
                 _keep_fp32_now(module, self.compute)
                 return module(*args, **kwargs)
             raise
+
+
+# One code object for every hooked module, and the hooks that stand aside in an untraced region: see compiled_region
+for _fn in (_CallGuard.__call__, HalfCompute.enter, HalfCompute.leave):
+    compiled_region.never_a_frame(_fn)
 
 
 class _NotScriptable:

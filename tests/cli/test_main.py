@@ -194,8 +194,10 @@ def demo(*args):
     assert "warn" not in err.lower(), err
     rows = {m["run"]: m.groupdict() for m in map(DEMO_ROW.match, out.splitlines()) if m}
     assert set(rows) == {"baseline", "aiak"}, out
-    for r in rows.values():  # 32 steps, or 32 more when the first rounds were too noisy to tell
-        assert int(r["steps"]) in (32, 64) and float(r["p10"]) <= float(r["median"]) <= float(r["p90"])
+    # 32 steps (12 warm-up, 20 rounds of 1), or 20 rounds more when the first ones were too noisy to tell (the
+    # extension adds rounds, not a second warm-up: 52, which a loaded CI machine printed while this said 64)
+    for r in rows.values():
+        assert int(r["steps"]) in (32, 52) and float(r["p10"]) <= float(r["median"]) <= float(r["p90"])
     verdict = next(line for line in out.splitlines() if "speedup of the training steps" in line)
     return rows, verdict, err
 
@@ -208,7 +210,8 @@ def test_demo_default_is_plain_pytorch_and_reads_within_noise():
     rows, verdict, _ = demo("--strategy", "default", "--no-progress")
     assert rows["baseline"]["loss"] == rows["aiak"]["loss"]
     # within noise; on a loaded machine possibly "no verdict: too busy to tell" over 40 rounds, never a ratio
-    assert ("within noise" in verdict and "99.7% CI" in verdict and "20 rounds" in verdict) or \
+    # (after 20 more rounds on a loaded machine, possibly within noise over 40)
+    assert re.search(r"within noise \(99\.\d% CI [\d.]+-[\d.]+x, (20|40) rounds", verdict) or \
         ("no verdict: the machine was too busy" in verdict and "40 rounds" in verdict), verdict
     low, high = map(float, re.search(r"(?:CI|span) ([\d.]+)-([\d.]+)x", verdict).groups())
     assert low <= 1.0 <= high or "never called a speedup" in verdict, verdict
