@@ -11,15 +11,15 @@ once and then the candidate once measures the machine's drift as much as the can
   drift between rounds), and reported as the median of the rounds with its distribution-free 99%
   confidence interval (order statistics; no assumption on the shape of the machine's noise);
 - it is called a speedup (or a slowdown) only when that whole interval is on one side of 1.00x and the median
-  is more than :data:`~aiak.measure.thresholds.NOISE_FLOOR` (3%) from it; otherwise the figure is "within
+  is more than `NOISE_FLOOR` (3%) from it; otherwise the figure is "within
   noise". The interval alone is not enough: two builds of the same plain model in one process differ by a
   percent or so (where their memory landed), and with quiet rounds the interval is narrow enough to call that
   a speedup: ``aiak bench --strategy default`` read "1.01x faster (99.6% CI 1.00-1.02x)" in one run of six.
-  With fewer than :data:`MIN_ROUNDS_FOR_VERDICT` rounds the interval is too loose to judge by, and the
+  With fewer than `MIN_ROUNDS_FOR_VERDICT` rounds the interval is too loose to judge by, and the
   verdict says so.
 
-:func:`alternate` is the one round runner: ``aiak demo``, ``aiak bench``, the comm autotuner
-(:mod:`aiak.comm.allreduce.autotune`) and the auto-selector's trials (:mod:`aiak.tune.trials`, which bring their own
+`alternate` is the one round runner: ``aiak demo``, ``aiak bench``, the comm autotuner
+(`aiak.comm.allreduce.autotune`) and the auto-selector's trials (`aiak.tune.trials`, which bring their own
 stop rules through ``until``).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from aiak.util.dist import max_across_ranks
 from aiak.util.text import describe_error
 
 __all__ = ["Spread", "Speedup", "Contender", "alternate", "percentile", "median_interval", "speedup", "plan_rounds", "MIN_ROUNDS_FOR_VERDICT",
-           "SLOW_FACTOR", "NOISY_SPREAD"]
+           "SLOW_FACTOR", "NOISY_SPREAD", "NOISE_FLOOR"]
 
 
 
