@@ -124,10 +124,11 @@ _frame_callback = getattr(_dynamo_ext, "get_eval_frame_callback", lambda: None)
 
 
 def dynamo_runs_untraced() -> bool:
-    """This thread is inside a call of ``torch.compile`` that dynamo runs without tracing (torch's frame callback is
-    set, ``torch.compiler.is_compiling()`` is not)."""
+    """This thread is inside a call of ``torch.compile`` that dynamo runs without tracing: torch's frame callback is
+    set. Callers ask ``torch.compiler.is_compiling()`` first; it is not asked here, where a frame dynamo started at
+    this function (a torch without `never_a_frame`'s entry point) would answer True and hide the callback."""
     callback = _frame_callback()
-    return callback is not None and callback is not False and not torch.compiler.is_compiling()
+    return callback is not None and callback is not False
 
 
 def open_untraced() -> bool:
