@@ -131,11 +131,6 @@ def dynamo_runs_untraced() -> bool:
     return callback is not None and callback is not False
 
 
-def open_untraced() -> bool:
-    """A region `region_call_untraced` opened is open in this thread: the eager region's hooks stand aside."""
-    return _depth > 0 and dynamo_runs_untraced()
-
-
 class _Opened:
     """What `region_call_untraced` opened, to shut it whatever ends the call."""
 
@@ -215,8 +210,9 @@ def never_a_frame(fn) -> None:
     ext.set_code_exec_strategy(fn.__code__, ext._FrameExecStrategy(ext._FrameAction.SKIP, ext._FrameAction.DEFAULT))
 
 
-for _fn in (dynamo_runs_untraced, open_untraced, region_call_untraced, _untraced):  # called where dynamo does not trace
+for _fn in (dynamo_runs_untraced, region_call_untraced, _untraced):  # called where dynamo does not trace
     never_a_frame(_fn)
+del _fn
 
 
 def _swap_own(compute, module: nn.Module) -> list:

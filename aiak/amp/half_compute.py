@@ -148,8 +148,9 @@ class HalfCompute:
 
     # -- the hooks --------------------------------------------------------------------------------
     def enter(self, module: nn.Module, args, kwargs):
-        if torch.compiler.is_compiling() or (compiled_region._depth and compiled_region.open_untraced()):
-            return None  # the guard made the region (compiled_region.region_call or region_call_untraced)
+        if torch.compiler.is_compiling() or (compiled_region._depth and compiled_region.dynamo_runs_untraced()):
+            return None  # the guard made the region (compiled_region.region_call, or region_call_untraced: a region
+            #              open while dynamo runs this frame untraced)
         if torch.jit.is_tracing() and self.level == "O2":  # (O1 traces: its autocast is recorded in the graph)
             raise RuntimeError(_not_torchscript("torch.jit.trace", self))
         state = _threads
@@ -173,7 +174,7 @@ class HalfCompute:
         return None
 
     def leave(self, module: nn.Module, args, output):
-        if torch.compiler.is_compiling() or (compiled_region._depth and compiled_region.open_untraced()):
+        if torch.compiler.is_compiling() or (compiled_region._depth and compiled_region.dynamo_runs_untraced()):
             return None
         state = _threads
         if not state.frames or state.frames[-1].module is not module:
@@ -326,6 +327,7 @@ class _CallGuard:
 # One code object for every hooked module, and the hooks that stand aside in an untraced region: see compiled_region
 for _fn in (_CallGuard.__call__, HalfCompute.enter, HalfCompute.leave):
     compiled_region.never_a_frame(_fn)
+del _fn
 
 
 class _NotScriptable:
