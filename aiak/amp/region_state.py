@@ -10,7 +10,7 @@ buffer turns bf16 for good and an average is rounded at every update. A paramete
 parametrization), ``self.weight.data = torch.renorm(...)`` (EEGNet's max-norm constraint); in half these raise,
 return inf, or edit a copy that is thrown away. So inside an O2 region (`aiak.amp.half_compute`) each floating
 buffer outside the modules kept in fp32, each parameter owned directly by a module whose class is not one of
-``torch.nn``'s layers, the originals of a parametrization and an embedding table with ``max_norm`` are the user's
+``torch.nn``'s layers (nor a layer known to compute as one, such as Hugging Face's ``Conv1D``), the originals of a parametrization and an embedding table with ``max_norm`` are the user's
 tensor itself, seen through `RegionState`, a view that shares its memory, version counter and autograd
 history; ``__torch_function__`` decides per operation:
 

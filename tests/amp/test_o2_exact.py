@@ -289,3 +289,50 @@ def test_a_weight_of_the_models_own_class_used_many_times_in_a_forward_is_cast_o
         h = torch.tanh(xb[:, t] @ w + h @ u)
     h.float().sum().backward()
     assert torch.equal(cell.w.grad, by_hand.w.grad) and torch.equal(cell.u.grad, by_hand.u.grad)
+
+
+def test_hugging_face_conv1d_weights_are_plain_half_copies_and_train_as_through_region_state(monkeypatch):
+    """GPT-2's projections are Hugging Face's ``Conv1D`` (``addmm(bias, x, weight)``), a class outside ``torch.nn``
+    that uses its parameters as ``nn.Linear`` does: O2 gives them plain half copies (no RegionState dispatch per
+    call). Three AdamW steps of a small GPT-2 are bit-identical to the same steps with ``Conv1D`` shown through
+    RegionState (`MATRIX_PRODUCT_LAYERS` emptied), and a subclass with a ``forward`` of its own still gets
+    RegionState."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    from aiak.amp import compiled_region
+    from aiak.amp.region_state import RegionState
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    base = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16))
+
+    def train(layers):
+        monkeypatch.setattr(compiled_region, "MATRIX_PRODUCT_LAYERS", layers)
+        model = copy.deepcopy(base)
+        seen = []
+        model.transformer.h[0].attn.c_attn.register_forward_pre_hook(lambda m, a: seen.append(m.weight))
+        model, opt, _ = aiak.optimize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      strategy={"precision": {"level": "O2", "dtype": "bf16"}})
+        for _ in range(3):
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, seen[0]
+
+    fast, weight = train(compiled_region.MATRIX_PRODUCT_LAYERS)
+    assert type(weight) is torch.Tensor and weight.dtype == torch.bfloat16
+    shown, weight = train(frozenset())
+    assert isinstance(weight, RegionState)
+    for (name, a), b in zip(fast.state_dict().items(), shown.state_dict().values()):
+        assert torch.equal(a, b), name
+    monkeypatch.undo()
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert compiled_region.computes_as_torch_layer(Conv1D(4, 4))
+    assert not compiled_region.computes_as_torch_layer(Scaled(4, 4))
