@@ -21,7 +21,9 @@ compiled's (>= 1.00x: aiak costs nothing under compile); ``compiled vs eager``: 
 
 Models (random weights, nothing downloaded; CPU-sized): ``mlp`` (4 residual pre-norm MLP blocks of width 256, batch
 64), ``resnet`` (torchvision ``resnet18`` at 64 px, batch 8), ``vit`` (timm ``vit_tiny_patch16_224`` at 64 px, batch
-8), ``gpt2`` and ``bert`` (Hugging Face, hidden 128, 2 layers, 4 heads, vocabulary 1024, 64 tokens, batch 4). One
+8), ``gpt2`` and ``bert`` (Hugging Face, hidden 128, 2 layers, 4 heads, vocabulary 1024, 64 tokens, batch 4); not
+run by default, ``gpt2-512`` and ``bert-512`` (hidden 512, 4 layers, 8 heads, 128 tokens), where eager aiak's
+Python per module call is a smaller share of the step. One
 torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads wait for each other whenever
 another process holds a core. :func:`gpu_checks` holds the rows of ``benchmarks/gpu_check.py --only compile``.
 """
@@ -70,16 +72,18 @@ class MLP(nn.Module):
         return self.head(self.blocks(x))
 
 
-def _hf(kind: str) -> nn.Module:
+def _hf(kind: str, hidden: int = 128, layers: int = 2, tokens: int = 64) -> nn.Module:
     import transformers
 
-    common = dict(vocab_size=1024, num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0)
+    heads = max(hidden // 64, 4) if hidden > 128 else 4
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=1024, n_embd=128, n_layer=2, n_head=4, n_positions=64,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(vocab_size=1024, n_embd=hidden, n_layer=layers, n_head=heads,
+                                         n_positions=tokens, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.BertConfig(hidden_size=128, intermediate_size=512, max_position_embeddings=64, **common)
+    config = transformers.BertConfig(vocab_size=1024, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=heads, intermediate_size=4 * hidden,
+                                     max_position_embeddings=tokens, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
     return transformers.BertForSequenceClassification(config)
 
 
@@ -89,9 +93,9 @@ def _image(shape) -> Callable[[torch.Generator, int], Tuple[dict, torch.Tensor]]
     return make
 
 
-def _text(kind: str):
+def _text(kind: str, tokens: int = 64):
     def make(g, batch):
-        ids = torch.randint(0, 1024, (batch, 64), generator=g)
+        ids = torch.randint(0, 1024, (batch, tokens), generator=g)
         labels = ids if kind == "gpt2" else torch.randint(0, 2, (batch,), generator=g)
         return {"input_ids": ids, "labels": labels}, None
     return make
@@ -116,7 +120,11 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable, int]] = {
     "vit": (_timm_vit, _image((3, 64, 64)), 8),
     "gpt2": (lambda: _hf("gpt2"), _text("gpt2"), 4),
     "bert": (lambda: _hf("bert"), _text("bert"), 4),
+    # (not run by default) the same at hidden 512, 4 layers, 128 tokens: where a step's per-call Python is small
+    "gpt2-512": (lambda: _hf("gpt2", 512, 4, 128), _text("gpt2", 128), 4),
+    "bert-512": (lambda: _hf("bert", 512, 4, 128), _text("bert", 128), 4),
 }
+DEFAULT_MODELS = "mlp,resnet,vit,gpt2,bert"
 
 
 def _loss(model, inputs: dict, target) -> torch.Tensor:
@@ -235,7 +243,8 @@ def gpu_checks() -> list:
 
 def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, from {', '.join(MODELS)} (default "
+                    f"{DEFAULT_MODELS})")
     ap.add_argument("--precision", default="O2 bf16", help="'O1 bf16', 'O2 bf16', 'O1 fp16' or 'O2 fp16'")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=40, help="steps per side, warm-up included (default 40)")

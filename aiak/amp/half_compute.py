@@ -26,8 +26,8 @@ How a module computes in half (`HalfCompute`, one object per model, hooked on it
   in fp32 (``quantile``, ``inverse``, a loss; on CUDA ``softmax`` and ``layer_norm`` too) runs in fp32 under O2
   as under autocast, and an fp32 tensor the forward makes (``x.float()`` into a router, a mask times a weight, a
   frozen net the model keeps outside its tree) meets half ones as autocast casts them. On the way out it puts the
-  originals back. A parameter copy the forward edited in place or reassigned (a hook that rescales a weight) is
-  written into the parameter; a buffer the forward reassigned is stored back in its own dtype.
+  originals back. A parameter copy the forward edited in place or reassigned (a hook that rescales or clamps a
+  weight) is written into the parameter, the elements it changed only; a buffer the forward reassigned is stored back in its own dtype.
   Modules inside the region find their tensors swapped already and do nothing (their guard calls ``forward``
   directly, as torch does for a module without hooks, unless the module has hooks of the user's). So ``model(x)``, a
   LightningModule's ``self.net(x)``, ``model.backbone(x)`` and a submodule called alone all compute in half; a
@@ -277,7 +277,7 @@ def _close(frame: _Frame) -> None:
                         original.data = unwrap(seen, original).data
             elif (version is not None and seen._version != version) or seen.data_ptr() != pointer:
                 with torch.no_grad():  # (entered only here: it costs 2 us, as much as the rest of a tensor's close)
-                    original.copy_(seen)  # a half copy the forward (or a hook) edited in place or reassigned
+                    _write_back(original, seen)  # a half copy the forward (or a hook) edited in place or reassigned
         elif name in owner and isinstance(seen, RegionState) and not isinstance(original, nn.Parameter):
             owner[name] = unwrap(current, original)  # a buffer the forward reassigned
     _threads.swapped.difference_update(frame.modules)
@@ -287,6 +287,19 @@ def _close(frame: _Frame) -> None:
     if frame.autocast is not None:
         frame.autocast.__exit__(None, None, None)
         frame.autocast = None
+
+
+def _write_back(original: torch.Tensor, edited: torch.Tensor) -> None:
+    """A half copy the forward edited, written into the user's fp32 tensor: only the elements the edit changed
+    (they differ from the original's half value) take the edited half value; the others keep their exact fp32
+    value. A constraint applied every forward (``weight.clamp_(min=0)`` in a pre-hook) writes the clamped elements
+    (exactly: 0) and leaves the rest unrounded, where copying the whole copy back rounded the whole weight to the
+    half dtype at every forward and lost the optimizer's small updates."""
+    if edited.shape != original.shape:
+        original.copy_(edited)  # (a copy reassigned with another shape: copy_ says what is wrong)
+        return
+    changed = edited != original.to(edited.dtype)
+    original.copy_(torch.where(changed, edited.to(original.dtype), original))
 
 
 def close_to(depth: int) -> None:

@@ -1274,3 +1274,40 @@ def test_two_models_in_two_threads_with_reentrant_checkpoints(level):
             for n, q in base.named_parameters():
                 assert_close(grads[i][step][n], q.grad, f"model {i}, step {step}: grad of {n}")
             ref.scaler.update()
+
+
+# -- 38. a constraint a hook applies in place to a torch layer's weight at every forward ----------------------------
+
+@per_case
+def test_pre_hook_clamps_a_weight_in_place_every_forward(level, dtype):
+    """A forward pre-hook that keeps a weight non-negative (``module.weight.clamp_(min=0)`` under no_grad) at every
+    forward, 6 steps at a small learning rate: the constraint holds and the weight follows plain's fp32 updates
+    (within 2e-5, 1e-4 with fp8; each step moves an element about 1e-4). Under O2 the hook edits the weight's half copy,
+    which was copied back whole: every forward rounded the whole weight to the half dtype (bf16: up to 1e-3 here)
+    and the small updates were lost."""
+
+    def clamp(module, args):
+        with torch.no_grad():
+            module.weight.clamp_(min=0)
+
+    model, base = twins(HookedNet)
+    for m in (model, base):
+        m.lin.register_forward_pre_hook(clamp)
+    model, opt = with_aiak(model, level, dtype, lr=1e-3)
+    ref = Baseline(base, dtype, lr=1e-3)
+    run, run_ref = classify(model), classify(base)
+    clamped = []
+
+    # fp8's gradients are farther from plain's: an element at 0 may move 5e-5 the other way
+    tolerance = 1e-4 if level == "O2+fp8" else 2e-5
+
+    def check(model, ref, step):  # after the forward that clamped, before the step
+        weight, expected = model.lin.weight.detach(), ref.model.lin.weight.detach()
+        clamped.append(int((weight == 0).sum()))
+        assert float(weight.min()) >= 0.0, f"step {step}: the constraint does not hold ({float(weight.min()):.3g})"
+        off = float((weight - expected).abs().max())
+        assert off <= tolerance, f"step {step}: lin.weight is {off:.2g} from plain's (allowed {tolerance:.2g})"
+
+    for step in range(6):
+        step_both(model, opt, ref, run, run_ref, step, check)
+    assert min(clamped) > 0, clamped
