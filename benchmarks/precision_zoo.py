@@ -249,7 +249,8 @@ _CASES: List[Case] = [
          kind="audio, conv feature extractor, GroupNorm"),
 ]
 CASES: Dict[str, Case] = {c.spec: c for c in _CASES}
-QUICK = ("timm:resnet10t", "torchvision:mobilenet_v3_small", "hf:bert", "hf:gpt2", "timm:vit_tiny_patch16_224")
+QUICK = ("timm:resnet10t", "torchvision:mobilenet_v3_small", "hf:bert", "hf:gpt2", "timm:vit_tiny_patch16_224",
+         "torchvision:swin_t")  # (swin_t: a position-bias table of its own class, indexed under inference_mode)
 
 
 # ------------------------------------------------------------------------------------------ a run

@@ -90,7 +90,9 @@ class RegionState(torch.Tensor):
         """This tensor in the region's half dtype, a plain tensor made once per region and reused while the user's
         tensor is unchanged (its version) and gradients are recorded or not as when it was made: a weight a forward
         uses T times (a recurrent cell's) is cast once, as the region's half copies of torch's layers are. Called
-        with subclass dispatch off."""
+        with subclass dispatch off. A tensor made under ``inference_mode`` has no version counter: cast at each use."""
+        if self.is_inference():
+            return self.as_subclass(torch.Tensor).to(self._half)
         key = (self._version, torch.is_grad_enabled())
         kept = self.__dict__.get("_half_copy")
         if kept is None or kept[0] != key:

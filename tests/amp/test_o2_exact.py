@@ -336,3 +336,32 @@ def test_hugging_face_conv1d_weights_are_plain_half_copies_and_train_as_through_
 
     assert compiled_region.computes_as_torch_layer(Conv1D(4, 4))
     assert not compiled_region.computes_as_torch_layer(Scaled(4, 4))
+
+
+def test_a_value_computed_from_the_models_own_parameter_under_inference_mode_meets_half_tensors():
+    """A Swin-style relative position bias: ``self.table[self.index]`` (a parameter of the model's own class, indexed
+    by a buffer) added to half attention scores. Under ``inference_mode`` the indexed value is an inference tensor,
+    which has no version counter: O2 raised "Inference tensors do not track version counter" when it cast it to
+    half (torchvision's and Hugging Face's Swin, BEiT, EfficientFormerV2 and wav2vec2 evaluated under
+    ``inference_mode``). The evaluation equals the one under ``no_grad``."""
+
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.table = nn.Parameter(torch.randn(15))
+            self.register_buffer("index", torch.randint(0, 15, (8,)))
+
+        def forward(self, x):
+            return self.lin(x) + self.table[self.index]
+
+    torch.manual_seed(0)
+    model, _, _ = aiak.optimize(Biased(), strategy={"precision": {"level": "O2", "dtype": "bf16"}})
+    model.eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with torch.inference_mode():
+        out = model(x)
+        again = model(x)
+    assert torch.equal(out, expected) and torch.equal(again, expected)
