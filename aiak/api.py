@@ -51,8 +51,10 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     seen through: the optimizer inside is the one patched, and the wrapper comes back
     (:mod:`aiak.step.wrappers`).
 
-    ``count_items``: a function of a batch returning the items its loss averages over (``lambda b: (b["labels"] !=
-    -100).sum()``), called by the returned loader for each batch, or ``True`` when the script calls
+    ``count_items``: a function of a batch returning the items its loss averages over (a causal language model's
+    loss averages over the labels shifted by one: ``lambda b: (b["labels"][:, 1:] != -100).sum()``; a masked
+    language model's over the labels as they are: ``lambda b: (b["labels"] != -100).sum()``), called by the
+    returned loader for each batch, or ``True`` when the script calls
     :func:`aiak.count_items` itself: accumulation windows (and, under DDP, the ranks' gradients) are then averaged
     by items, the big batch's gradient for mean-over-items losses (:mod:`aiak.step.window_items`).
     """

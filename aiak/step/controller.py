@@ -595,7 +595,8 @@ def stepped(optimizer) -> bool:
 
 def count_items(optimizer, n) -> None:
     """Say, before a micro-batch's backward, that its loss is a mean over ``n`` items (tokens, samples): a number or
-    a one-element tensor (``(labels != -100).sum()``, left on its device).
+    a one-element tensor left on its device: what the loss divides by, ``(labels[:, 1:] != -100).sum()`` for a causal
+    language model (its loss averages over the labels shifted by one), ``(labels != -100).sum()`` for a masked one.
 
     A window whose micro-batches are all counted is averaged by items: the real step's gradient is
     ``sum_i n_i g_i / sum_i n_i``, with the items summed over the ranks the gradients are averaged over, which for
