@@ -332,10 +332,11 @@ def _apply_to_another_optimizer(ctx: Applying) -> Applied:
 
 def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController], count_items: Any,
                  summary: Summary):
-    """The loader phase: the strategy's ``loader:`` section, then the step controller's signals: windows closed at
-    each epoch's end under accumulation, each batch's items counted with a ``count_items`` function
-    (:class:`aiak.loaders.WindowLoader`). Without a loader the windows cannot see an epoch end: the controller
-    says so at its first step, if no framework's accumulation took over by then."""
+    """The loader phase: the strategy's ``loader:`` section, then what the step controller follows: the batches
+    handed out, for windows closed at the step that trains each epoch's last batch under accumulation and each
+    batch's items counted with a ``count_items`` function (:class:`aiak.loaders.WindowLoader`). Without a loader
+    the windows cannot see an epoch end: the controller says so at its first step, if no framework's accumulation
+    took over by then."""
     accumulation = controller.accumulation if controller is not None else 1
     if loader is None:
         summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")), "no loader")
@@ -344,8 +345,8 @@ def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController],
         controller.sees_epoch_ends = True
     count = count_items if callable(count_items) else None
     loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last, accumulation=accumulation,
-                                 close_window=controller.close_window if controller is not None else None,
-                                 count=count, counted=controller.count_items if count is not None else None)
+                                 follower=controller.follow_loader(counts=count is not None)
+                                 if controller is not None else None, count=count)
     inner = loader.loader if isinstance(loader, loaders.WindowLoader) else loader
     signals = [what for what, on in (("windows closed at each epoch's end", accumulation > 1),
                                      ("items counted per batch", count is not None)) if on]

@@ -24,8 +24,7 @@ logger = logging.getLogger("aiak")
 
 
 def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = False, accumulation: int = 1,
-                close_window: Optional[Callable[[], None]] = None, count: Optional[Callable[[Any], Any]] = None,
-                counted: Optional[Callable[[Any], None]] = None) -> Any:
+                follower: Any = None, count: Optional[Callable[[Any], Any]] = None) -> Any:
     """Apply a ``LoaderConfig`` (``prefetch``, ``pin_memory``, ``balanced``) to the user's loader and return it.
 
     * ``balanced``: a torch ``DataLoader`` over variable-length samples is rebuilt around a
@@ -38,9 +37,10 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
       normalization: ``mean``/``std`` turn uint8 images into the inputs the model was written for), whatever
       ``prefetch`` says; never stacked. ``balanced`` rebuilds the loader inside it.
     * ``pin_memory`` only matters with a CUDA device; elsewhere a warning says it is skipped.
-    * ``close_window`` (``accumulation > 1``) and ``count``: the result is wrapped last in a :class:`WindowLoader`
-      that calls ``close_window()`` before each epoch's last batch (the epoch's length checked alike on every rank
-      first) and hands ``count(batch)`` of each batch to ``counted``.
+    * ``follower`` (the step controller's `aiak.step.loader_steps.LoaderSteps`), under accumulation or with
+      ``count``: the result is wrapped last in a :class:`WindowLoader` that tells it each batch it hands out (with
+      ``count(batch)``) and, under accumulation, the epoch's length (checked alike on every rank first), so that
+      windows close at the step that trains each epoch's last batch.
 
     Keys a later schema may add are read when present: ``max_tokens`` (token budget per rank for ``balanced``),
     ``mean`` / ``std`` (on-device normalization of uint8 NCHW images by the prefetcher).
@@ -53,13 +53,11 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
         loader = _keep_scripts_prefetcher(loader, cfg)
     else:
         loader = _wrap(loader, cfg, device, channels_last)
-    if accumulation == 1:
-        close_window = None
-    if close_window is not None:
-        check_epochs_alike(loader, accumulation)
-    if close_window is not None or count is not None:
-        loader = WindowLoader(loader, close_window, count, counted)
-    return loader
+    if follower is None or (accumulation == 1 and count is None):
+        return loader
+    if accumulation > 1:
+        follower.follow_epochs(check_epochs_alike(loader, accumulation))
+    return WindowLoader(loader, follower, count)
 
 
 def _wrap(loader: Any, cfg: Any, device: torch.device, channels_last: bool) -> Any:

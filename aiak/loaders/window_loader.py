@@ -1,21 +1,21 @@
-"""The loader's side of gradient accumulation: where each epoch ends, and how many items each batch holds.
+"""The loader's side of gradient accumulation: the batches it hands out, each epoch's length, and each batch's items.
 
 With ``grad_accumulation: 4`` and 10 batches per epoch, a window still open after the epoch's 8th batch would run
 on into the next epoch, so an epoch-level scheduler, an evaluation or a checkpoint at the epoch's end would see
 half a window. timm's ``train.py`` (``last_batch``, ``last_accum_steps``), the Lightning Trainer and the Hugging
 Face Trainer close the window at the epoch's last batch and average over the micro-batches it holds.
-:class:`WindowLoader` does it for a script's own loop: it counts the batches it yields, and before yielding the
-epoch's last one calls ``close_window`` (the step controller then makes the coming ``step()`` a real one and has
-DDP synchronise that batch's backward, which starts in the forward about to run).
+:class:`WindowLoader` tells the step controller what it hands out, and the controller closes the window at the
+script's step that trains the epoch's last batch (`aiak.step.loader_steps`: an evaluation over this loader, a
+prefetcher reading ahead or a loop that breaks early do not shift the windows).
 
-The epoch's length is the loader's ``len()``, read at each ``iter()``: exact for a ``DataLoader`` over a map-style
-dataset (its batch sampler's length, ``drop_last`` included), aiak's balanced and prefetching loaders and any
-sized iterable. A ``DataLoader`` over an ``IterableDataset`` (whose ``len()`` is an estimate) and an iterable with
-no ``len()`` are not closed early: a window runs on as before, said once. An epoch that ends at another length
-than ``len()`` said is said once too.
+The epoch's length is the loader's ``len()``: exact for a ``DataLoader`` over a map-style dataset (its batch
+sampler's length, ``drop_last`` included), aiak's balanced and prefetching loaders and any sized iterable. A
+``DataLoader`` over an ``IterableDataset`` (whose ``len()`` is an estimate) and an iterable with no ``len()`` are
+not closed early: a window runs on as before, said once. An epoch that ends at another length than ``len()`` said
+is said once too.
 
-With ``count`` (``aiak.optimize(..., count_items=fn)``), each batch's ``count(batch)`` is handed to ``counted``
-(the controller's ``count_items``) as it is yielded, before the script's forward and backward on it.
+With ``count`` (``aiak.optimize(..., count_items=fn)``), each batch's ``count(batch)`` goes with it, and weighs the
+backward of the step that trains it.
 
 Everything else (``len``, ``dataset``, ``sampler``, ``batch_size``, ``set_epoch``, attributes a script sets, such
 as timm's ``loader.mixup_enabled``) is the wrapped loader's.
@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from aiak.util.dist import is_distributed, max_across_ranks
 from aiak.util.warn import warn_once
 
-_OWN = frozenset({"loader", "close_window", "count", "counted"})
+_OWN = frozenset({"loader", "follower", "count"})
 
 
 def batches_per_epoch(loader: Any) -> Optional[int]:
@@ -64,28 +64,28 @@ def check_epochs_alike(loader: Any, accumulation: int) -> Optional[int]:
 
 
 class WindowLoader:
-    """``loader`` telling the step controller where each epoch ends (``close_window()`` before the last batch) and,
-    with ``count``, how many items each batch holds (``counted(count(batch))`` before it is yielded)."""
+    """``loader`` telling ``follower`` (the step controller's `aiak.step.loader_steps.LoaderSteps`) each iteration's
+    start and end and each batch it hands out, with ``count(batch)`` when ``count`` is given."""
 
-    def __init__(self, loader: Any, close_window: Optional[Callable[[], None]],
-                 count: Optional[Callable[[Any], Any]] = None, counted: Optional[Callable[[Any], None]] = None):
-        if count is not None and counted is None:
-            raise ValueError("WindowLoader: count needs counted (where each batch's count goes)")
+    def __init__(self, loader: Any, follower: Any, count: Optional[Callable[[Any], Any]] = None):
         object.__setattr__(self, "loader", loader)
-        object.__setattr__(self, "close_window", close_window)
+        object.__setattr__(self, "follower", follower)
         object.__setattr__(self, "count", count)
-        object.__setattr__(self, "counted", counted)
 
     def __iter__(self) -> Iterator[Any]:
-        expected = batches_per_epoch(self.loader) if self.close_window is not None else None
+        expected = self.follower.batches
+        iteration = self.follower.iteration_started()
         seen = 0
-        for batch in self.loader:
-            seen += 1
-            if self.count is not None:
-                self.counted(self.count(batch))
-            if seen == expected:
-                self.close_window()
-            yield batch
+        try:
+            for batch in self.loader:
+                seen += 1
+                if self.count is not None:
+                    self.follower.handed_out(iteration, self.count(batch))
+                else:
+                    self.follower.handed_out(iteration)
+                yield batch
+        finally:
+            self.follower.iteration_ended(iteration)
         if expected is not None and seen != expected:
             warn_once("epoch-length", f"aiak: an epoch of the loader had {seen} batches where its len() says "
                       f"{expected}: the accumulation window was {'closed early' if seen > expected else 'not closed'} "

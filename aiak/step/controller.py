@@ -44,6 +44,7 @@ from aiak.amp.scaling import root_scaling, script_scaler
 from aiak.amp.scaling.loss_scaler import LossScaler
 from aiak.step import clip as grad_clip
 from aiak.step import scheduler_steps
+from aiak.step.loader_steps import LoaderSteps
 from aiak.step.stacking import framework_accumulation
 from aiak.step.window_items import WindowItems, at_least_one
 from aiak.util.dist import is_distributed
@@ -134,8 +135,10 @@ class StepController:
         self.comm_state = None       # the DDP hook's state kept across steps (see attach_comm_state)
         self.items = WindowItems()   # counted items of the window (see count_items)
         self._counting = False       # the parameters are registered for item weights (root_scaling.weigh)
-        self._closing = False        # the coming step() closes the window: the epoch's last batch (close_window)
-        self.sees_epoch_ends = False  # a loader aiak returned calls close_window (else: said at the first step)
+        self._closing = False        # the coming step() closes the window: the epoch's last batch
+        self._framework_closing = False  # a framework said so (close_window)
+        self.loader_steps: Optional[LoaderSteps] = None  # the returned loader's batches, followed to the steps
+        self.sees_epoch_ends = False  # a loader aiak returned, or a framework, tells where epochs end
         self._inner_step = optimizer.step
         self._inner_zero_grad = optimizer.zero_grad
         _run_eagerly_under_torch_compile()
@@ -262,23 +265,29 @@ class StepController:
         the allreduce the script's last one would have had: the gradients are averaged over the ranks now, once."""
         requested, self.accumulation = self.accumulation, 1
         self._set_sync()
-        if self.ddp is not None:
-            import torch.distributed as dist
-
-            group = self.ddp.process_group
-            grads = [p.grad for p in self._params_of_groups() if p.grad is not None and not p.grad.is_sparse]
-            if grads:
-                flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=group)
-                flat.div_(dist.get_world_size(group))
-                for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                    g.copy_(synced)
+        self._average_over_ranks()
         warn_once("script-accumulation",
                   f"aiak: {passes} backward passes before the first optimizer.step(): the script accumulates "
                   "gradients itself (timm's --grad-accum-steps, an `if (i + 1) % k == 0: optimizer.step()` loop), so "
                   f"aiak's grad_accumulation: {requested} is off (the two would multiply to a real step every "
                   f"{passes * requested} batches). The script's accumulation wins; set only one of them (to keep "
                   "aiak's with several losses per batch, add them and call backward() once)")
+
+    def _average_over_ranks(self) -> None:
+        """Average the gradients over the DDP model's ranks once, here: passes that ran without DDP's allreduce (the
+        script's own accumulation found late, a window whose end moved after its last backward)."""
+        if self.ddp is None:
+            return
+        import torch.distributed as dist
+
+        group = self.ddp.process_group
+        grads = [p.grad for p in self._params_of_groups() if p.grad is not None and not p.grad.is_sparse]
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            flat.div_(dist.get_world_size(group))
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
 
     # -- DDP no_sync ------------------------------------------------------------------------
     def attach_ddp(self, ddp_model) -> None:
@@ -306,15 +315,49 @@ class StepController:
 
     # -- the window's end and its items --------------------------------------------------------------
     def close_window(self) -> None:
-        """The coming ``step()`` is the last of its window, whatever its length: the loader's epoch ends with the
-        batch about to be computed (:class:`aiak.loaders.window_loader.WindowLoader` calls it before yielding
-        it, so DDP synchronises that batch's backward)."""
-        self._closing = True
+        """The coming ``step()`` is the last of its window, whatever its length: a framework's epoch ends with the
+        batch about to be computed (the Lightning and Hugging Face integrations call it before that batch's
+        forward, so DDP synchronises its backward)."""
+        self._framework_closing = self._closing = True
+        self._set_sync()
+
+    def follow_loader(self, counts: bool) -> LoaderSteps:
+        """The bookkeeping the loader ``optimize()`` returns reports to (:class:`aiak.loaders.WindowLoader`): windows
+        close at the step that trains each epoch's last batch, and with ``counts`` each batch's items weigh the
+        backward of the step that trains it (`aiak.step.loader_steps`)."""
+        self.loader_steps = LoaderSteps(counts, self._follow_the_loaders_count if counts else None)
+        self.sees_epoch_ends = True
+        return self.loader_steps
+
+    def _follow_the_loaders_count(self) -> None:
+        """Under ``count_items=fn``: the count of the batch the coming backward trains is the pending one (called at
+        each batch handed out and after each step)."""
+        key, n = self.loader_steps.coming()
+        if n is None:
+            if not self.items.added:
+                self.items.clear_pending()
+            if self._counting:
+                root_scaling.set_pending(self, False)
+        else:
+            self._count(n, key)
+
+    def _coming_step_closes(self) -> None:
+        """Whether the coming ``step()`` closes its window (a framework said so, or it trains the epoch's last batch),
+        and DDP's synchronisation of the coming backward."""
+        self._closing = self._framework_closing or (self.loader_steps is not None
+                                                    and self.loader_steps.closes_window())
         self._set_sync()
 
     def count_items(self, n) -> None:
         """The coming micro-batch's loss averages over ``n`` items (see :func:`count_items`)."""
-        self.items.count(n)
+        if self.loader_steps is not None and self.loader_steps.counts:
+            raise RuntimeError("aiak.count_items: aiak.optimize(..., count_items=fn) counts each batch of the loader "
+                               "it returned already; a second count of the same batch cannot be told apart. Count "
+                               "in one place: drop these calls, or pass count_items=True instead of the function")
+        self._count(n)
+
+    def _count(self, n, key=None) -> None:
+        self.items.count(n, key)
         if not self._counting:
             self._counting = True
             root_scaling.watch()
@@ -334,6 +377,9 @@ class StepController:
             with torch.enable_grad():
                 loss = closure()
         self._check_framework_accumulation()
+        if self.loader_steps is not None:
+            self.loader_steps.begin_step()   # (an epoch that ended early gives way to the next one here)
+            self._closing = self._framework_closing or self.loader_steps.closes_window()
         self._check_the_scripts_loop()
         if self.step_calls == 0 and self.accumulation > 1 and not self.sees_epoch_ends:
             warn_once("no-loader-epochs", f"aiak: grad_accumulation {self.accumulation} without the loader given "
@@ -347,12 +393,21 @@ class StepController:
         self.step_calls += 1
         self.micro_step += 1
         self.stepped = False
-        if self.micro_step < self.accumulation and not self._closing:
-            self._set_sync()
+        closing, self._framework_closing = self._closing, False
+        unsynced = self.ddp is not None and not self.ddp.require_backward_grad_sync
+        follows_counts = self.loader_steps is not None and self.loader_steps.counts
+        if self.loader_steps is not None:
+            self.loader_steps.step_done()
+        if self.micro_step < self.accumulation and not closing:
+            self._coming_step_closes()
             self._keep_partial_sum()
+            if follows_counts:
+                self._follow_the_loaders_count()
             return loss
-        micro_steps, self.micro_step, self._closing = self.micro_step, 0, False
-        self._set_sync()
+        micro_steps, self.micro_step = self.micro_step, 0
+        self._coming_step_closes()
+        if unsynced and self.accumulation > 1:  # an epoch that ended early moved this window's end: its last
+            self._average_over_ranks()           # backward ran unsynchronised
         self.step_events += 1
         if self.comm_algorithm is not None:
             self.comm_algorithm.at_real_step()
@@ -360,6 +415,8 @@ class StepController:
         found_inf = self._prepare_grads(micro_steps)
         self._prepared = None
         self.items.new_window()
+        if follows_counts:  # (after the window's items were read: a batch handed out ahead is the next window's)
+            self._follow_the_loaders_count()
         if self.scaler is not None:
             self.scaler.update(found_inf, root_scaling.passes_scaled())
             if found_inf:
@@ -530,6 +587,8 @@ class StepController:
         real steps a scheduler has counted, the loss scaler's state (plain JSON values), the comm algorithm's
         state (its step count; PowerSGD's residuals and factors are tensors) and the comm hook's (int8 residuals)."""
         extra: Dict[str, Any] = {"micro_step": self.micro_step, "step_events": self.step_events}
+        if self.loader_steps is not None:
+            extra["loader_steps"] = self.loader_steps.state_dict()
         if self._counting:
             extra["items"] = self.items.state_dict()
         if self.scaler is not None:
@@ -559,6 +618,9 @@ class StepController:
             self.scaler.load_state_dict(extra["loss_scaler"])
         if "items" in extra:
             self.items.load_state_dict(extra["items"])
+        if self.loader_steps is not None and "loader_steps" in extra:
+            self.loader_steps.load_state_dict(extra["loader_steps"])
+            self._closing = self._framework_closing or self.loader_steps.closes_window()
         if self.comm_algorithm is not None and "comm_algorithm" in extra:
             self.comm_algorithm.load_state_dict(extra["comm_algorithm"])
         if self.comm_state is not None and "comm_state" in extra:

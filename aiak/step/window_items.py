@@ -10,7 +10,8 @@ count, fetched ahead. aiak leaves the script's loop as it is, so it weighs each 
 summed over the ranks the gradients are averaged over.
 
 :class:`WindowItems` is the bookkeeping of one step controller: the count declared for the coming backward
-(``pending``), the items of the window's micro-batches so far (``total``, this rank's), whether the window is
+(``pending``), the items of the window's backward passes so far (``total``, this rank's: a count joins it at the
+first backward that uses it, so the counts of a script's own accumulation add up), whether the window is
 counted at all (every micro-batch of a window is counted, or none), and the fp16 reference (a power of two fixed
 at the first count, see :func:`aiak.amp.scaling.root_scaling.weigh`). Counts are numbers or 0-dim tensors (a count computed
 on the device stays there: no host sync per micro-step).
@@ -30,11 +31,14 @@ from aiak.util.dist import is_distributed
 class WindowItems:
     """The counted items of one controller's accumulation window (see the module docstring)."""
 
-    __slots__ = ("pending", "total", "counted", "reference")
+    __slots__ = ("pending", "pending_key", "added", "counted_now", "total", "counted", "reference")
 
     def __init__(self):
         self.pending: Any = None       # items of the micro-batch whose backward comes next
-        self.total: Any = 0.0          # items of the window's micro-batches already stepped (this rank)
+        self.pending_key: Any = None   # the loader's number of that batch (count_items=fn), else None
+        self.added = False             # the pending items are in ``total`` already (a backward used them)
+        self.counted_now = False       # a count was given since the last step()
+        self.total: Any = 0.0          # items of the window's backward passes so far (this rank)
         self.counted: Optional[bool] = None  # None: the window has no micro-step yet
         self.reference: Optional[float] = None  # the fp16 root's reference (see root_weight)
 
@@ -53,15 +57,33 @@ class WindowItems:
             raise ValueError(f"aiak.count_items: n must be a finite count >= 0, got {n}")
         return float(n)
 
-    def count(self, n: Any) -> None:
-        """The coming micro-batch's loss averages over ``n`` items (a later call before the same ``step()`` replaces
-        it: a micro-batch is counted once)."""
-        self.pending = self.check(n)
+    def count(self, n: Any, key: Any = None) -> None:
+        """The coming backward's loss averages over ``n`` items. Counts of several backward passes before one
+        ``step()`` add up (a script's own accumulation); a second count before the backward of the first cannot be
+        attributed and raises. ``key``: the loader's number of the batch (``count_items=fn``), whose count is given
+        again, unchanged, until a step trains it."""
+        n = self.check(n)
+        if key is not None and key == self.pending_key:
+            return
+        if key is None and self.pending is not None and not self.added:
+            raise RuntimeError(
+                "aiak.count_items: called twice before one backward: which count is that backward's? Call it once "
+                "before each backward (the items of that backward's loss); counts of several backward passes before "
+                "one optimizer.step() add up")
+        self.pending, self.pending_key, self.added, self.counted_now = n, key, False, True
+
+    def clear_pending(self) -> None:
+        self.pending, self.pending_key, self.added = None, None, False
 
     def root_weight(self, scaled: bool):
         """``(weight, items, reference)`` for :func:`aiak.amp.scaling.root_scaling.weigh`: the pending count, and under an
-        fp16 loss scale its ratio to a power of two fixed at the first count (read once from the device)."""
+        fp16 loss scale its ratio to a power of two fixed at the first count (read once from the device). The first
+        backward that uses a count adds it to the window's items."""
         n = self.pending
+        if n is None:  # (a backward with no count pending: unweighted; the step says what is wrong)
+            return 1.0, 1.0, 1.0
+        if not self.added:
+            self.total, self.added = self.total + n, True
         if not scaled:
             return n, n, 1.0
         if self.reference is None:
@@ -70,9 +92,9 @@ class WindowItems:
         return n / self.reference, n, self.reference
 
     def micro_step_done(self, done: int, accumulation: int) -> None:
-        """One ``step()`` call of the window, after ``done`` others: its count joins the window's (raises if only
-        some of the window's micro-batches are counted)."""
-        counted = self.pending is not None
+        """One ``step()`` call of the window, after ``done`` others: a count no backward used joins the window's
+        items too (raises if only some of the window's micro-batches are counted)."""
+        counted = self.counted_now
         if self.counted is None:
             self.counted = counted
         elif self.counted != counted:
@@ -81,17 +103,18 @@ class WindowItems:
                 f"{'' if counted else 'not '}counted, and the {done} before it were{' not' if counted else ''}: a "
                 "window is averaged by items only when each of its micro-batches says how many it holds. Call "
                 "aiak.count_items(optimizer, n) before every backward (or give optimize() count_items=fn), or never")
-        if counted:
+        if self.pending is not None and not self.added:
             self.total = self.total + self.pending
-        self.pending = None
+        self.clear_pending()
+        self.counted_now = False
 
     def window_items(self) -> Any:
         """This rank's items in the window, the pending micro-batch's included (a clip before ``step()``)."""
-        return self.total + self.pending if self.pending is not None else self.total
+        return self.total + self.pending if self.pending is not None and not self.added else self.total
 
     def is_counted(self) -> bool:
         """The window's micro-batches are counted (the pending one decides before the first ``step()``)."""
-        return self.counted if self.counted is not None else self.pending is not None
+        return self.counted if self.counted is not None else self.counted_now
 
     def factor(self, micro_steps: int, comm_state=None, ddp=None, device=None):
         """What the window's summed gradients are multiplied by at the real step: ``1 / micro_steps`` (timm's rule:
@@ -116,7 +139,8 @@ class WindowItems:
         self.total = float(state.get("total", 0.0))
         self.counted = state.get("counted")
         self.reference = state.get("reference")
-        self.pending = None
+        self.clear_pending()
+        self.counted_now = False
 
 
 def at_least_one(items):

@@ -93,7 +93,7 @@ def _counted_window(family, batches, count):
 
 
 def _max_diff(a, b):
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def test_the_quickstart_documents_a_count_for_each_family():

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -123,6 +124,94 @@ def scenario_unequal(rank):
     except ValueError as e:
         return {"error": str(e), "wrapped": isinstance(model, nn.parallel.DistributedDataParallel)}
     return {"error": None}
+
+
+class _ReadAhead:
+    """apex's ImageNet ``data_prefetcher`` shape: reads the loader one batch ahead (``next()`` returns the batch read
+    before and reads the following one), None at the end."""
+
+    def __init__(self, loader):
+        self.batches = iter(loader)
+        self._read()
+
+    def _read(self):
+        self.ahead = next(self.batches, None)
+
+    def next(self):
+        batch = self.ahead
+        if batch is not None:
+            self._read()
+        return batch
+
+
+def scenario_loops(rank):
+    """`one_loop` for each ``loop:count`` of ``AIAK_TEST_LOOPS`` (comma-separated), in this order."""
+    return {case: one_loop(rank, *case.split(":")) for case in os.environ["AIAK_TEST_LOOPS"].split(",")}
+
+
+def one_loop(rank, loop, count_with):
+    """Two epochs of 10 token batches per rank, accumulation 4 (windows 4, 4, 2), counted or not, trained by loops
+    that read the returned loader other than "one batch, one step" (``loop``), counted by ``count_with`` (``fn``) or
+    not (``none``):
+
+    * ``eval``: before the second epoch, a ``no_grad`` pass over the training loader (it hands out a whole epoch);
+    * ``ahead``: each epoch through `_ReadAhead` (batch k+1 handed out before the step of batch k);
+    * ``fresh``: the second epoch from a new list the script made, not the returned loader;
+    * ``own``: the script accumulates itself (``grad_accumulation: 1``, ``no_sync`` on 3 of 4 backward passes) and
+      calls ``aiak.count_items`` before each backward.
+
+    Returns the weights, the warnings said and the error raised, if any."""
+    import warnings
+
+    import aiak
+
+    world = dist.get_world_size()
+    counted = count_with == "fn"
+    model = window_data.token_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    batches = window_data.rank_batches(rank, world, n=10)
+    strategy = {**_strategy(), "grad_accumulation": 1 if loop == "own" else 4}
+    count = (True if loop == "own" else window_data.count_tokens) if counted else None
+    model, opt, loader = aiak.optimize(model, opt, batches, strategy=strategy, count_items=count)
+
+    def train(batch, i):
+        if loop == "own":
+            if counted:
+                aiak.count_items(opt, window_data.count_tokens(batch))
+            last = i % 4 == 3 or i == 9
+            window = 4 if i < 8 else 2  # uncounted: the script divides by its window's micro-batches
+            with (contextlib.nullcontext() if last else model.no_sync()):
+                (window_data.token_loss(model, batch) / (1 if counted else window)).backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
+            return
+        window_data.token_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    error = None
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            for epoch in range(2):
+                if loop == "eval" and epoch == 1:
+                    with torch.no_grad():
+                        for batch in loader:
+                            window_data.token_loss(model, batch)
+                if loop == "ahead":
+                    reader, i = _ReadAhead(loader), 0
+                    batch = reader.next()
+                    while batch is not None:
+                        train(batch, i)
+                        batch, i = reader.next(), i + 1
+                else:
+                    for i, batch in enumerate(list(batches) if loop == "fresh" and epoch == 1 else loader):
+                        train(batch, i)
+        except RuntimeError as e:
+            error = str(e)
+    return {"state": {k: v.clone() for k, v in model.module.state_dict().items()}, "error": error,
+            "said": [str(w.message) for w in said if "aiak" in str(w.message)]}
 
 
 if __name__ == "__main__":
