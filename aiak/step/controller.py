@@ -3,8 +3,9 @@
 ``aiak.optimize`` patches the user's optimizer *in place* (the same object comes back, so ``isinstance``
 checks and schedulers built earlier keep working). Its ``step()`` then:
 
-1. counts micro-steps and really steps only on every ``accumulation``-th call, or on the call that ends an epoch
-   (:meth:`StepController.close_window`, called by the loader ``optimize`` returned); under DDP, gradients are
+1. counts micro-steps and really steps only on every ``accumulation``-th call, or on the call that trains an
+   epoch's last batch (the loader ``optimize`` returned reports what it hands out, `aiak.step.loader_steps`; a
+   framework's integration calls :meth:`StepController.close_window`); under DDP, gradients are
    synchronised only on the last micro-step (``no_sync`` semantics);
 2. on the real step, divides the summed gradients by the window's micro-steps, or by its counted items summed over
    the ranks (:func:`count_items`, :mod:`aiak.step.window_items`; they are the model's fp32 parameters'
@@ -664,9 +665,12 @@ def count_items(optimizer, n) -> None:
     ``sum_i n_i g_i / sum_i n_i``, with the items summed over the ranks the gradients are averaged over, which for
     mean losses is the gradient of the big batch's mean over all its items (what the Hugging Face Trainer's
     ``num_items_in_batch`` gives), not the mean of the micro-batches' means. Every micro-batch of a window is
-    counted, or none; under DDP every rank counts (the items are summed at each real step). A second call before the
-    same ``step()`` replaces the first. ``aiak.optimize(..., count_items=fn)`` calls it with ``fn(batch)`` for each
-    batch of the loader it returns.
+    counted, or none; under DDP every rank counts (the items are summed at each real step). Each call counts the
+    backward that follows it: the counts of several backward passes before one ``step()`` (a script's own
+    accumulation under ``no_sync``) add up, and a second call before the same backward is an error (which count is
+    that backward's?). ``aiak.optimize(..., count_items=fn)`` counts each batch of the loader it returns for the
+    backward of the step that trains it (then calling this function too is an error: the batch would be counted
+    twice).
 
     On an optimizer aiak gave no step controller (no accumulation, no fp16 loss scale) a single process has nothing
     to weigh (a window of one micro-batch is its own mean); on several ranks it raises: pass ``count_items=True`` (or a
