@@ -33,3 +33,8 @@ def test_every_algorithm_names_exactly_the_late_rank(launch_ranks):
         naming = [m for rank in (0, 1, 2) for m in said[rank] if "rank(s) [3]" in m]
         assert naming, (name, said)                              # a waiting rank names the late one
         assert all("for rank(s) [3]" in m for rank in (0, 1, 2) for m in said[rank]), (name, said)
+        # each names the step it waits in: step 3 (counted from 0), which rank 3 reaches late; a rank already in
+        # step 4's forward (decentralized SGD's exchange starts there) says 4. PowerSGD said "step 0" throughout,
+        # local SGD's average after step 3 "step 4".
+        steps = {int(re.search(r"\(step (\d+),", m).group(1)) for m in naming}
+        assert 3 in steps and steps <= ({3, 4} if name.startswith("decentralized") else {3}), (name, naming)

@@ -134,23 +134,24 @@ class LocalSGD(CommAlgorithm):
     def after_real_step(self, updated: bool) -> None:
         step, self.steps = self.steps, self.steps + 1
         if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
-            self.average()
+            self.average(step)
         self._enter_phase()
 
-    def average(self) -> None:
+    def average(self, step: Optional[int] = None) -> None:
         """Average the weights and floating buffers across all ranks (ranks of a node hold the same weights, so
-        this is the average across nodes; their buffers are averaged too)."""
+        this is the average across nodes; their buffers are averaged too). ``step``: the real step it follows (what
+        the stall watch names; by default the hook's count of steps)."""
         tensors = self.tensors()
         with torch.no_grad():
             flat = flat_copy(tensors)
             cast = CAST_DTYPES.get(self.state.compression) is not None
             if cast and self.anchor is not None:  # send the change since the last average
                 delta = flat - self.anchor
-                average(self.state, delta, key=AVERAGE_KEY).wait()
+                average(self.state, delta, key=AVERAGE_KEY, step=step).wait()
                 flat = self.anchor.add_(delta)
             else:
                 with _uncompressed(self.state):
-                    average(self.state, flat, key=AVERAGE_KEY).wait()
+                    average(self.state, flat, key=AVERAGE_KEY, step=step).wait()
             if cast:
                 self.anchor = flat if self.anchor is flat else flat.clone()
             copy_into(tensors, flat)

@@ -171,7 +171,10 @@ class PowerSGD(CommAlgorithm):
             self._pending[index] = (kept, FiniteFlag(averaged))
             return averaged
 
-        return run_in_worker(self.comm, bucket.buffer(), work, key=bucket.index()).then(verdict)
+        fut = run_in_worker(self.comm, bucket.buffer(), work, key=bucket.index()).then(verdict)
+        if bucket.is_last():
+            self.comm.iteration += 1  # the step the stall watch names (counted as aiak's allreduce hook counts it)
+        return fut
 
     def _average(self, buffer: torch.Tensor) -> None:
         buffer.div_(self.comm.world_size)

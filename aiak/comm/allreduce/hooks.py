@@ -674,10 +674,10 @@ def _run_bucket(state: CommState, route: Tuple[bool, str, int, bool], tensor: to
 
 
 def _run_job(state: CommState, work: Callable[[torch.Tensor], None], tensor: torch.Tensor, fut: Future,
-             ready: Optional["torch.cuda.Event"], key) -> None:
+             ready: Optional["torch.cuda.Event"], key, step: int) -> None:
     _job.watch = state.watch if state.watch.enabled and not tensor.is_cuda else None  # as _run_bucket's
     if _job.watch is not None:
-        _job.watch.at(state.iteration, key)
+        _job.watch.at(step, key)
     try:
         with state.worker.on_comm_stream(tensor, ready):
             work(tensor)
@@ -710,14 +710,14 @@ def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.
     """``work(tensor)`` (collectives on ``tensor``, in place) on ``state``'s worker, after the work the caller's
     stream has queued on ``tensor``; resolves to ``tensor``. Returns at once: the caller computes meanwhile
     (decentralized SGD's exchange of weights runs beside the forward and backward this way). The stall watch
-    covers its collectives as a bucket's (``key`` names the bucket in a warning): those issued through this module,
-    and those ``work`` waits with :func:`wait_watched`."""
+    covers its collectives as a bucket's (``key`` names the bucket in a warning, ``state.iteration`` when called the
+    step): those issued through this module, and those ``work`` waits with :func:`wait_watched`."""
     if tensor.is_cuda:
         fut, ready = Future(devices=[tensor.device]), torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
     else:
         fut, ready = Future(), None
-    state.worker.submit(functools.partial(_run_job, state, work, tensor, fut, ready, key))
+    state.worker.submit(functools.partial(_run_job, state, work, tensor, fut, ready, key, state.iteration))
     return fut
 
 
@@ -739,9 +739,10 @@ def sum_now(state: CommState, x: torch.Tensor) -> None:
 
 # -- the hook ----------------------------------------------------------------------------------------
 def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hashable] = None,
-            scope: str = "world") -> Future:
+            scope: str = "world", step: Optional[int] = None) -> Future:
     """Average a 1-D tensor in place across the ranks of ``scope`` (:data:`SCOPES`; ``world`` with ``state``'s
-    algorithm); resolves to ``tensor``.
+    algorithm); resolves to ``tensor``. ``step``: the step the stall watch names (by default ``state.iteration``, the
+    synchronised backward passes so far: the step in progress).
 
     Returns at once; the state's worker does the work. Used by :func:`comm_hook` and, outside DDP, by
     benchmarks and the comm-mode tuner. Every rank must average the same tensors in the same order.
@@ -760,8 +761,8 @@ def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hash
     else:
         fut, ready = Future(), None
     # The route is read now, in hook order: the tuner switches it at bucket 0, before this step's buckets.
-    state.worker.submit(functools.partial(_run_bucket, state, state.route, tensor, key, state.iteration, layout,
-                                          fut, ready, scope))
+    state.worker.submit(functools.partial(_run_bucket, state, state.route, tensor, key,
+                                          state.iteration if step is None else step, layout, fut, ready, scope))
     return fut
 
 
