@@ -241,10 +241,20 @@ def _ddp(ctx: Applying) -> None:
     wrapped = comm.wrap_distributed(target, ctx.strategy.comm, ctx.device) if ctx.distributed else ctx.model
     if wrapped is not ctx.bare and ctx.controller is not None:
         _attach_comm(ctx.controller, wrapped)
+    if ctx.count_items and is_ddp(wrapped):
+        comm.refuse_join(wrapped, COUNTED_UNDER_JOIN)
     ctx.summary.add("comm", compact(ctx.chosen.comm, ("algorithm", "hierarchical", "compression", "bucket_mb")),
                     _describe_comm(wrapped, ctx.bare))
     if ctx.existing_ddp is None or ctx.existing_ddp is ctx.model:
         ctx.model = wrapped
+
+
+COUNTED_UNDER_JOIN = (
+    "aiak: DistributedDataParallel.join() (uneven inputs) does not run with counted items (aiak.optimize(..., "
+    "count_items=...)): at each optimizer step the ranks sum the window's items, a collective Join does not shadow, "
+    "so a rank that ran out of batches would leave the others waiting for it. Give every rank the same number of "
+    "batches (a DistributedSampler with drop_last=True, or stop all ranks at the shortest), or leave count_items out "
+    "to train uneven inputs under join()")
 
 
 def _compile(ctx: Applying) -> None:

@@ -13,12 +13,12 @@ from aiak.comm.allreduce.autotune import CommChoice, StepTuner, cache_key, model
 from aiak.comm.allreduce.compression import ErrorFeedback, dequantize_int8, quantize_int8
 from aiak.comm.allreduce.hooks import CommState, average, comm_hook
 from aiak.comm.allreduce.topology import HierarchicalGroups, Topology, build_groups, detect_topology
-from aiak.comm.ddp import describe_comm, resolve_options, use_plain_state_dict_keys, wrap_distributed
+from aiak.comm.ddp import describe_comm, refuse_join, resolve_options, use_plain_state_dict_keys, wrap_distributed
 from aiak.comm.diagnostics.deadlock import (CollectiveMismatchError, deadlock_guard, disable_deadlock_guard,
                                             enable_deadlock_guard)
 
 __all__ = [
-    "wrap_distributed", "describe_comm", "resolve_options", "use_plain_state_dict_keys",
+    "wrap_distributed", "describe_comm", "refuse_join", "resolve_options", "use_plain_state_dict_keys",
     "CommState", "comm_hook", "average",
     "Topology", "HierarchicalGroups", "detect_topology", "build_groups",
     "ErrorFeedback", "quantize_int8", "dequantize_int8",

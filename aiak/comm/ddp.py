@@ -203,15 +203,20 @@ def _refuse_join(ddp, algorithm) -> None:
     batches would have to shadow what ``algorithm`` sends at its peers' optimizer steps (local SGD's weight
     averages, decentralized SGD's exchanges), which Join's shadowing of DDP's gradient allreduce does not do."""
     joining = " or ".join(name for name, cls in REGISTRY.items() if not cls.join_would_miss)
+    refuse_join(ddp, f"aiak.comm: DistributedDataParallel.join() (uneven inputs) does not run with comm.algorithm "
+                     f"{algorithm.name}: the ranks that ran out of batches would miss the {algorithm.join_would_miss} "
+                     "that the others make at their optimizer steps, and every rank would wait for them. Give every "
+                     "rank the same number of batches (a DistributedSampler with drop_last=True, or stop all ranks "
+                     f"at the shortest), or use algorithm {joining}, which Join supports")
+
+
+def refuse_join(ddp, why: str) -> None:
+    """``ddp.join()`` and ``Join([ddp])`` raise ``why`` at once, on every rank (each enters the context with its first
+    batch), instead of leaving the ranks that still have batches waiting for a collective a joined rank does not
+    make."""
 
     def refuse(*args, **kwargs):
-        raise RuntimeError(
-            f"aiak.comm: DistributedDataParallel.join() (uneven inputs) does not run with comm.algorithm "
-            f"{algorithm.name}: the ranks that ran out of batches would miss the {algorithm.join_would_miss} that the "
-            "others make at their optimizer steps, "
-            "and every rank would wait for them. Give every rank the same number of batches (a DistributedSampler "
-            f"with drop_last=True, or stop all ranks at the shortest), or use algorithm {joining}, which Join "
-            "supports")
+        raise RuntimeError(why)
     ddp.join = refuse
     ddp.join_hook = refuse
 

@@ -532,6 +532,8 @@ def scenario_join(rank):
     """Uneven inputs under DDP's Join: rank 3 has 2 batches, the others 5."""
     from torch.distributed.algorithms.join import Join
 
+    import aiak
+
     out = {}
     for algorithm, extra in (("allreduce", {}), ("powersgd", {"powersgd": {"warmup_steps": 2}}),
                              ("local_sgd", {"local_sgd": {"period": 2, "warmup_steps": 1}}),
@@ -545,6 +547,16 @@ def scenario_join(rank):
                 out[(algorithm, how)] = "ran"
             except RuntimeError as e:
                 out[(algorithm, how)] = str(e)
+    for how in ("ddp.join", "Join"):  # counted items: their sum at each step is a collective Join does not shadow
+        model = mlp()
+        ddp, opt, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.05), count_items=True,
+                                    strategy={"comm": {"bucket_mb": 25}, "grad_accumulation": 2})
+        try:
+            with (ddp.join() if how == "ddp.join" else Join([ddp])):
+                train(ddp, opt, rank, 2 if rank == 3 else 5, accumulation=2)
+            out[("counted", how)] = "ran"
+        except RuntimeError as e:
+            out[("counted", how)] = str(e)
     return out
 
 

@@ -102,6 +102,11 @@ def test_uneven_inputs_under_join_run_with_allreduce_and_powersgd_and_are_refuse
                 said = r[(algorithm, how)]
                 assert said.startswith(f"aiak.comm: DistributedDataParallel.join() (uneven inputs) does not run "
                                        f"with comm.algorithm {algorithm}") and "the same number of batches" in said
+            # counted items: the ranks out of batches aborted with gloo's "collective mismatch", the others with
+            # "Connection closed by peer"; now join() raises on every rank, naming count_items
+            said = r[("counted", how)]
+            assert said.startswith("aiak: DistributedDataParallel.join() (uneven inputs) does not run with counted "
+                                   "items") and "count_items" in said and "the same number of batches" in said, said
 
 
 def test_local_sgd_on_one_rank_per_node_sends_nothing_between_averages(run):
