@@ -344,7 +344,7 @@ def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController],
                  summary: Summary):
     """The loader phase: the strategy's ``loader:`` section, then what the step controller follows: the batches
     handed out, for windows closed at the step that trains each epoch's last batch under accumulation and each
-    batch's items counted with a ``count_items`` function (:class:`aiak.loaders.WindowLoader`). Without a loader
+    batch's items counted with a ``count_items`` function (`aiak.loaders.WindowLoader`). Without a loader
     the windows cannot see an epoch end: the controller says so at its first step, if no framework's accumulation
     took over by then."""
     accumulation = controller.accumulation if controller is not None else 1
@@ -357,6 +357,8 @@ def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController],
     loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last, accumulation=accumulation,
                                  follower=controller.follow_loader(counts=count is not None)
                                  if controller is not None else None, count=count)
+    if controller is not None:
+        controller.coming_step_closes()  # (the loader's epoch is known now: an epoch of one batch closes at once)
     inner = loader.loader if isinstance(loader, loaders.WindowLoader) else loader
     signals = [what for what, on in (("windows closed at each epoch's end", accumulation > 1),
                                      ("items counted per batch", count is not None)) if on]

@@ -38,7 +38,7 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
       ``prefetch`` says; never stacked. ``balanced`` rebuilds the loader inside it.
     * ``pin_memory`` only matters with a CUDA device; elsewhere a warning says it is skipped.
     * ``follower`` (the step controller's `aiak.step.loader_steps.LoaderSteps`), under accumulation or with
-      ``count``: the result is wrapped last in a :class:`WindowLoader` that tells it each batch it hands out (with
+      ``count``: the result is wrapped last in a `WindowLoader` that tells it each batch it hands out (with
       ``count(batch)``) and, under accumulation, the epoch's length (checked alike on every rank first), so that
       windows close at the step that trains each epoch's last batch.
 

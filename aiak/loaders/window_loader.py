@@ -4,7 +4,7 @@ With ``grad_accumulation: 4`` and 10 batches per epoch, a window still open afte
 on into the next epoch, so an epoch-level scheduler, an evaluation or a checkpoint at the epoch's end would see
 half a window. timm's ``train.py`` (``last_batch``, ``last_accum_steps``), the Lightning Trainer and the Hugging
 Face Trainer close the window at the epoch's last batch and average over the micro-batches it holds.
-:class:`WindowLoader` tells the step controller what it hands out, and the controller closes the window at the
+`WindowLoader` tells the step controller what it hands out, and the controller closes the window at the
 script's step that trains the epoch's last batch (`aiak.step.loader_steps`: an evaluation over this loader, a
 prefetcher reading ahead or a loop that breaks early do not shift the windows).
 

@@ -5,7 +5,7 @@ checks and schedulers built earlier keep working). Its ``step()`` then:
 
 1. counts micro-steps and really steps only on every ``accumulation``-th call, or on the call that trains an
    epoch's last batch (the loader ``optimize`` returned reports what it hands out, `aiak.step.loader_steps`; a
-   framework's integration calls :meth:`StepController.close_window`); under DDP, gradients are
+   framework's integration calls `StepController.close_window`); under DDP, gradients are
    synchronised only on the last micro-step (``no_sync`` semantics);
 2. on the real step, divides the summed gradients by the window's micro-steps, or by its counted items summed over
    the ranks (:func:`count_items`, :mod:`aiak.step.window_items`; they are the model's fp32 parameters'
@@ -275,13 +275,19 @@ class StepController:
                   "aiak's with several losses per batch, add them and call backward() once)")
 
     def _average_over_ranks(self) -> None:
-        """Average the gradients over the DDP model's ranks once, here: passes that ran without DDP's allreduce (the
-        script's own accumulation found late, a window whose end moved after its last backward)."""
+        """Average the gradients once, here, over the ranks the DDP model's hook averages over: passes that ran without
+        DDP's allreduce (the script's own accumulation found late, a window whose end moved after its last
+        backward)."""
         if self.ddp is None:
             return
         import torch.distributed as dist
 
-        group = self.ddp.process_group
+        group, state = self.ddp.process_group, self.comm_state
+        if state is not None:  # the ranks aiak's hook averages over (a node for local SGD, none for decentralized)
+            if state.scope_size() == 1:
+                return
+            if state.scope == "node":
+                group = state.groups.intra
         grads = [p.grad for p in self._params_of_groups() if p.grad is not None and not p.grad.is_sparse]
         if grads:
             flat = torch._utils._flatten_dense_tensors(grads)
@@ -323,7 +329,7 @@ class StepController:
         self._set_sync()
 
     def follow_loader(self, counts: bool) -> LoaderSteps:
-        """The bookkeeping the loader ``optimize()`` returns reports to (:class:`aiak.loaders.WindowLoader`): windows
+        """The bookkeeping the loader ``optimize()`` returns reports to (`aiak.loaders.WindowLoader`): windows
         close at the step that trains each epoch's last batch, and with ``counts`` each batch's items weigh the
         backward of the step that trains it (`aiak.step.loader_steps`)."""
         self.loader_steps = LoaderSteps(counts, self._follow_the_loaders_count if counts else None)
@@ -342,9 +348,9 @@ class StepController:
         else:
             self._count(n, key)
 
-    def _coming_step_closes(self) -> None:
+    def coming_step_closes(self) -> None:
         """Whether the coming ``step()`` closes its window (a framework said so, or it trains the epoch's last batch),
-        and DDP's synchronisation of the coming backward."""
+        and DDP's synchronisation of the coming backward (after each step, and once the loader's epoch is known)."""
         self._closing = self._framework_closing or (self.loader_steps is not None
                                                     and self.loader_steps.closes_window())
         self._set_sync()
@@ -400,13 +406,13 @@ class StepController:
         if self.loader_steps is not None:
             self.loader_steps.step_done()
         if self.micro_step < self.accumulation and not closing:
-            self._coming_step_closes()
+            self.coming_step_closes()
             self._keep_partial_sum()
             if follows_counts:
                 self._follow_the_loaders_count()
             return loss
         micro_steps, self.micro_step = self.micro_step, 0
-        self._coming_step_closes()
+        self.coming_step_closes()
         if unsynced and self.accumulation > 1:  # an epoch that ended early moved this window's end: its last
             self._average_over_ranks()           # backward ran unsynchronised
         self.step_events += 1

@@ -711,7 +711,7 @@ def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.
     stream has queued on ``tensor``; resolves to ``tensor``. Returns at once: the caller computes meanwhile
     (decentralized SGD's exchange of weights runs beside the forward and backward this way). The stall watch
     covers its collectives as a bucket's (``key`` names the bucket in a warning, ``state.iteration`` when called the
-    step): those issued through this module, and those ``work`` waits with :func:`wait_watched`."""
+    step): those issued through this module, and those ``work`` waits with `wait_watched`."""
     if tensor.is_cuda:
         fut, ready = Future(devices=[tensor.device]), torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
