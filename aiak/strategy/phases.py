@@ -68,7 +68,8 @@ PHASES: Tuple[Phase, ...] = (
           "the model's attributes (its compiled call)"),
     Phase("loader", ("loader",),
           "prefetch, pinning, balanced batches (`loaders/__init__.py`); with accumulation or counted items, "
-          "`loaders/window_loader.py` telling the step controller where each epoch ends and what each batch holds",
+          "`loaders/window_loader.py` telling the step controller each batch it hands out, the epoch's length and what "
+          "each batch holds",
           "the loader's, its sampler's and batch sampler's attributes (a wrapper aiak built is dropped)",
           looks_at=("channels_last",)),
 )

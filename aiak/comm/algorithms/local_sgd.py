@@ -134,13 +134,14 @@ class LocalSGD(CommAlgorithm):
     def after_real_step(self, updated: bool) -> None:
         step, self.steps = self.steps, self.steps + 1
         if step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
-            self.average(step)
+            self.average()
         self._enter_phase()
 
-    def average(self, step: Optional[int] = None) -> None:
+    def average(self) -> None:
         """Average the weights and floating buffers across all ranks (ranks of a node hold the same weights, so
-        this is the average across nodes; their buffers are averaged too). ``step``: the real step it follows (what
-        the stall watch names; by default the hook's count of steps)."""
+        this is the average across nodes; their buffers are averaged too). The stall watch names the real step it
+        follows."""
+        step = self.steps - 1 if self.steps else None
         tensors = self.tensors()
         with torch.no_grad():
             flat = flat_copy(tensors)
