@@ -30,6 +30,7 @@ from aiak.comm.allreduce.hooks import CommState, comm_hook
 from aiak.comm.script_ddp import mark_built_by_aiak
 from aiak.comm.allreduce.topology import build_groups, detect_topology
 from aiak.util.cache import TuneCache
+from aiak.runtime.callers import DCP_STATE_DICT, called_from
 from aiak.util.dist import is_distributed, on_rank0
 from aiak.util.warn import warn
 
@@ -39,6 +40,8 @@ PREFIX = "module."
 
 # -- state-dict keys without "module." ----------------------------------------------------------
 def _strip_module_prefix(module, state_dict, prefix, local_metadata):
+    if called_from(DCP_STATE_DICT, "_get_model_state_dict"):  # DCP's walk expects DDP's prefix and takes it off itself
+        return state_dict
     inner = prefix + PREFIX
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)

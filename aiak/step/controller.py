@@ -48,6 +48,7 @@ from aiak.step import scheduler_steps
 from aiak.step.loader_steps import LoaderSteps
 from aiak.step.stacking import framework_accumulation
 from aiak.step.window_items import WindowItems, at_least_one
+from aiak.runtime.callers import DCP_STATE_DICT, called_from
 from aiak.util.dist import is_distributed
 from aiak.runtime.marks import mark, marked
 from aiak.util.warn import warn, warn_once
@@ -378,7 +379,11 @@ class StepController:
     # -- the patched methods ------------------------------------------------------------------
     def step(self, closure=None):
         """One micro-step; a real step on the last of a window. ``closure`` (forward and backward, as Lightning
-        passes it) runs first, with grad enabled; its loss is returned, on micro-steps too."""
+        passes it) runs first, with grad enabled; its loss is returned, on micro-steps too. DCP's ``set_state_dict``
+        initialising a fresh optimizer's state (zero gradients, learning rate 0) is not a training step: it goes to
+        the optimizer's own ``step()``."""
+        if closure is None and called_from(DCP_STATE_DICT, "_init_optim_state"):
+            return self._inner_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
