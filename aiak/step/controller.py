@@ -591,7 +591,12 @@ class StepController:
                      "aiak.stepped(optimizer) is True (right after a real step), or make the batches per epoch a "
                      f"multiple of grad_accumulation ({self.accumulation}) when saving at the end of each "
                      f"epoch{again}")
-        state_dict["aiak"] = self.checkpoint_extras()
+        extras = self.checkpoint_extras()
+        groups = state_dict.get("param_groups")
+        if groups and called_from(DCP_STATE_DICT, "_get_optim_state_dict"):
+            groups[0]["aiak"] = extras  # DCP keeps an optimizer's state and param groups only (a group's keys too)
+        else:
+            state_dict["aiak"] = extras
         return state_dict
 
     def checkpoint_extras(self) -> Dict[str, Any]:
@@ -612,8 +617,17 @@ class StepController:
         return extra
 
     def _take_extra(self, optimizer, state_dict):
+        """aiak's part of a checkpoint taken out before torch loads the rest: at the top (``optimizer.state_dict()``)
+        or in the first param group (DCP's ``get_state_dict``), so that it never lands in the optimizer's groups."""
         state_dict = dict(state_dict)
         self._pending_extra = state_dict.pop("aiak", None)
+        groups = state_dict.get("param_groups")
+        if groups and any("aiak" in g for g in groups):
+            groups = [dict(g) for g in groups]
+            self._pending_extra = groups[0].pop("aiak", self._pending_extra)
+            for g in groups[1:]:
+                g.pop("aiak", None)
+            state_dict["param_groups"] = groups
         return state_dict
 
     def _restore_extra(self, optimizer) -> None:

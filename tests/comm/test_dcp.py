@@ -23,3 +23,49 @@ def test_dcp_resume_of_aiaks_ddp_is_bit_identical(launch_ranks):
     for r in ranks:
         assert r["keys"] == r["plain_keys"]
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["uninterrupted"]))
+
+
+def test_aiaks_own_state_rides_through_dcp(tmp_path):
+    """One process: the loss scale (halved by an overflow) and the real steps a scheduler has counted come back
+    through ``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_dict``, carried in the first param
+    group (DCP keeps an optimizer's state and param groups only: they were dropped), and never land in the live
+    optimizer's groups."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import aiak
+    from aiak.step.controller import controller_of
+
+    strategy = {"tune": False, "grad_accumulation": 2, "precision": {"level": "O1", "dtype": "fp16"}}
+
+    def optimized():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (fp16 is emulated on a CPU)
+            model, opt, _ = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
+        return model, opt
+
+    model, opt = optimized()
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        loss = model(torch.randn(3, 4, generator=g)).float().pow(2).mean()
+        (loss * (1e30 if step == 2 else 1.0)).backward()  # an overflow in the second window: skipped, scale halved
+        opt.step()
+        opt.zero_grad()
+    saved = controller_of(opt)
+    scale, events = saved.scaler.scale, saved.step_events
+    assert scale < 65536.0 and events == 3
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
+
+    model, opt = optimized()
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
+    set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    resumed = controller_of(opt)
+    assert (resumed.scaler.scale, resumed.step_events) == (scale, events)
+    assert not any("aiak" in group for group in opt.param_groups)
