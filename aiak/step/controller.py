@@ -349,11 +349,13 @@ class StepController:
         else:
             self._count(n, key)
 
+    def _closes_now(self) -> bool:
+        return self._framework_closing or (self.loader_steps is not None and self.loader_steps.closes_window())
+
     def coming_step_closes(self) -> None:
         """Whether the coming ``step()`` closes its window (a framework said so, or it trains the epoch's last batch),
         and DDP's synchronisation of the coming backward (after each step, and once the loader's epoch is known)."""
-        self._closing = self._framework_closing or (self.loader_steps is not None
-                                                    and self.loader_steps.closes_window())
+        self._closing = self._closes_now()
         self._set_sync()
 
     def count_items(self, n) -> None:
@@ -380,9 +382,9 @@ class StepController:
     def step(self, closure=None):
         """One micro-step; a real step on the last of a window. ``closure`` (forward and backward, as Lightning
         passes it) runs first, with grad enabled; its loss is returned, on micro-steps too. DCP's ``set_state_dict``
-        initialising a fresh optimizer's state (zero gradients, learning rate 0) is not a training step: it goes to
-        the optimizer's own ``step()``."""
-        if closure is None and called_from(DCP_STATE_DICT, "_init_optim_state"):
+        initialising a fresh optimizer's state (zero gradients, learning rate 0; only while the optimizer has no
+        state, so the stack is read only then) is not a training step: it goes to the optimizer's own ``step()``."""
+        if closure is None and not self.optimizer.state and called_from(DCP_STATE_DICT, "_init_optim_state"):
             return self._inner_step()
         loss = None
         if closure is not None:
@@ -391,7 +393,7 @@ class StepController:
         self._check_framework_accumulation()
         if self.loader_steps is not None:
             self.loader_steps.begin_step()   # (an epoch that ended early gives way to the next one here)
-            self._closing = self._framework_closing or self.loader_steps.closes_window()
+            self._closing = self._closes_now()
         self._check_the_scripts_loop()
         if self.step_calls == 0 and self.accumulation > 1 and not self.sees_epoch_ends:
             warn_once("no-loader-epochs", f"aiak: grad_accumulation {self.accumulation} without the loader given "
@@ -646,7 +648,7 @@ class StepController:
             self.items.load_state_dict(extra["items"])
         if self.loader_steps is not None and "loader_steps" in extra:
             self.loader_steps.load_state_dict(extra["loader_steps"])
-            self._closing = self._framework_closing or self.loader_steps.closes_window()
+            self._closing = self._closes_now()
         if self.comm_algorithm is not None and "comm_algorithm" in extra:
             self.comm_algorithm.load_state_dict(extra["comm_algorithm"])
         if self.comm_state is not None and "comm_state" in extra:
