@@ -8,11 +8,11 @@ Face Trainer close the window at the epoch's last batch and average over the mic
 script's step that trains the epoch's last batch (`aiak.step.loader_steps`: an evaluation over this loader, a
 prefetcher reading ahead or a loop that breaks early do not shift the windows).
 
-The epoch's length is the loader's ``len()``: exact for a ``DataLoader`` over a map-style dataset (its batch
-sampler's length, ``drop_last`` included), aiak's balanced and prefetching loaders and any sized iterable. A
-``DataLoader`` over an ``IterableDataset`` (whose ``len()`` is an estimate) and an iterable with no ``len()`` are
-not closed early: a window runs on as before, said once. An epoch that ends at another length than ``len()`` said
-is said once too.
+The epoch's length is the loader's ``len()``, read at each ``iter()``: exact for a ``DataLoader`` over a map-style
+dataset (its batch sampler's length, ``drop_last`` included), aiak's balanced and prefetching loaders and any sized
+iterable. A ``DataLoader`` over an ``IterableDataset`` (whose ``len()`` is an estimate) and an iterable with no
+``len()`` are not closed early: a window runs on as before, said once. An epoch that ends at another length than
+``len()`` said is said once too.
 
 With ``count`` (``aiak.optimize(..., count_items=fn)``), each batch's ``count(batch)`` goes with it, and weighs the
 backward of the step that trains it.
@@ -74,6 +74,9 @@ class WindowLoader:
 
     def __iter__(self) -> Iterator[Any]:
         expected = self.follower.batches
+        if expected is not None:  # read at each iteration, as the epoch's length may change (balanced batches)
+            expected = batches_per_epoch(self.loader) or expected
+            self.follower.follow_epochs(expected)
         iteration = self.follower.iteration_started()
         seen = 0
         try:

@@ -124,3 +124,32 @@ def test_counts_that_cannot_be_attributed_are_refused():
 
     with pytest.raises(RuntimeError, match="counts each batch of the loader it returned already"):
         _token_run(batches, {"grad_accumulation": 2}, beside, count=data.count_tokens)
+
+
+def test_an_epoch_length_that_changes_is_read_at_each_iteration():
+    """A loader whose ``len()`` changes between epochs (balanced batches are rebuilt each epoch): 6 batches, then 5,
+    accumulation 4. Each epoch's last step closes its window: windows 4, 2, then 4, 1."""
+    class Shrinking:
+        def __init__(self, batches):
+            self.batches, self.epoch = batches, 0
+
+        def __len__(self):
+            return 6 if self.epoch == 0 else 5
+
+        def __iter__(self):
+            n = len(self)
+            self.epoch += 1
+            return iter(self.batches[:n])
+
+    def loop(model, opt, loader):
+        stepped = []
+        for _ in range(2):
+            for batch in loader:
+                data.token_loss(model, batch).backward()
+                opt.step()
+                opt.zero_grad()
+                stepped.append(aiak.stepped(opt))
+        return stepped
+
+    _, stepped, _ = _token_run(Shrinking(data.rank_batches(0, 1, n=6)), {"grad_accumulation": 4}, loop)
+    assert stepped == [False, False, False, True, False, True] + [False, False, False, True, True]
