@@ -29,3 +29,12 @@ def put_leaf(tree: Dict[str, Any], path: str, value: Any) -> None:
     for section in sections:
         tree = tree.setdefault(section, {})
     tree[key] = value
+
+
+def get_leaf(tree: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    """The value at ``path`` in ``tree``, or ``default`` where a key on the way is missing."""
+    for key in path.split("."):
+        if not isinstance(tree, Mapping) or key not in tree:
+            return default
+        tree = tree[key]
+    return tree

@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset
 
 from aiak.amp.fp8 import plan_fp8
 from aiak.comm.allreduce.topology import detect_topology
+from aiak.comm.sharded import sharding_of
 from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.surgery import is_window_attention
 from aiak.util.machine.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
@@ -58,6 +59,7 @@ class Probes:
     local_size: int = 1
     nodes: int = 1
     backend: Optional[str] = None
+    sharding: Optional[str] = None                  # the script sharded the model: aiak.comm.sharded.sharding_of
     # model
     params: int = 0
     trainable_params: int = 0
@@ -99,7 +101,7 @@ def probe(model: Optional[nn.Module] = None, optimizer: Any = None, loader: Any 
     return Probes(
         device=dev.type, cuda=cuda, cpu_features=features, cpu_cores=usable_cores(), cpu_model=cpu_model(),
         bf16_native=bf16, fp16_native=fp16,
-        world_size=world_size, local_size=local_size, nodes=nodes, backend=backend,
+        world_size=world_size, local_size=local_size, nodes=nodes, backend=backend, sharding=sharding_of(model),
         params=sum(p.numel() for p in params), trainable_params=sum(p.numel() for p in params if p.requires_grad),
         modules=module_counts(model), loader=loader_facts(loader), fp8_linear_share=fp8_linear_share(model),
         optimizer=type(optimizer).__name__ if optimizer is not None else None)

@@ -29,13 +29,15 @@ from torch import nn
 
 from aiak.amp.emulation import FP16_CPU_COST
 from aiak.amp.fp8 import torchao_problem
+from aiak.comm.sharded import ENGINE_NAMES
 from aiak.strategy.probes import Probes, model_features, probe
 from aiak.strategy.profile_files import merge, names_a_file, profile_files, replaces_parent_section
 from aiak.strategy.profiles import Profile, load_profile, load_strategy
 from aiak.strategy.rules import match_profile
 from aiak.strategy.schema import Strategy, StrategyError, load_with_chain
 from aiak.strategy import key_paths
-from aiak.strategy.key_paths import put_leaf
+from aiak.strategy.key_paths import get_leaf, put_leaf
+from aiak.strategy.sharded import refusals, what_auto_leaves_out
 from aiak.util.warn import warn_once
 
 __all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",
@@ -146,6 +148,8 @@ def compose(probes: Probes) -> Selection:
             continue
         matched.append(profile.name)
         data = _overlay(data, knobs, profile, why, probes)
+    if probes.sharding:
+        _leave_out_what_sharding_refuses(data, knobs, probes.sharding)
     data.update(name="auto", extends=None, description=f"composed by the auto-selector from {', '.join(matched)}")
     strategy = _validated(data, knobs, matched)
     all_knobs = {path: knobs.get(path) or Knob(value, "default", DEFAULT_REASON)
@@ -183,6 +187,26 @@ def _overlay(data: Dict[str, Any], knobs: Dict[str, Knob], profile: Profile, why
                   f"aiak: strategy 'auto' ignored the {asked} precision of profile {profile.name!r} "
                   f"({profile.file.path}): {why}")
     return merged
+
+
+def _leave_out_what_sharding_refuses(data: Dict[str, Any], knobs: Dict[str, Knob], sharding: str) -> None:
+    """A model the script sharded: each knob the composition set that cannot apply to it (`aiak.strategy.sharded`)
+    back at ``default.yaml``'s value, with why, and one warning saying so (trials included: they are off)."""
+    default = load_strategy("default").to_dict()
+    refused = refusals(data, sharding)
+    for path, why in refused:
+        put_leaf(data, path, get_leaf(default, path))
+        for leaf in [p for p in knobs if p == path or p.startswith(path + ".")]:
+            del knobs[leaf]
+        for leaf, value in leaves({"x": get_leaf(default, path)}):
+            leaf_path = path + leaf[1:]
+            knobs[leaf_path] = Knob(value, "default", f"{what_auto_leaves_out(sharding)}: {why}")
+    if refused:
+        left = [path for path, _ in refused if path != "tune"]
+        said = ([f"{', '.join(left)} left at default.yaml's values"] if left else []) + \
+            (["no trials (they time copies of the model)"] if len(left) < len(refused) else [])
+        warn_once(f"auto-sharded:{sharding}", f"aiak: strategy 'auto' on a model sharded by {ENGINE_NAMES[sharding]}: "
+                                              f"{'; '.join(said)}. aiak.last_decision() says why for each knob")
 
 
 def _fp16_refused(precision: Dict[str, Any], probes: Probes) -> Optional[str]:

@@ -30,6 +30,7 @@ from aiak.apply import skipped_reason
 from aiak.comm.algorithms import algorithm_class
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
+from aiak.strategy.sharded import what_auto_leaves_out
 from aiak.tune.candidates import differences
 from aiak.util.text import yaml_text
 
@@ -263,6 +264,9 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
     tuning_note = ""
     if tuning is None:
         tuning_note = "off (tune: false)" if not getattr(selection.strategy, "tune", False) else "not run"
+        sharding = getattr(selection.probes, "sharding", None)
+        if sharding and selection.strategy.name == "auto":
+            tuning_note = f"off: {what_auto_leaves_out(sharding)}, and the trials would time copies of it"
     elif tuning.skipped:  # trials that ran but measured nothing say why themselves
         tuning_note = tuning.skipped if tuning.trials else f"skipped: {tuning.skipped}"
     effects = [list(line) for line in summary.lines] if summary is not None else []
