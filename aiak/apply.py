@@ -19,6 +19,7 @@ from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
 from aiak.comm.algorithms import algorithm_class
+from aiak.comm.sharded import ENGINE_NAMES, FSDP2, FSDPSync, sharding_of
 from aiak.runtime.compile import apply_compile
 from aiak.runtime.switches import apply_channels_last
 from aiak.step.controller import StepController
@@ -110,6 +111,7 @@ class Applying:
     distributed: bool                  # DDP wrapping wanted (the trials: no)
     ranks: int                         # the ranks that train together: 1 unless distributed
     existing_ddp: Any                  # a DDP the script (or a framework) built before optimize(), or None
+    sharding: Optional[str]            # the script sharded the model: aiak.comm.sharded.sharding_of
     record: Optional[ModelRecord]      # the model's first optimize(), when this is another optimizer's
     summary: Summary = field(default_factory=Summary)
     scaler: Any = None                 # fp16's loss scaler: the precision phase's, or the model's record's
@@ -157,7 +159,7 @@ def _applying(s: Strategy, model, optimizer, loader, scheduler, device, distribu
     return Applying(strategy=resolved, chosen=s, derived=derived, model=model, bare=bare, user_optimizer=optimizer,
                     optimizer=optimizer, loader=loader, scheduler=scheduler, device=model_device(model, device),
                     count_items=count_items, distributed=distributed, ranks=ranks,
-                    existing_ddp=_existing_ddp(model, bare, distributed), record=record,
+                    existing_ddp=_existing_ddp(model, bare, distributed), sharding=sharding_of(bare), record=record,
                     scaler=record.scaler if record is not None else None)
 
 
@@ -235,7 +237,12 @@ def _step_controller(ctx: Applying) -> None:
 
 def _ddp(ctx: Applying) -> None:
     """DDP and its communication hook (a DDP the script built gets the hook; a framework's stays the framework's:
-    the module comes back as it was given), the step controller told of them."""
+    the module comes back as it was given), the step controller told of them. A model the script sharded is never
+    wrapped: its engine synchronises the gradients, and the step controller turns FSDP2's switches
+    (`aiak.comm.sharded`)."""
+    if ctx.sharding is not None:
+        _under_the_scripts_sharding(ctx)
+        return
     _check_the_comm_has_its_controller(ctx)
     target = ctx.existing_ddp or ctx.model
     wrapped = comm.wrap_distributed(target, ctx.strategy.comm, ctx.device) if ctx.distributed else ctx.model
@@ -247,6 +254,23 @@ def _ddp(ctx: Applying) -> None:
                     _describe_comm(wrapped, ctx.bare))
     if ctx.existing_ddp is None or ctx.existing_ddp is ctx.model:
         ctx.model = wrapped
+
+
+def _under_the_scripts_sharding(ctx: Applying) -> None:
+    """The ddp phase on a model the script sharded: no DDP; under FSDP2 the step controller keeps micro-steps
+    from reduce-scattering and sums counted items over FSDP's ranks."""
+    engine = ENGINE_NAMES[ctx.sharding]
+    if ctx.sharding == FSDP2 and ctx.controller is not None and ctx.distributed:
+        sync = FSDPSync(ctx.bare)
+        if ctx.count_items and sync.group_problem:
+            raise ValueError(sync.group_problem)
+        ctx.controller.attach_ddp(sync)
+        effect = f"no DDP: the model is sharded by {engine}, which reduce-scatters the gradients"
+        if ctx.strategy.grad_accumulation > 1:
+            effect += "; micro-steps keep theirs (FSDP's set_requires_gradient_sync)"
+    else:
+        effect = f"no DDP: the model is sharded by {engine}, which synchronises the gradients"
+    ctx.summary.add("comm", compact(ctx.chosen.comm, ("algorithm",)), effect)
 
 
 COUNTED_UNDER_JOIN = (

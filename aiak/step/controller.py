@@ -78,15 +78,19 @@ class _AfterAccumulation:
     hook -> controller -> DDP -> parameter); a strong reference left DDP's reducer to interpreter shutdown, where
     gloo ranks can abort ("terminate called without an active exception")."""
 
-    __slots__ = ("controller",)
+    __slots__ = ("controller", "leaf")
 
-    def __init__(self, controller: "StepController"):
+    def __init__(self, controller: "StepController", leaf: bool = False):
         self.controller = weakref.ref(controller)
+        self.leaf = leaf  # an FSDP2 unsharded parameter (aiak.comm.sharded): its pass is counted, nothing kept
 
     def __call__(self, param: torch.Tensor) -> None:
         controller = self.controller()
         if controller is not None and controller.active():
-            controller.after_accumulation(param)
+            if self.leaf:
+                controller.after_leaf_accumulation(param)
+            else:
+                controller.after_accumulation(param)
 
 
 _eager_steps = False
@@ -124,6 +128,8 @@ class StepController:
         self._backward_passes = 0    # the most backward passes any parameter got since the last step() call
         self._hooked: set = set()    # ids of the parameters carrying an _AfterAccumulation hook
         self._hook = _AfterAccumulation(self)
+        self._leaves: List[torch.Tensor] = []  # what autograd accumulates into in place of the parameters (FSDP2)
+        self._leaf_passes: Dict[int, int] = {}  # id(leaf) -> backward passes since the last step() call
         self._params: List[torch.Tensor] = []
         self._params_for: Optional[tuple] = None
         self.scaler = scaler
@@ -197,6 +203,13 @@ class StepController:
         self._after_backward[id(param)] = (grad, grad._version if grad is not None else 0, passes)
         self._backward_passes = max(self._backward_passes, passes)
 
+    def after_leaf_accumulation(self, leaf: torch.Tensor) -> None:
+        """A backward accumulated into an FSDP2 unsharded parameter (micro-steps keep their gradients there): its
+        pass counted, as `after_accumulation` counts a parameter's, holding no reference to the gradient."""
+        self._check_framework_accumulation()
+        passes = self._leaf_passes[id(leaf)] = self._leaf_passes.get(id(leaf), 0) + 1
+        self._backward_passes = max(self._backward_passes, passes)
+
     def _check_the_scripts_loop(self) -> None:
         """At each ``step()``, before aiak touches a gradient: several backward passes since the last ``step()``
         (the script accumulates too), or a gradient changed in place since its backward on a micro-step (a clip
@@ -222,7 +235,7 @@ class StepController:
                               "aiak.clip_grad_norm_(optimizer, max_norm), which clip the real step's gradient; or "
                               "import the function after aiak.optimize()")
                     break
-        self._after_backward = {}
+        self._after_backward, self._leaf_passes = {}, {}
         self._backward_passes = 0
 
     def _keep_partial_sum(self) -> None:
@@ -281,6 +294,11 @@ class StepController:
         backward)."""
         if self.ddp is None:
             return
+        if getattr(self.ddp, "cannot_average_later", None):  # FSDP2 (aiak.comm.sharded)
+            raise RuntimeError(
+                f"aiak: {self.ddp.cannot_average_later}. That happens when the script accumulates gradients itself "
+                f"beside grad_accumulation: {self.requested_accumulation} (set only one of them), or when an epoch "
+                "ended before the loader's last batch (let each epoch run to its end, or set grad_accumulation: 1)")
         import torch.distributed as dist
 
         group, state = self.ddp.process_group, self.comm_state
@@ -299,9 +317,23 @@ class StepController:
 
     # -- DDP no_sync ------------------------------------------------------------------------
     def attach_ddp(self, ddp_model) -> None:
-        """Gradients of ``ddp_model`` are allreduced only on the last micro-step of each window."""
+        """Gradients of ``ddp_model`` are allreduced only on the last micro-step of each window. ``ddp_model``
+        may be `aiak.comm.sharded.FSDPSync`: FSDP2 reduce-scatters only then, and the unsharded parameters it
+        makes at its first forward get this controller's pass counting and item weights."""
         self.ddp = ddp_model
+        if hasattr(ddp_model, "when_leaves_appear"):
+            ddp_model.when_leaves_appear(self._leaves_appeared)
         self._set_sync()
+
+    def _leaves_appeared(self, leaves: List[torch.Tensor]) -> None:
+        self._leaves.extend(leaves)
+        if self.accumulation > 1 or not self._framework_checked:
+            leaf_hook = _AfterAccumulation(self, leaf=True)
+            for t in leaves:
+                if t.requires_grad:
+                    t.register_post_accumulate_grad_hook(leaf_hook)
+        if self._counting:
+            root_scaling.weigh(leaves, self)
 
     def attach_comm_algorithm(self, algorithm) -> None:
         """The comm algorithm of the DDP model whose steps this controller takes, one that acts at real steps or keeps
@@ -371,7 +403,7 @@ class StepController:
         if not self._counting:
             self._counting = True
             root_scaling.watch()
-            root_scaling.weigh(self._params_of_groups(), self)
+            root_scaling.weigh(self._params_of_groups() + self._leaves, self)
         root_scaling.set_pending(self, True)
 
     def root_weight(self, scaled: bool):
@@ -572,7 +604,7 @@ class StepController:
     def _clear_grads(self, set_to_none: bool = True) -> None:
         self._prepared = None
         self._partial = {}
-        self._after_backward = {}
+        self._after_backward, self._leaf_passes = {}, {}
         self._inner_zero_grad(set_to_none=set_to_none)
 
     # -- scheduler: advance once per real step -------------------------------------------------
