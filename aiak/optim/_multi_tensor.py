@@ -23,6 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from aiak.amp.half_compute import HALF_DTYPES
+from aiak.optim.sharded import FullSquares, any_sharded, local, squares
 from aiak.util.warn import warn
 
 # A bucket is a list of (tensor index, start, stop) in flat element coordinates; (i, 0, numel) is whole.
@@ -297,17 +298,20 @@ def group_by_device_dtype_step(params: List[torch.Tensor], steps: List[int]) -> 
 
 def global_grad_norm(param_groups: Iterable[dict]) -> Optional[torch.Tensor]:
     """fp32 L2 norm of every gradient of every group (one number, as apex's ``max_grad_norm`` uses)."""
-    grads = [p.grad for g in param_groups for p in g["params"] if p.grad is not None]
+    with_grads = [p for g in param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad for p in with_grads]
     if not grads:
         return None
+    if any_sharded(grads):  # DTensor gradients: their local shards' squares summed over the shards
+        return FullSquares(with_grads)(squares([local(g) for g in grads])).sum().sqrt().cpu()
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    squares = []
+    per_device = []
     for device_grads in by_device.values():
         norms = torch._foreach_norm(device_grads, 2.0, dtype=torch.float32)
-        squares.append(torch.stack(norms).square().sum().cpu())
-    return torch.stack(squares).sum().sqrt()
+        per_device.append(torch.stack(norms).square().sum().cpu())
+    return torch.stack(per_device).sum().sqrt()
 
 
 def clip_coefficient(param_groups: Iterable[dict], max_grad_norm: Optional[float]) -> float:
@@ -396,6 +400,10 @@ class LayerwiseOptimizer(Optimizer):
         if torch.compiler.is_compiling():
             return 0, None
         return self.bucket_elems, self._plans
+
+    def _sharded(self) -> bool:
+        """DTensor parameters (FSDP2, tensor parallelism): the step runs on local shards (`aiak.optim.sharded`)."""
+        return any_sharded([p for g in self.param_groups for p in g["params"]])
 
     def _begin_step(self, closure):
         """What every ``step`` starts with: evaluate the closure (with grad) and refuse sparse gradients."""

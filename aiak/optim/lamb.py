@@ -31,6 +31,7 @@ import torch
 from aiak.optim._multi_tensor import (LayerwiseOptimizer, PlanCache, add_scaled_, cached_plan, check_betas,
                                       check_range, clip_coefficient, default_bucket_elems, group_by_device_dtype_step,
                                       math_dtype, norms, working_copies, write_back)
+from aiak.optim.sharded import FullSquares, local, squares
 
 __all__ = ["Lamb", "lamb"]
 
@@ -79,8 +80,11 @@ class Lamb(LayerwiseOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = self._begin_step(closure)
-        bucket_elems, plans = self._bucketing()
         grad_scale = clip_coefficient(self.param_groups, self.max_grad_norm)
+        if self._sharded():
+            self._step_on_shards(grad_scale)
+            return loss
+        bucket_elems, plans = self._bucketing()
         for group in self.param_groups:
             params, grads, steps, state = self._gather(group, ("exp_avg", "exp_avg_sq"))
             if not params:
@@ -94,6 +98,39 @@ class Lamb(LayerwiseOptimizer):
         if plans is not None:
             plans.prune()
         return loss
+
+    def _step_on_shards(self, grad_scale: float) -> None:
+        """DTensor parameters (`aiak.optim.sharded`): every group's moments and updates on the local shards, then
+        the full tensors' norms of every adapting group in one collective, then the updates (apex's FusedLAMB's two
+        passes). The loop and foreach forms as the group's ``foreach`` says; buckets do not apply."""
+        passes = []
+        for group in self.param_groups:
+            params, grads, steps, state = self._gather(group, ("exp_avg", "exp_avg_sq"))
+            if params:
+                beta1, beta2 = group["betas"]
+                w, u = lamb_updates([local(p) for p in params], [local(g) for g in grads],
+                                    [local(m) for m in state["exp_avg"]], [local(v) for v in state["exp_avg_sq"]],
+                                    steps, beta1=beta1, beta2=beta2, eps=group["eps"],
+                                    weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+                                    grad_scale=grad_scale, foreach=group["foreach"] is not False)
+                passes.append((group, params, w, u))
+        adapting = [(params, w, u) for group, params, w, u in passes if group["adapt"]]
+        if adapting:
+            ws = [t for _, w, _ in adapting for t in w]
+            full = FullSquares([p for params, _, _ in adapting for p in params])(
+                torch.cat([squares(ws), squares([t for _, _, u in adapting for t in u])])).sqrt()
+            w_norms, u_norms = full[:len(ws)].split([len(w) for _, w, _ in adapting]), \
+                full[len(ws):].split([len(w) for _, w, _ in adapting])
+        k = 0
+        for group, params, w, u in passes:
+            if group["adapt"]:
+                ratios = trust_ratio(w_norms[k], u_norms[k], group["trust_clip"])
+                k += 1
+                for wi, ui, r in zip(w, u, ratios.unbind()):
+                    wi.addcmul_(ui, r, value=-group["lr"])
+            else:
+                torch._foreach_add_(w, u, alpha=-group["lr"])
+            write_back([local(p) for p in params], w)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -205,6 +242,30 @@ def _foreach_direction(plan, k, w, m, v, eps_hat, step_size, weight_decay, out=N
     if weight_decay:
         return scale, torch._foreach_addcdiv(w, m, denom, value)
     return scale, torch._foreach_div(m, denom)
+
+
+def lamb_updates(params, grads, exp_avgs, exp_avg_sqs, steps, *, beta1, beta2, eps, weight_decay, bias_correction,
+                 grad_scale=1.0, foreach=True):
+    """The first of two passes: each tensor's moments advanced in place and its update ``u_t``, returned as
+    ``(w, u)`` in ``params``' order, ``w`` the math-dtype weight (``params[i]`` itself in fp32, else a copy the
+    second pass writes back). For norms taken elsewhere before the step (`aiak.optim.sharded`)."""
+    ws: List[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+    us: List[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+    groups = group_by_device_dtype_step(params, steps).items() if foreach else \
+        [((None, None, s), [i]) for i, s in enumerate(steps)]
+    for (_, _, step), idx in groups:
+        w = [params[i].to(math_dtype(params[i].dtype)) for i in idx]
+        g = [grads[i].to(w[0].dtype) for i in idx]
+        if grad_scale != 1.0:
+            g = torch._foreach_mul(g, grad_scale)
+        m, v = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
+        torch._foreach_lerp_(m, g, 1.0 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, 1.0 - beta2)
+        eps_hat, step_size = _step_scalars(step, beta1, beta2, eps, bias_correction)
+        for i, wi, mi, vi in zip(idx, w, m, v):
+            ws[i], us[i] = wi, _direction(wi, mi, vi, eps_hat, step_size, weight_decay)
+    return ws, us
 
 
 def _fused_adam_step(device: torch.device, step: int, bias_correction: bool) -> Optional[torch.Tensor]:

@@ -27,6 +27,7 @@ import torch
 from aiak.optim._multi_tensor import (LayerwiseOptimizer, PlanCache, add_scaled_, cached_plan, check_range,
                                       default_bucket_elems, group_by_device_dtype_step, math_dtype, norms,
                                       per_tensor_scalars, working_copies, write_back)
+from aiak.optim.sharded import FullSquares, local, squares
 
 __all__ = ["Lars", "lars"]
 
@@ -63,23 +64,31 @@ class Lars(LayerwiseOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         pass  # the momentum buffer is created in step(), where the group's momentum is known
 
+    def _buffers(self, group: dict, params: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The group's momentum buffers (made at the first step, fp32), or None without momentum."""
+        if not group["momentum"]:
+            return None
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=math_dtype(p.dtype),
+                                                            memory_format=torch.preserve_format)
+            buffers.append(state["momentum_buffer"])
+        return buffers
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         loss = self._begin_step(closure)
+        if self._sharded():
+            self._step_on_shards()
+            return loss
         bucket_elems, plans = self._bucketing()
         for group in self.param_groups:
             params, grads, _, _ = self._gather(group, ())
             if not params:
                 continue
-            buffers = None
-            if group["momentum"]:
-                buffers = []
-                for p in params:
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p, dtype=math_dtype(p.dtype),
-                                                                    memory_format=torch.preserve_format)
-                    buffers.append(state["momentum_buffer"])
+            buffers = self._buffers(group, params)
             lars(params, grads, buffers, lr=group["lr"], momentum=group["momentum"],
                  weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
                  nesterov=group["nesterov"], clip=group["clip"], adapt=group["adapt"],
@@ -87,6 +96,44 @@ class Lars(LayerwiseOptimizer):
         if plans is not None:
             plans.prune()
         return loss
+
+
+    def _step_on_shards(self) -> None:
+        """DTensor parameters (`aiak.optim.sharded`): the full tensors' norms of weights and gradients of every
+        adapting group in one collective, then each group's update on the local shards (the loop or foreach form
+        as the group's ``foreach`` says; buckets do not apply)."""
+        passes = []
+        for group in self.param_groups:
+            params, grads, _, _ = self._gather(group, ())
+            if params:
+                buffers = self._buffers(group, params)
+                w = [local(p).to(math_dtype(p.dtype)) for p in params]
+                g = [local(t).to(w[0].dtype) for t in grads]
+                passes.append((group, params, w, g, [local(b) for b in buffers] if buffers is not None else None))
+        adapting = [(params, w, g) for group, params, w, g, _ in passes if group["adapt"]]
+        if adapting:
+            ws = [t for _, w, _ in adapting for t in w]
+            full = FullSquares([p for params, _, _ in adapting for p in params])(
+                torch.cat([squares(ws), squares([t for _, _, g in adapting for t in g])])).sqrt()
+            sizes = [len(w) for _, w, _ in adapting]
+            w_norms, g_norms = full[:len(ws)].split(sizes), full[len(ws):].split(sizes)
+        k = 0
+        for group, params, w, g, bufs in passes:
+            ratios = None
+            if group["adapt"]:
+                ratios = lars_trust_ratio(w_norms[k], g_norms[k], lr=group["lr"],
+                                          trust_coefficient=group["trust_coefficient"],
+                                          weight_decay=group["weight_decay"], eps=group["eps"], clip=group["clip"])
+                k += 1
+            update = dict(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
+                          nesterov=group["nesterov"])
+            if group["foreach"] is not False:
+                _foreach_update(w, g, bufs, ratios, **update)
+            else:
+                for i in range(len(w)):
+                    _foreach_update(w[i:i + 1], g[i:i + 1], bufs[i:i + 1] if bufs is not None else None,
+                                    ratios[i:i + 1] if ratios is not None else None, **update)
+            write_back([local(p) for p in params], w)
 
 
 def _check_group(group: dict) -> None:

@@ -1,0 +1,91 @@
+"""LAMB and LARS on DTensor parameters (FSDP2's shards, tensor parallelism): the maths runs on each rank's local
+shard, and the per-tensor norms the trust ratios need are the full tensors'.
+
+A trust ratio ``||w|| / ||u||`` (LAMB) or ``||w|| / ||g||`` (LARS) is a norm of the whole tensor, and a rank holds
+a shard of it (an uneven one where a dimension does not divide). Each rank takes the squared norms of its local
+shards, and `FullSquares` sums them over the ranks holding the other shards: the squares of every tensor of a step
+travel in one collective (one per mesh layout: per group of tensors sharded over the same mesh dimensions), as
+apex's FusedLAMB takes every norm of a step in one multi-tensor launch. A tensor replicated over its mesh (a
+Replicate placement) already holds its full norm and is not summed.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _dtensor_class():
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def any_sharded(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is a DTensor."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The local shard of a DTensor (a view: writing it writes the DTensor), or ``t`` itself."""
+    dtensor = _dtensor_class()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+def squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of each (local) tensor, in fp32, as one 1-D tensor."""
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).square() for t in tensors])
+
+
+class FullSquares:
+    """Sums the squared norms of local shards over the ranks holding each tensor's other shards.
+
+    ``FullSquares(params)(values)``: ``values`` holds one entry per tensor, repeated ``k`` times in ``params``'
+    order (LAMB's weights then updates: ``k = 2``); returned with each entry summed over the mesh dimensions its
+    tensor is sharded along.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        layouts: Dict[tuple, List[int]] = {}
+        self._groups: List[Tuple[list, List[int]]] = []
+        for i, p in enumerate(params):
+            layout = _layout(p)
+            if layout is not None:
+                layouts.setdefault(layout, []).append(i)
+        for (mesh, dims), idx in layouts.items():
+            self._groups.append(([mesh.get_group(d) for d in dims], idx))
+        self.count = len(params)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives per call: one per distinct layout and sharded mesh dimension."""
+        return sum(len(groups) for groups, _ in self._groups)
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        if not self._groups:
+            return values
+        repeat = values.numel() // max(self.count, 1)
+        if len(self._groups) == 1 and len(self._groups[0][1]) == self.count:  # every tensor on one layout
+            for group in self._groups[0][0]:
+                dist.all_reduce(values, group=group)
+            return values
+        for groups, idx in self._groups:
+            index = torch.tensor([i + r * self.count for r in range(repeat) for i in idx], device=values.device)
+            part = values.index_select(0, index)
+            for group in groups:
+                dist.all_reduce(part, group=group)
+            values.index_copy_(0, index, part)
+        return values
+
+
+def _layout(p: torch.Tensor):
+    """``(mesh, mesh dimensions it is sharded along)`` of a DTensor sharded somewhere, else None."""
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(p, dtensor):
+        return None
+    dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
+    return (p.device_mesh, dims) if dims else None

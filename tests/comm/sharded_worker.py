@@ -1,0 +1,237 @@
+"""One rank of ``tests/comm/test_sharded.py``: ``aiak.optimize`` on a model the script sharded with FSDP2
+(``fully_shard``), each case against one process training the same model on every rank's batches (the global batch),
+launched as torchrun would by ``tests/comm/conftest.launch``."""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.comm.dist_worker import main  # noqa: E402
+
+STEPS = 3
+ITEMS = (8, 2, 5, 3)  # a rank's batch under counted items (unequal); else 4 rows each
+CASES = {
+    # name: (strategy beyond tune: false, optimizer, accumulation micro-batches per step, clip, counted items)
+    "default": ({}, "adamw", 1, None, False),
+    "o1_bf16": ({"precision": {"level": "O1", "dtype": "bf16"}}, "sgd", 1, None, False),
+    "accumulation": ({"grad_accumulation": 4}, "adamw", 4, None, False),
+    "counted": ({"grad_accumulation": 2}, "sgd", 2, None, True),
+    "clipping": ({"grad_accumulation": 2}, "sgd", 2, 0.05, False),
+    "lamb": ({"optimizer": {"name": "lamb", "lr": 0.02, "weight_decay": 0.01}}, "sgd", 1, None, False),
+    "lamb_loop": ({"optimizer": {"name": "lamb", "lr": 0.02, "weight_decay": 0.01, "foreach": False,
+                                 "max_grad_norm": 0.5}, "grad_accumulation": 2}, "sgd", 2, None, False),
+    "lars": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4}}, "sgd", 1, None, False),
+    "lars_loop": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4, "foreach": False,
+                                 "momentum": 0.9, "nesterov": True, "clip": True}}, "sgd", 1, None, False),
+}
+
+
+def _model():
+    """Odd sizes: 31 and 7 rows shard unevenly over 2 and 4 ranks (8, 8, 8, 7 and 2, 2, 2, 1 on 4)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 7))
+
+
+def _shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def _optimizer(name, params):
+    return torch.optim.AdamW(params, lr=0.01) if name == "adamw" else torch.optim.SGD(params, lr=0.1)
+
+
+def _batch(rank, step, micro, counted):
+    n = ITEMS[rank] if counted else 4
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randn(n, 13, generator=g), torch.randn(n, 7, generator=g)
+
+
+def _items_loss(out, y):
+    """A mean over the batch's items (rows)."""
+    return nn.functional.mse_loss(out, y, reduction="none").sum(1).mean()
+
+
+class Collectives:
+    """Counts the collectives of ``NAMES`` issued inside the block (keyword arguments and all)."""
+
+    NAMES: tuple = ()
+
+    def __enter__(self):
+        self.count, self._originals = 0, {}
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                original = self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._counted(original))
+        return self
+
+    def _counted(self, original):
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+class ReduceScatters(Collectives):
+    """FSDP2's gradient reductions."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
+
+
+class AllReduces(Collectives):
+    NAMES = ("all_reduce",)
+
+
+def _reference(spec, world):
+    """One process over every rank's batches: each step's loss a mean over all its items (equal micro-batches: the
+    mean of their means), the aiak optimizer the strategy names (LAMB/LARS) as the plain model would get it."""
+    from aiak.optim import swap_optimizer
+    from aiak.strategy.profiles import load_strategy
+
+    strategy, opt_name, micro, clip, counted = spec
+    model = _model()
+    opt = swap_optimizer(model, _optimizer(opt_name, model.parameters()), load_strategy(strategy).optimizer)
+    half = strategy.get("precision", {}).get("level") == "O1"
+    for step in range(STEPS):
+        batches = [_batch(r, step, k, counted) for k in range(micro) for r in range(world)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            out = model(x)
+        _items_loss(out.float(), y).backward()
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def scenario_cases(rank):
+    """Every case of `CASES` (one launch: a process's start is most of a case's time)."""
+    return {case: _run_case(rank, case) for case in CASES}
+
+
+def _run_case(rank, case):
+    """``case`` through ``aiak.optimize`` on the FSDP2 model, with the reduce-scatters of each backward and the
+    all-reduces of each ``optimizer.step()`` counted. Returns the full weights of both runs and the counts."""
+    import aiak
+
+    strategy, opt_name, micro, clip, counted = CASES[case]
+    model = _shard(_model())
+    opt = _optimizer(opt_name, model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, **strategy},
+                                      count_items=True if counted else None)
+    reduce_scatters, step_all_reduces = [], []
+    for step in range(STEPS):
+        for k in range(micro):
+            x, y = _batch(rank, step, k, counted)
+            if counted:
+                aiak.count_items(opt, len(x))
+            with ReduceScatters() as calls:
+                _items_loss(model(x).float(), y).backward()
+            reduce_scatters.append(calls.count)
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with AllReduces() as calls:
+                opt.step()
+            step_all_reduces.append(calls.count)
+            opt.zero_grad()
+    return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "reference": _reference(CASES[case], dist.get_world_size()), "reduce_scatters": reduce_scatters,
+            "step_all_reduces": step_all_reduces, "micro": micro}
+
+
+REFUSED = {
+    "O2": {"precision": {"level": "O2", "dtype": "bf16"}},
+    "fp16": {"precision": {"level": "O1", "dtype": "fp16"}},
+    "channels_last": {"channels_last": True},
+    "fused_ops": {"fused_ops": ["window_attention"]},
+    "comm": {"comm": {"algorithm": "local_sgd", "compression": "fp16"}},
+    "tune": {"tune": True},
+}
+
+
+def scenario_refusals_and_auto(rank):
+    """`refusals` and `auto`, one after the other (one launch)."""
+    return {"refusals": refusals(), "auto": auto(rank), "script_accumulates": script_accumulates(rank)}
+
+
+def script_accumulates(rank):
+    """The script's own accumulation (two backward passes per ``step()``) beside aiak's ``grad_accumulation: 2`` on
+    the FSDP2 model: the error of the first ``step()``, if any."""
+    import aiak
+
+    model = _shard(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, "grad_accumulation": 2})
+    for micro in range(2):
+        x, y = _batch(rank, 0, micro, False)
+        _items_loss(model(x), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def refusals():
+    """Each strategy of `REFUSED` on the FSDP2 model: the error ``optimize()`` raises, and whether the model and
+    optimizer came back untouched (the same parameters, no hooks, the optimizer's own ``step``)."""
+    import aiak
+
+    model = _shard(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params, step, hooks = list(model.parameters()), opt.step, len(model._forward_hooks)
+    out = {}
+    for name, strategy in REFUSED.items():
+        try:
+            aiak.optimize(model, opt, strategy={"tune": False, **strategy})
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the type and the message
+            out[name] = (type(e).__name__, str(e))
+    out["untouched"] = (all(a is b for a, b in zip(params, model.parameters())) and opt.step == step
+                        and len(model._forward_hooks) == hooks)
+    return out
+
+
+def auto(rank):
+    """``strategy="auto"`` on the FSDP2 model with a loader: what it applied, its knobs' reasons, its warnings, and
+    whether it trains as one process does."""
+    import aiak
+
+    model = _shard(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [_batch(rank, step, 0, False) for step in range(STEPS)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, loader = aiak.optimize(model, opt, batches)
+    decision = aiak.last_decision()
+    for x, y in loader:
+        _items_loss(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    precision = {"precision": {"level": decision.strategy["precision"]["level"], "dtype": "bf16"}}
+    return {"strategy": decision.strategy, "tuning": decision.tuning, "warnings": [str(w.message) for w in caught],
+            "is_ddp": isinstance(model, nn.parallel.DistributedDataParallel),
+            "weights": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "reference": _reference((precision, "sgd", 1, None, False), dist.get_world_size())}
+
+
+if __name__ == "__main__":
+    main(globals())
