@@ -22,7 +22,7 @@ from aiak.strategy.sharded import check_sharded
 from aiak.tune import decision as decisions
 from aiak.tune.trials import run_trials
 from aiak.util import warn
-from aiak.util.arguments import check_arguments, check_unpacking
+from aiak.util.arguments import check_arguments, check_unpacking, refuse_replaced_parameters
 from aiak.util.machine.devices import model_device
 
 logger = logging.getLogger("aiak")
@@ -100,6 +100,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     logger.info("%s", decision.render())
     _say_what_was_applied(decision)
     warn_if_unsharded(applied.loader)
+    refuse_replaced_parameters(bare, applied.optimizer)
     result = (applied.model, rewrap_optimizer(wrappers, applied.optimizer), applied.loader)
     return result + (scheduler,) if scheduler is not None else result
 

@@ -94,3 +94,26 @@ def test_unpacking_into_the_wrong_number_of_names_says_what_optimize_returns_bef
     assert len(result) == 3 and result[1:] == (None, None)
     first = aiak.optimize(_net(), strategy="default")[0]
     assert isinstance(first, nn.Module)
+
+
+def test_parameters_replaced_after_optimize_are_said_at_the_first_step():
+    """``load_state_dict(..., assign=True)`` after ``aiak.optimize`` puts new parameter objects in the model: the
+    optimizer holds the old ones and would train nothing (the weights stayed as they were). The first step says so;
+    a model whose parameters stayed, and a second optimizer's untouched parameters, train on."""
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, _ = aiak.optimize(model, optimizer, strategy="default")
+    model.load_state_dict(_net(1).state_dict(), assign=True)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="no longer the model's: they were replaced after aiak.optimize"):
+        optimizer.step()
+
+    model = _net()
+    body, head = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)
+    aiak.optimize(model, body, strategy="default")
+    aiak.optimize(model, head, strategy="default")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).sum().backward()
+    body.step()
+    head.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

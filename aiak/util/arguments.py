@@ -9,6 +9,10 @@ instead of being accepted (and a strategy applied to the wrong model) or failing
   replaced): training would update that other model;
 * a scheduler built on another optimizer: it would change another optimizer's learning rate.
 
+The same holds after ``optimize()``: a script that shards the model afterwards (``fully_shard`` replaces every
+parameter it shards with a new DTensor parameter) leaves the returned optimizer holding the old ones, and would train
+nothing. :func:`refuse_replaced_parameters` looks once, at the optimizer's first step, and says so.
+
 A model none of whose parameters trains now while an optimizer is given is said once as a warning: a backbone
 frozen for its first epochs and unfrozen later is a legitimate script.
 
@@ -112,3 +116,42 @@ def _unpacked_into(depth: int) -> Optional[int]:
         if ins.offset > frame.f_lasti and ins.opname not in ("CACHE", "EXTENDED_ARG", "NOP"):
             return ins.arg if ins.opname == "UNPACK_SEQUENCE" else None
     return None
+
+
+def refuse_replaced_parameters(model: Any, optimizer: Optional[Optimizer]) -> None:
+    """At ``optimizer``'s first step (once): if the model's parameters were replaced since ``optimize()`` (the
+    optimizer holds parameters the model no longer has, and the model has parameters the optimizer never saw that
+    are DTensors, or none it saw), raise one error saying what happened and what to do."""
+    if optimizer is None or not isinstance(model, nn.Module) or not hasattr(optimizer, "register_step_pre_hook"):
+        return
+    given = {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+    def check(opt, args, kwargs):
+        handle.remove()
+        now = [p for p in model.parameters() if p.requires_grad]
+        ids = {id(p) for p in now}
+        stale = given - ids
+        new = [p for p in now if id(p) not in given]
+        if not (stale and new):
+            return
+        sharded = _dtensors(new)
+        if sharded or len(new) == len(now):
+            raise RuntimeError(
+                f"aiak: {len(stale)} of the optimizer's parameters are no longer the model's: they were replaced after "
+                f"aiak.optimize() ({'fully_shard or another DTensor sharding' if sharded else 'the model was rebuilt'}"
+                "), so this optimizer would update tensors the model does not use and train nothing. Shard the model "
+                "first: fully_shard, then build the optimizer on the sharded model, then aiak.optimize")
+
+    handle = optimizer.register_step_pre_hook(check)
+
+
+def _dtensors(params) -> list:
+    """The DTensors among ``params`` (FSDP2's and tensor parallelism's parameters)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in params if isinstance(p, DTensor)]
+

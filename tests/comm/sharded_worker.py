@@ -169,7 +169,27 @@ REFUSED = {
 
 def scenario_refusals_and_auto(rank):
     """`refusals` and `auto`, one after the other (one launch)."""
-    return {"refusals": refusals(), "auto": auto(rank), "script_accumulates": script_accumulates(rank)}
+    return {"refusals": refusals(), "auto": auto(rank), "script_accumulates": script_accumulates(rank),
+            "sharded_after": sharded_after(rank)}
+
+
+def sharded_after(rank):
+    """``aiak.optimize`` (aiak's DDP), then ``fully_shard`` on the model inside it, then a step: its error."""
+    import aiak
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, "grad_accumulation": 2})
+    inner = _shard(model.module)
+    try:
+        for micro in range(2):
+            x, y = _batch(rank, 0, micro, False)
+            _items_loss(inner(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def script_accumulates(rank):

@@ -108,3 +108,13 @@ def test_a_window_fsdp2_kept_unreduced_is_refused_not_trained(refusals_and_auto)
     for result in refusals_and_auto:
         message = result["script_accumulates"]
         assert message is not None and "FSDP2" in message and "set only one of them" in message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sharding_after_optimize_is_said_at_the_first_step(refusals_and_auto):
+    """``aiak.optimize`` (its DDP), then ``fully_shard`` on the model inside: the optimizer holds the parameters
+    ``fully_shard`` replaced, and training ran to the end updating nothing the model uses. Its first step says so."""
+    for result in refusals_and_auto:
+        message = result["sharded_after"]
+        assert message is not None and "fully_shard or another DTensor sharding" in message
