@@ -18,7 +18,7 @@ from aiak.step.wrappers import rewrap_optimizer, unwrap_optimizer
 from aiak.strategy.derived import resolve_derived
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import resolve_strategy
-from aiak.strategy.sharded import check_sharded
+from aiak.strategy.sharded import check_sharded, sharded_by
 from aiak.tune import decision as decisions
 from aiak.tune.trials import run_trials
 from aiak.util import warn
@@ -72,8 +72,9 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     else:
         selection = resolve_strategy(strategy, bare, optimizer, loader, device=device)
         s = selection.strategy
-        if selection.probes.sharding:  # a model the script sharded: what cannot compose is refused, before trials
-            check_sharded(s.to_dict(), selection.probes.sharding, s.name, count_items)
+        sharding = sharded_by(s.to_dict(), selection.probes.sharding, selection.probes.world_size)
+        if sharding:  # a model the script sharded, or aiak will: what cannot compose is refused, before trials
+            check_sharded(s.to_dict(), sharding, s.name, count_items)
     tuning, given_loader = None, loader
     if s.tune and before is None:
         tuning = run_trials(selection, bare, optimizer, loader, model_device(model, device))

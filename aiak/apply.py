@@ -19,6 +19,7 @@ from torch import nn
 
 from aiak import amp, comm, loaders, ops, optim
 from aiak.comm.algorithms import algorithm_class
+from aiak.comm import fsdp
 from aiak.comm.sharded import ENGINE_NAMES, FSDP2, FSDPSync, sharding_of
 from aiak.runtime.compile import apply_compile
 from aiak.runtime.switches import apply_channels_last
@@ -208,8 +209,14 @@ def _channels_last(ctx: Applying) -> None:
 
 
 def _precision(ctx: Applying) -> None:
-    """O1/O2 on the bare model; fp16's loss scaler only with an optimizer to step (its controller skips overflows)."""
+    """O1/O2 on the bare model; fp16's loss scaler only with an optimizer to step (its controller skips overflows).
+    Under aiak's FSDP2, O2 is FSDP2's MixedPrecisionPolicy, set by the ddp phase when it shards."""
     s = ctx.strategy
+    if s.precision.level == "O2" and _aiak_shards(ctx):
+        ctx.summary.add("precision", compact(s.precision, ("level", "dtype")),
+                        f"O2 by FSDP2's MixedPrecisionPolicy(param_dtype={s.precision.dtype}, "
+                        f"reduce_dtype={s.comm.fsdp.reduce_dtype}): applied with comm.engine fsdp2")
+        return
     precision = amp.apply_precision(ctx.bare, s.precision, ctx.device.type, device=ctx.device,
                                     scaled=ctx.optimizer is not None, compiled=bool(s.compile))
     ctx.scaler, ctx.compute = precision.scaler, precision.compute
@@ -243,6 +250,12 @@ def _ddp(ctx: Applying) -> None:
     if ctx.sharding is not None:
         _under_the_scripts_sharding(ctx)
         return
+    if _aiak_shards(ctx):
+        _shard_with_fsdp2(ctx)
+        return
+    if ctx.strategy.comm.engine == "fsdp2" and ctx.distributed:
+        warn.warn_once("fsdp2-one-process", "aiak: comm.engine fsdp2 on one process: nothing to shard (it shards "
+                                            "over the ranks of torchrun); the model trains unsharded")
     _check_the_comm_has_its_controller(ctx)
     target = ctx.existing_ddp or ctx.model
     wrapped = comm.wrap_distributed(target, ctx.strategy.comm, ctx.device) if ctx.distributed else ctx.model
@@ -254,6 +267,33 @@ def _ddp(ctx: Applying) -> None:
                     _describe_comm(wrapped, ctx.bare))
     if ctx.existing_ddp is None or ctx.existing_ddp is ctx.model:
         ctx.model = wrapped
+
+
+def _aiak_shards(ctx: Applying) -> bool:
+    """``comm.engine: fsdp2`` on several ranks, on a model nobody sharded yet."""
+    return ctx.strategy.comm.engine == "fsdp2" and ctx.distributed and ctx.ranks > 1 and ctx.sharding is None
+
+
+def _shard_with_fsdp2(ctx: Applying) -> None:
+    """The ddp phase under ``comm.engine: fsdp2`` (`aiak.comm.fsdp`): the bare model sharded unit by unit, the
+    optimizer pointed at the sharded parameters (its state sharded too), the step controller turning FSDP2's
+    switches. The model comes back sharded (no DDP)."""
+    if ctx.existing_ddp is not None:
+        raise ValueError("aiak: comm.engine fsdp2 shards the model, and it is already a DistributedDataParallel: pass "
+                         "aiak.optimize the model itself (aiak shards it), or leave comm.engine at ddp")
+    s = ctx.strategy
+    before = dict(ctx.bare.named_parameters())
+    units = fsdp.sharding_units(ctx.bare, s.comm.fsdp.units)
+    unit_classes = sorted({type(u).__name__ for u in units})
+    fsdp.shard(ctx.bare, units, s.comm.fsdp, s.precision.dtype if s.precision.level == "O2" else None, ctx.device)
+    after = dict(ctx.bare.named_parameters())
+    swapped = fsdp.repoint_optimizer(ctx.optimizer, before, after) if ctx.optimizer is not None else 0
+    if ctx.controller is not None:
+        ctx.controller.attach_ddp(FSDPSync(ctx.bare))
+    ctx.summary.add("comm", compact(ctx.chosen.comm, ("engine",)),
+                    f"FSDP2 over {ctx.ranks} ranks: {len(units)} units ({', '.join(unit_classes) or 'none'}) and the "
+                    f"root; {swapped} parameters of the optimizer re-pointed to their shards")
+    ctx.model = ctx.bare
 
 
 def _under_the_scripts_sharding(ctx: Applying) -> None:

@@ -13,6 +13,26 @@ from aiak.comm.diagnostics.stall import STALL_WARN_S
 from aiak.util.config import StrategyError, Where, choices, section_problems
 
 
+ENGINES = ("ddp", "fsdp2")
+
+
+@dataclass
+class FSDPConfig:
+    """``comm.fsdp``: how aiak shards the model under ``comm.engine: fsdp2`` (`torch.distributed.fsdp.fully_shard`,
+    `aiak.comm.fsdp`). ``units``: class names of the modules sharded as one unit each (each all-gathered for its own
+    forward and backward, so the peak holds one unit's full parameters); empty: found by structure (a Hugging Face
+    model's ``_no_split_modules``, else the repeated blocks of the model's containers: a transformer's layers, a
+    ResNet's blocks). The root module is always a unit too (what the others leave: embeddings, heads, norms).
+    ``reshard_after_forward``: free each unit's full parameters after its forward (all-gathered again for the
+    backward: less memory, one more all-gather per unit); false keeps them to the backward. ``reduce_dtype``: the
+    dtype gradients are reduce-scattered in when precision O2 computes in half precision (FSDP2's
+    ``MixedPrecisionPolicy``; fp32 keeps the reduction exact)."""
+
+    units: List[str] = field(default_factory=list)
+    reshard_after_forward: bool = True
+    reduce_dtype: str = field(default="fp32", metadata=choices("fp32", "bf16"))
+
+
 @dataclass
 class CommConfig:
     """Communication under DDP (only used when a process group with world size > 1 exists).
@@ -38,6 +58,11 @@ class CommConfig:
     ``find_unused_parameters``: passed to the DistributedDataParallel aiak builds, as a script passes it to its
     own: a model with parameters its forward does not use on every step (a conditional branch, a head kept for
     later) needs it under every algorithm, or torch stops at "Expected to have finished reduction".
+    ``engine``: who keeps the ranks' gradients in step: ``ddp`` (every rank holds the whole model, its gradients and
+    optimizer state; gradients allreduced by DistributedDataParallel and the settings above) or ``fsdp2`` (aiak shards
+    the model with PyTorch's FSDP2, ``fully_shard``: each rank holds 1/N of the parameters, gradients and optimizer
+    state, all-gathered per unit for compute and reduce-scattered after; the settings of ``comm.fsdp``; none of DDP's
+    settings above apply).
     ``algorithm``: how ranks synchronise, a name of :data:`aiak.comm.algorithms.REGISTRY`: ``allreduce`` (the hooks
     above), or one that changes the training and is only ever named by a profile or the user, each with its section
     of settings (the field of the same name).
@@ -61,6 +86,8 @@ class CommConfig:
     cpu_reduce: Union[str, bool] = field(default="auto", metadata=choices("auto", True, False))
     find_unused_parameters: bool = False
     algorithm: str = field(default=AllReduce.name, metadata=choices(*REGISTRY))
+    engine: str = field(default="ddp", metadata=choices(*ENGINES))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
     decentralized: DecentralizedConfig = field(default_factory=DecentralizedConfig)
     powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)

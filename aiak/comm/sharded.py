@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 FSDP2, FSDP1, TENSOR_PARALLEL = "fsdp2", "fsdp1", "dtensor"
+AIAK_FSDP2 = "aiak_fsdp2"  # not the script's: aiak shards the model (comm.engine: fsdp2, aiak.comm.fsdp)
 ENGINE_NAMES = {FSDP2: "FSDP2 (fully_shard)", FSDP1: "FSDP1 (FullyShardedDataParallel)",
-                TENSOR_PARALLEL: "tensor parallelism (DTensor parameters)"}
+                TENSOR_PARALLEL: "tensor parallelism (DTensor parameters)", AIAK_FSDP2: "FSDP2 (comm.engine: fsdp2)"}
 
 
 def sharding_of(model) -> Optional[str]:

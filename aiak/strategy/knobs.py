@@ -92,6 +92,8 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("comm.cpu_reduce",       DDP,       False,   True,   False),
     Knob("comm.find_unused_parameters", DDP, False,   True,   False),
     Knob("comm.algorithm",        DDP,       True,    False,  False),
+    Knob("comm.engine",           DDP,       False,   False,  False),
+    Knob("comm.fsdp",             DDP,       False,   False,  False),
     *(Knob(f"comm.{name}",        DDP,       True,    False,  False)   # each algorithm's settings section
       for name, algorithm in REGISTRY.items() if algorithm.settings is not None),
     Knob("tune.enabled",          SELECTION, False,   True,   False),

@@ -53,7 +53,7 @@ PHASES: Tuple[Phase, ...] = (
           "where they would be slow (emulated, or without compile)",
           "the modules' classes, hook dicts and attributes (the parameters are never changed); the once-per-process "
           "wrappers of torch's backward and GradScaler stay",
-          looks_at=("compile",)),
+          looks_at=("compile", "comm.engine", "comm.fsdp")),
     Phase("step_controller", ("grad_accumulation",),
           "the step controller on the optimizer (`step/controller.py`); the scheduler re-pointed to a swapped one",
           "the optimizer's and the scheduler's attributes (its own `step`, `zero_grad` and state_dict hooks); "
@@ -61,8 +61,12 @@ PHASES: Tuple[Phase, ...] = (
           looks_at=("comm.algorithm", "comm.compression", "comm.autotune", "comm.tune_int8")),
     Phase("ddp", ("comm",),
           "DistributedDataParallel and aiak's communication hook (`comm/ddp.py`, `comm/allreduce/hooks.py`), or the "
-          "hook on the script's DDP",
-          "the given model's attributes (a DDP aiak built is dropped); collectives already issued stay done"),
+          "hook on the script's DDP; under `comm.engine: fsdp2` the model sharded by FSDP2 and the optimizer "
+          "re-pointed to its shards (`comm/fsdp.py`); a model the script sharded left unwrapped, FSDP2's switches "
+          "handed to the step controller (`comm/sharded.py`)",
+          "the given model's attributes (a DDP aiak built is dropped); a model aiak sharded: each module's class, "
+          "parameters and hooks; collectives already issued stay done",
+          looks_at=("precision.level", "precision.dtype", "grad_accumulation")),
     Phase("compile", ("compile",),
           "`torch.compile` in place, last of the model's phases (`runtime/compile.py`)",
           "the model's attributes (its compiled call)"),

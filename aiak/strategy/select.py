@@ -37,7 +37,7 @@ from aiak.strategy.rules import match_profile
 from aiak.strategy.schema import Strategy, StrategyError, load_with_chain
 from aiak.strategy import key_paths
 from aiak.strategy.key_paths import get_leaf, put_leaf
-from aiak.strategy.sharded import refusals, what_auto_leaves_out
+from aiak.strategy.sharded import refusals, sharded_by, what_auto_leaves_out
 from aiak.util.warn import warn_once
 
 __all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",
@@ -148,8 +148,9 @@ def compose(probes: Probes) -> Selection:
             continue
         matched.append(profile.name)
         data = _overlay(data, knobs, profile, why, probes)
-    if probes.sharding:
-        _leave_out_what_sharding_refuses(data, knobs, probes.sharding)
+    sharding = sharded_by(data, probes.sharding, probes.world_size)
+    if sharding:
+        _leave_out_what_sharding_refuses(data, knobs, sharding)
     data.update(name="auto", extends=None, description=f"composed by the auto-selector from {', '.join(matched)}")
     strategy = _validated(data, knobs, matched)
     all_knobs = {path: knobs.get(path) or Knob(value, "default", DEFAULT_REASON)

@@ -13,67 +13,89 @@ parameters); ``compile``; checkpoints (DCP).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from aiak.comm.sharded import ENGINE_NAMES, FSDP1
+from aiak.comm.algorithms import AllReduce
+from aiak.comm.sharded import AIAK_FSDP2, ENGINE_NAMES, FSDP1
 from aiak.strategy.key_paths import get_leaf
 from aiak.util.config import StrategyError
 
-DDP_HOOK_KEYS = (("compression", "none"), ("hierarchical", True), ("autotune", True), ("compress_intra", True),
-                 ("cpu_reduce", True), ("deadlock_guard", True))
+DDP_HOOK_SWITCHES = ("hierarchical", "autotune", "compress_intra", "cpu_reduce", "deadlock_guard")
+
+
+def sharded_by(data: Dict[str, Any], script_sharding: Optional[str], world_size: int) -> Optional[str]:
+    """Who shards the model this strategy trains: the script (``script_sharding``, `aiak.comm.sharded.sharding_of`),
+    aiak (``comm.engine: fsdp2`` on several ranks: `aiak.comm.sharded.AIAK_FSDP2`), or nobody (None)."""
+    if script_sharding:
+        return script_sharding
+    return AIAK_FSDP2 if get_leaf(data, "comm.engine") == "fsdp2" and world_size > 1 else None
 
 
 def refusals(data: Dict[str, Any], sharding: str) -> List[Tuple[str, str]]:
     """``(key path, why and what instead)`` for each knob of ``data`` (a strategy as ``Strategy.to_dict()``) that
-    cannot apply to a model sharded by ``sharding`` (a value of `aiak.comm.sharded.sharding_of`)."""
+    cannot apply to a model sharded by ``sharding`` (`sharded_by`). Under aiak's own FSDP2 the model's knobs apply
+    before sharding (surgery, channels_last, fp8), and O2 becomes FSDP2's MixedPrecisionPolicy."""
     engine = ENGINE_NAMES[sharding]
     out: List[Tuple[str, str]] = []
-
-    def refuse(path: str, why: str) -> None:
-        out.append((path, why))
-
+    if sharding != AIAK_FSDP2 and get_leaf(data, "comm.engine") == "fsdp2":
+        out.append(("comm.engine", f"the script sharded the model with {engine} already: leave comm.engine at ddp "
+                                   "(aiak composes with the script's sharding)"))
     if get_leaf(data, "tune.enabled"):
-        refuse("tune", "the trials time deep copies of the model, and a sharded model cannot be copied (the rest of "
-                       "each parameter lives on the other ranks): set tune: false")
-    if get_leaf(data, "fused_ops"):
-        refuse("fused_ops", f"module surgery would replace modules whose parameters {engine} already sharded: leave "
-                            "fused_ops empty")
-    if get_leaf(data, "channels_last"):
-        refuse("channels_last", f"NHWC rewrites the parameters' tensors, which {engine} holds as shards: set it false, "
-                                "and convert the model (model.to(memory_format=torch.channels_last)) before sharding")
-    level, dtype = get_leaf(data, "precision.level"), get_leaf(data, "precision.dtype")
-    if level == "O2":
-        refuse("precision.level", f"O2 swaps half copies of the parameters in at each forward, and {engine} "
-                                  "all-gathers its own parameters at each forward: shard with "
-                                  "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) "
-                                  "(fully_shard's mp_policy) and use precision O1 or O0 here")
-    if level != "O0" and dtype == "fp16":
-        refuse("precision.dtype", "fp16 loss scaling checks each rank's gradients for overflow, and a sharded "
-                                  "model's gradients are shards: one rank would skip a step the others take. Use "
-                                  "dtype bf16, or precision O0 with torch's ShardedGradScaler in the script")
-    if get_leaf(data, "precision.fp8") != "off":
-        refuse("precision.fp8", f"fp8 replaces linear layers whose parameters {engine} already sharded: set it off")
+        out.append(("tune", "the trials time copies of the model in one process: a model the script sharded cannot "
+                            "be copied (the rest of each parameter lives on the other ranks), and one aiak shards "
+                            "would be timed unsharded, not as it trains: set tune: false"))
+    if sharding != AIAK_FSDP2:
+        out.extend(_script_sharded(data, engine, sharding))
+    if get_leaf(data, "precision.level") != "O0" and get_leaf(data, "precision.dtype") == "fp16":
+        out.append(("precision.dtype", "fp16 loss scaling checks each rank's gradients for overflow, and a sharded "
+                                       "model's gradients are shards: one rank would skip a step the others take. "
+                                       "Use dtype bf16, or precision O0 with torch's ShardedGradScaler in the script"))
     algorithm = get_leaf(data, "comm.algorithm")
-    if algorithm != "allreduce":
-        refuse("comm.algorithm", f"{algorithm} synchronises through aiak's DDP communication hook, and {engine} "
-                                 "synchronises the gradients itself: use allreduce (FSDP's own reduction)")
-    for key, bad in DDP_HOOK_KEYS:
-        value = get_leaf(data, f"comm.{key}")
-        if (value != bad) if key == "compression" else (value is bad):
-            refuse(f"comm.{key}", f"a setting of aiak's DDP communication hook, and {engine} reduces the gradients "
-                                  "itself: leave it at its default")
-    connections = get_leaf(data, "comm.connections")
+    if algorithm != AllReduce.name:
+        out.append(("comm.algorithm", f"{algorithm} synchronises through aiak's DDP communication hook, and {engine} "
+                                      "synchronises the gradients itself: use allreduce (FSDP's own reduction)"))
+    for key in _ddp_hook_settings(get_leaf(data, "comm", {})):
+        out.append((f"comm.{key}", f"a setting of aiak's DDP communication hook, and {engine} reduces the "
+                                   "gradients itself: leave it at its default"))
+    return out
+
+
+def _ddp_hook_settings(comm: Dict[str, Any]) -> List[str]:
+    """The keys of the ``comm:`` section set to something only aiak's DDP communication hook does."""
+    keys = ["compression"] if comm.get("compression", "none") != "none" else []
+    keys += [key for key in DDP_HOOK_SWITCHES if comm.get(key) is True]
+    connections = comm.get("connections")
     if isinstance(connections, int) and not isinstance(connections, bool) and connections > 1:
-        refuse("comm.connections", f"a setting of aiak's DDP communication hook, and {engine} reduces the gradients "
-                                   "itself: leave it at its default")
-    if sharding == FSDP1:
-        if get_leaf(data, "grad_accumulation") > 1:
-            refuse("grad_accumulation", "FSDP1 keeps a micro-step from synchronising only inside its no_sync() "
-                                        "context: shard with fully_shard (FSDP2), or accumulate in the script under "
-                                        "no_sync() and set grad_accumulation: 1")
-        if get_leaf(data, "optimizer.name") in ("lamb", "lars"):
-            refuse("optimizer", "FSDP1 flattens the parameters, so per-tensor trust ratios would be the flat "
-                                "parameter's: shard with fully_shard (FSDP2), whose parameters stay tensors")
+        keys.append("connections")
+    return keys
+
+
+def _script_sharded(data: Dict[str, Any], engine: str, sharding: str) -> List[Tuple[str, str]]:
+    """What a model the script sharded cannot take: changes to modules or parameters FSDP already holds as shards,
+    O2's swapped copies, and (FSDP1) aiak's accumulation and layer-wise optimizers."""
+    out: List[Tuple[str, str]] = []
+    if get_leaf(data, "fused_ops"):
+        out.append(("fused_ops", f"module surgery would replace modules whose parameters {engine} already sharded: "
+                                 "leave fused_ops empty"))
+    if get_leaf(data, "channels_last"):
+        out.append(("channels_last", f"NHWC rewrites the parameters' tensors, which {engine} holds as shards: set it "
+                                     "false, and convert the model (model.to(memory_format=torch.channels_last)) "
+                                     "before sharding"))
+    if get_leaf(data, "precision.level") == "O2":
+        out.append(("precision.level", f"O2 swaps half copies of the parameters in at each forward, and {engine} "
+                                       "all-gathers its own parameters at each forward: shard with "
+                                       "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) "
+                                       "(fully_shard's mp_policy) and use precision O1 or O0 here"))
+    if get_leaf(data, "precision.fp8") != "off":
+        out.append(("precision.fp8", f"fp8 replaces linear layers whose parameters {engine} already sharded: set it "
+                                     "off"))
+    if sharding == FSDP1 and get_leaf(data, "grad_accumulation") > 1:
+        out.append(("grad_accumulation", "FSDP1 keeps a micro-step from synchronising only inside its no_sync() "
+                                         "context: shard with fully_shard (FSDP2), or accumulate in the script under "
+                                         "no_sync() and set grad_accumulation: 1"))
+    if sharding == FSDP1 and get_leaf(data, "optimizer.name") in ("lamb", "lars"):
+        out.append(("optimizer", "FSDP1 flattens the parameters, so per-tensor trust ratios would be the flat "
+                                 "parameter's: shard with fully_shard (FSDP2), whose parameters stay tensors"))
     return out
 
 

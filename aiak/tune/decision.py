@@ -30,7 +30,7 @@ from aiak.apply import skipped_reason
 from aiak.comm.algorithms import algorithm_class
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
-from aiak.strategy.sharded import what_auto_leaves_out
+from aiak.strategy.sharded import sharded_by, what_auto_leaves_out
 from aiak.tune.candidates import differences
 from aiak.util.text import yaml_text
 
@@ -264,7 +264,8 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
     tuning_note = ""
     if tuning is None:
         tuning_note = "off (tune: false)" if not getattr(selection.strategy, "tune", False) else "not run"
-        sharding = getattr(selection.probes, "sharding", None)
+        sharding = sharded_by(selection.strategy.to_dict(), getattr(selection.probes, "sharding", None),
+                              getattr(selection.probes, "world_size", 1))
         if sharding and selection.strategy.name == "auto":
             tuning_note = f"off: {what_auto_leaves_out(sharding)}, and the trials would time copies of it"
     elif tuning.skipped:  # trials that ran but measured nothing say why themselves

@@ -167,10 +167,39 @@ REFUSED = {
 }
 
 
-def scenario_refusals_and_auto(rank):
-    """`refusals` and `auto`, one after the other (one launch)."""
+def scenario_two_ranks(rank):
+    """The checks of one launch on 2 ranks, one after the other."""
     return {"refusals": refusals(), "auto": auto(rank), "script_accumulates": script_accumulates(rank),
-            "sharded_after": sharded_after(rank)}
+            "sharded_after": sharded_after(rank), "engine_o2": engine_o2(rank)}
+
+
+def engine_o2(rank):
+    """``comm.engine: fsdp2`` with precision O2 bf16 on the HF GPT-2: the dtype a block's linear layer computes with,
+    the sharded parameters' dtype, the weights after two steps against fp32 in one process, and how far they
+    moved."""
+    import aiak
+
+    world = dist.get_world_size()
+    model, opt = _optimizer_with_state(_gpt2, _lm_batch, _lm_loss, world)
+    start = [p.detach().clone() for p in model.parameters()]
+    model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, "precision": {"level": "O2", "dtype": "bf16"},
+                                                        "comm": {"engine": "fsdp2"}})
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    for step in range(2):
+        _lm_loss(model, _lm_batch(rank, step)).backward()
+        opt.step()
+        opt.zero_grad()
+    reference, ref_opt = _optimizer_with_state(_gpt2, _lm_batch, _lm_loss, world)
+    for step in range(2):
+        _lm_loss(reference, torch.cat([_lm_batch(r, step) for r in range(world)])).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    weights = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return {"computed_in": seen, "sharded_dtypes": {p.dtype for p in model.parameters()},
+            "from_fp32": max((a - b).abs().max().item() for a, b in zip(weights, reference.parameters())),
+            "moved": max((a - b).abs().max().item() for a, b in zip(weights, start)),
+            "effects": dict((knob, effect) for knob, _, effect in aiak.last_decision().effects)}
 
 
 def sharded_after(rank):
@@ -251,6 +280,106 @@ def auto(rank):
             "is_ddp": isinstance(model, nn.parallel.DistributedDataParallel),
             "weights": [p.full_tensor().detach().clone() for p in model.parameters()],
             "reference": _reference((precision, "sgd", 1, None, False), dist.get_world_size())}
+
+
+# -- aiak shards the model itself: comm.engine fsdp2 --------------------------------------------------------------
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                        max_position_embeddings=32))
+
+
+def _vit():
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                             num_classes=5)
+
+
+def _lm_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 97, (2, 12), generator=g)
+
+
+def _lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _image_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 5, (2,), generator=g)
+
+
+def _image_loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+ENGINE_MODELS = {"gpt2": (_gpt2, _lm_batch, _lm_loss), "llama": (_llama, _lm_batch, _lm_loss),
+                 "vit": (_vit, _image_batch, _image_loss)}
+
+
+def _concat(batches):
+    if isinstance(batches[0], torch.Tensor):
+        return torch.cat(batches)
+    return tuple(torch.cat(parts) for parts in zip(*batches))
+
+
+def _optimizer_with_state(make, batch, loss_of, world):
+    """The model and its SGD with momentum after one step on the global batch (the same on every rank): an
+    optimizer with state before ``aiak.optimize``, as a resumed script has."""
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_of(model, _concat([batch(r, 99) for r in range(world)])).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def scenario_engine(rank):
+    """``comm.engine: fsdp2`` on an HF GPT-2, an HF Llama and a timm ViT (SGD with momentum state from a step before,
+    2 steps of accumulation 2): aiak shards each and the script's optimizer, its state re-pointed, trains the shards.
+    Against one process over the global batch; with what aiak says it did, each rank's share of the parameters and
+    of the optimizer's state, and whether the objects returned are the script's."""
+    import aiak
+
+    world, out = dist.get_world_size(), {}
+    for name, (make, batch, loss_of) in ENGINE_MODELS.items():
+        model, opt = _optimizer_with_state(make, batch, loss_of, world)
+        returned_model, returned_opt, _ = aiak.optimize(model, opt, strategy={
+            "tune": False, "grad_accumulation": 2, "comm": {"engine": "fsdp2"}})
+        for step in range(2):
+            for micro in range(2):
+                loss_of(returned_model, batch(rank, 10 * step + micro)).backward()
+                returned_opt.step()
+                returned_opt.zero_grad()
+        reference, ref_opt = _optimizer_with_state(make, batch, loss_of, world)
+        for step in range(2):
+            together = _concat([batch(r, 10 * step + micro) for micro in range(2) for r in range(world)])
+            loss_of(reference, together).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        effects = dict((knob, effect) for knob, _, effect in aiak.last_decision().effects)
+        local = sum(p.to_local().numel() for p in returned_model.parameters())
+        state = sum(v.to_local().numel() for s in returned_opt.state.values() for v in s.values()
+                    if hasattr(v, "to_local"))
+        out[name] = {"weights": [p.full_tensor().detach().clone() for p in returned_model.parameters()],
+                     "reference": [p.detach().clone() for p in reference.parameters()],
+                     "comm": effects["comm"], "same_optimizer": returned_opt is opt, "same_model": returned_model is model,
+                     "local": local, "full": sum(p.numel() for p in reference.parameters()), "state": state}
+    return out
 
 
 if __name__ == "__main__":
