@@ -30,7 +30,8 @@ from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.surgery import is_window_attention
 from aiak.util.machine.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
 from aiak.util.dist import process_group_exists
-from aiak.util.machine.devices import CUDA_NATIVE_BF16, CUDA_NATIVE_FP16, cuda_capability, cuda_info, model_device
+from aiak.util.machine.devices import (CUDA_NATIVE_BF16, CUDA_NATIVE_FP16, cuda_capability, cuda_info,
+                                       host_memory_gb, model_device)
 from aiak.util.norm_layers import norm_kind
 from aiak.util.rng import preserved
 
@@ -40,6 +41,12 @@ MODULE_KINDS = ("conv2d", "conv3d", "batchnorm", "layernorm", "groupnorm", "line
 
 # How many samples of a map-style dataset the loader probe reads, at most, to tell variable-length data.
 LENGTH_PROBE_SAMPLES = 32
+
+
+# Bytes of optimizer state per trainable parameter, by class name: two fp32 moments (Adam and its kin, LAMB), one
+# (SGD's momentum, LARS's, Adagrad's and RMSprop's sums). Other optimizers count as two moments.
+OPTIMIZER_STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Lamb": 8, "SGD": 4, "Lars": 4,
+                         "Adagrad": 4, "RMSprop": 4}
 
 
 @dataclass
@@ -69,6 +76,8 @@ class Probes:
         "present": False, "batch_size": None, "num_workers": None, "pin_memory": None, "variable_length": None})
     optimizer: Optional[str] = None
     fp8_linear_share: float = 0.0                   # :func:`fp8_linear_share`
+    param_bytes: int = 0                            # the parameters' bytes (0: 4 per parameter)
+    host_memory_gb: float = 0.0                     # the host's memory, shared by its local ranks on a CPU
 
     @property
     def cuda_capability(self) -> Optional[Tuple[int, int]]:
@@ -77,6 +86,20 @@ class Probes:
             return None
         major, _, minor = str(self.cuda["capability"]).partition(".")
         return int(major), int(minor or 0)
+
+    @property
+    def training_state_share(self) -> float:
+        """The share of one device's memory the model's training state would take on every rank under DDP: the
+        parameters, an fp32 gradient per trainable parameter, and the optimizer's state per trainable parameter
+        (`OPTIMIZER_STATE_BYTES`; 8 bytes for an optimizer not listed). A device is a GPU's memory, or on a CPU the
+        host's memory over its local ranks; 0 where the memory is unknown."""
+        memory = (self.cuda or {}).get("memory_gb", 0.0) if self.device == "cuda" else \
+            self.host_memory_gb / max(self.local_size, 1)
+        if not memory:
+            return 0.0
+        state = 0 if self.optimizer is None else OPTIMIZER_STATE_BYTES.get(self.optimizer, 8)
+        total = (self.param_bytes or 4 * self.params) + (4 + state) * self.trainable_params
+        return total / (memory * 2 ** 30)
 
     def to_dict(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -103,6 +126,7 @@ def probe(model: Optional[nn.Module] = None, optimizer: Any = None, loader: Any 
         bf16_native=bf16, fp16_native=fp16,
         world_size=world_size, local_size=local_size, nodes=nodes, backend=backend, sharding=sharding_of(model),
         params=sum(p.numel() for p in params), trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        param_bytes=sum(p.numel() * p.element_size() for p in params), host_memory_gb=host_memory_gb(),
         modules=module_counts(model), loader=loader_facts(loader), fp8_linear_share=fp8_linear_share(model),
         optimizer=type(optimizer).__name__ if optimizer is not None else None)
 

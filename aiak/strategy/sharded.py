@@ -114,4 +114,6 @@ def check_sharded(data: Dict[str, Any], sharding: str, name: str, count_items: A
 
 def what_auto_leaves_out(sharding: str) -> str:
     """The reason ``auto`` gives for each knob it leaves at its default on a sharded model."""
+    if sharding == AIAK_FSDP2:
+        return "aiak shards the model with FSDP2 (comm.engine: fsdp2, profile fsdp2)"
     return f"the model is sharded by {ENGINE_NAMES[sharding]}"

@@ -65,6 +65,8 @@ CASES = [
     ({"params": ">=2.5e7"}, probes(params=25_000_000), probes(params=24_999_999), "params >=2.5e7 (found 24,999,999)"),
     ({"fp8_linear_share": ">=0.5"}, probes(fp8_linear_share=0.93), probes(fp8_linear_share=0.004),
      "fp8_linear_share >=0.5 (found 0.00)"),
+    ({"training_state_share": ">=0.5"}, probes(host_memory_gb=1.0, params=2 ** 28, trainable_params=2 ** 28),
+     probes(host_memory_gb=64.0, params=2 ** 28, trainable_params=2 ** 28), "training_state_share >=0.5 (found 0.03)"),
     ({"optimizer": ["AdamW", "Adam"]}, probes(optimizer="AdamW"), probes(optimizer="SGD"),
      "optimizer any of [AdamW, Adam] (found SGD)"),
     ({"optimizer": ["sgd"]}, probes(optimizer="SGD"), probes(), "optimizer any of [sgd] (found no optimizer)"),
@@ -160,7 +162,8 @@ def test_values_are_kept_as_written_and_round_trip(tmp_path):
     ({"loader": 1}, r"match.loader must be true or false, got 1"),
     ({"modulse": ["conv2d"]}, r"match.modulse: unknown key \(did you mean 'modules'\?\); valid keys: \['modules', "
                               r"'device', 'cuda_capability', 'cpu_features', 'world_size', 'nodes', 'params', "
-                              r"'fp8_linear_share', 'optimizer', 'variable_length', 'loader'\]"),
+                              r"'fp8_linear_share', 'training_state_share', 'optimizer', 'variable_length', "
+                              r"'loader'\]"),
 ])
 def test_each_bad_condition_has_its_message(conditions, message):
     with pytest.raises(StrategyError, match=message):

@@ -8,7 +8,7 @@ import pytest
 from aiak.strategy import StrategyError, load_strategy
 from aiak.strategy.select import compose
 from aiak.strategy.sharded import check_sharded, refusals
-from tests.strategy.test_rules import V100, probes
+from tests.strategy.test_rules import A100, V100, probes
 
 CNN_ON_V100 = dict(modules={"conv2d": 20, "batchnorm": 20}, world_size=8, local_size=8, **V100)
 
@@ -64,3 +64,47 @@ def test_fsdp1_refuses_accumulation_layerwise_optimizers_and_counted_items():
     assert refusals(data, "fsdp2") == []
     with pytest.raises(StrategyError, match="count_items: FSDP1"):
         check_sharded(load_strategy("default").to_dict(), "fsdp1", "default", count_items=True)
+
+
+def _llm(params, **facts):
+    return dict(world_size=8, local_size=8, params=int(params), trainable_params=int(params), optimizer="AdamW",
+                **facts)
+
+
+def test_auto_shards_with_fsdp2_when_the_training_state_takes_half_a_device():
+    """Rule ``fsdp2``: parameters + fp32 gradients + AdamW's two moments (16 bytes a parameter) of a 7B model are
+    1.3x an 80 GB A100's memory: FSDP2, trials off with the reason; a 1B model (0.19x) stays on DDP, and so does
+    the 7B model on one rank (nothing to shard over)."""
+    big = probes(**_llm(7e9, **A100))
+    assert big.training_state_share == pytest.approx(7e9 * 16 / (79.2 * 2 ** 30))
+    selection, said = _composed(**_llm(7e9, **A100))
+    assert selection.strategy.comm.engine == "fsdp2" and selection.knobs["comm.engine"].source == "profile:fsdp2"
+    assert "training_state_share >=0.5 (found 1.32)" in selection.knobs["comm.engine"].reason
+    assert not selection.strategy.tune and "aiak shards the model with FSDP2" in selection.knobs["tune.enabled"].reason
+    assert any("no trials" in w for w in said)
+    assert _composed(**_llm(1e9, **A100))[0].strategy.comm.engine == "ddp"
+    assert _composed(**{**_llm(7e9, **A100), "world_size": 1, "local_size": 1})[0].strategy.comm.engine == "ddp"
+
+
+def test_the_training_state_share_of_a_cpu_counts_its_local_ranks_and_the_optimizer():
+    """On a CPU a device is the host's memory over its local ranks; SGD keeps 4 bytes a parameter, no optimizer
+    none; a frozen parameter has no gradient or state."""
+    cpu = dict(device="cpu", host_memory_gb=64.0, local_size=4, params=int(1e9), param_bytes=int(2e9))
+    assert probes(**cpu, trainable_params=int(1e9), optimizer="SGD").training_state_share == \
+        pytest.approx((2e9 + 8e9) / (16 * 2 ** 30))
+    assert probes(**cpu, trainable_params=int(5e8)).training_state_share == pytest.approx((2e9 + 2e9) / (16 * 2 ** 30))
+    assert probes(device="cpu", params=10).training_state_share == 0.0  # memory unknown
+
+
+def test_the_probe_reads_a_real_models_bytes_and_this_hosts_memory():
+    import torch
+    from torch import nn
+
+    from aiak.strategy.probes import probe
+    from aiak.util.machine.devices import host_memory_gb
+
+    model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 5)).to(torch.bfloat16)
+    model[1].requires_grad_(False)
+    found = probe(model, torch.optim.AdamW(model[0].parameters()))
+    assert found.param_bytes == 2 * (220 + 105) and found.host_memory_gb == host_memory_gb() > 0
+    assert found.training_state_share == pytest.approx((650 + 12 * 220) / (found.host_memory_gb * 2 ** 30))

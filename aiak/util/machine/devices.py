@@ -4,6 +4,7 @@ touches CUDA only for a CUDA device; nothing is read at import. The CPU's facts:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -52,3 +53,12 @@ def model_device(model: Optional[torch.nn.Module], device: Any = None) -> torch.
         for p in model.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def host_memory_gb() -> float:
+    """The host's physical memory in GiB (0.0 where the system does not say)."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+    except (AttributeError, ValueError, OSError):
+        return 0.0
+
