@@ -34,12 +34,14 @@ bit-identically.
 """
 from __future__ import annotations
 
+import io
 import logging
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from aiak.amp.scaling import root_scaling, script_scaler
 from aiak.amp.scaling.loss_scaler import LossScaler
@@ -49,7 +51,7 @@ from aiak.step.loader_steps import LoaderSteps
 from aiak.step.stacking import framework_accumulation
 from aiak.step.window_items import WindowItems, at_least_one
 from aiak.runtime.callers import DCP_STATE_DICT, called_from
-from aiak.util.dist import is_distributed
+from aiak.util.dist import is_distributed, process_group_exists, world_size
 from aiak.runtime.marks import mark, marked
 from aiak.util.warn import warn, warn_once
 
@@ -628,6 +630,7 @@ class StepController:
         extras = self.checkpoint_extras()
         groups = state_dict.get("param_groups")
         if groups and called_from(DCP_STATE_DICT, "_get_optim_state_dict"):
+            _gather_each_ranks(extras)
             groups[0]["aiak"] = extras  # DCP keeps an optimizer's state and param groups only (a group's keys too)
         else:
             state_dict["aiak"] = extras
@@ -671,6 +674,7 @@ class StepController:
 
     def restore_checkpoint_extras(self, extra: Dict[str, Any]) -> None:
         """Take back what :meth:`checkpoint_extras` returned, after the optimizer's own state was loaded."""
+        extra = _this_ranks(extra)
         self.micro_step = int(extra.get("micro_step", 0))
         self.step_events = int(extra.get("step_events", 0))
         scheduler_steps.rebase(self)
@@ -686,6 +690,47 @@ class StepController:
         if self.comm_state is not None and "comm_state" in extra:
             self.comm_state.load_state_dict(extra["comm_state"])
         self._set_sync()
+
+
+EACH_RANKS = ("comm_algorithm", "comm_state")  # extras that differ from rank to rank (residuals, factors)
+
+
+def _gather_each_ranks(extras: Dict[str, Any]) -> None:
+    """Under DCP: the extras that differ from rank to rank (`EACH_RANKS`) replaced by one ``each_rank`` object, the
+    bytes of every rank's, gathered. DCP writes a tensor that is not a DTensor once, as if every rank held the same,
+    and loads only the keys a fresh optimizer's template holds (residuals made at the first steps are not there); one
+    object of the same key on every rank passes both."""
+    parts = {k: extras.pop(k) for k in EACH_RANKS if k in extras}
+    if not parts:
+        return
+    mine = _to_bytes(parts)
+    every = [mine]
+    if world_size() > 1:
+        every = [None] * world_size()
+        dist.all_gather_object(every, mine)
+    extras["each_rank"] = _to_bytes(every)
+
+
+def _this_ranks(extra: Dict[str, Any]) -> Dict[str, Any]:
+    """The extras with this rank's part of ``each_rank`` put back (rank 0's on another number of ranks: the comm
+    state's own checks then drop what belongs to other ranks, saying why)."""
+    if "each_rank" not in extra:
+        return extra
+    extra = dict(extra)
+    every = _from_bytes(extra.pop("each_rank"))
+    rank = dist.get_rank() if process_group_exists() else 0
+    extra.update(_from_bytes(every[rank] if len(every) == world_size() else every[0]))
+    return extra
+
+
+def _to_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _ordinal(n: int) -> str:
