@@ -10,7 +10,8 @@ The rules, in order (each sees the settings the previous ones derived):
 
 * gradients in the half dtype under O2: on several ranks, with ``comm.compression: none`` and a communication
   algorithm whose averages may travel in half (``half_gradients``), ``comm.compression`` becomes
-  ``precision.dtype``, as apex's O2 did (its gradients were the half model's own).
+  ``precision.dtype``, as apex's O2 did (its gradients were the half model's own); not under ``comm.engine:
+  fsdp2``, whose gradients FSDP reduces in ``comm.fsdp.reduce_dtype``.
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def resolve_derived(s: Strategy, world_size: int) -> Tuple[Strategy, List[Derive
 
 
 def o2_gradients_in_half(s: Strategy, world_size: int) -> Optional[Derived]:
-    """Under O2 on several ranks, DDP's gradient averages travel in the half dtype unless compression is chosen."""
+    """Under O2 on several ranks, DDP's gradient averages travel in the half dtype unless compression is chosen
+    (under ``comm.engine: fsdp2`` FSDP reduces them in ``comm.fsdp.reduce_dtype``: nothing to derive)."""
     if not (s.precision.level == "O2" and s.comm.compression == "none" and world_size > 1
-            and algorithm_class(s.comm.algorithm).half_gradients):
+            and s.comm.engine == "ddp" and algorithm_class(s.comm.algorithm).half_gradients):
         return None
     return Derived("comm.compression", s.precision.dtype,
                    f"precision O2 on {world_size} ranks with comm.algorithm {s.comm.algorithm}: gradients travel in "

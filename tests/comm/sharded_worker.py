@@ -170,7 +170,41 @@ REFUSED = {
 def scenario_two_ranks(rank):
     """The checks of one launch on 2 ranks, one after the other."""
     return {"refusals": refusals(), "auto": auto(rank), "script_accumulates": script_accumulates(rank),
-            "sharded_after": sharded_after(rank), "engine_o2": engine_o2(rank)}
+            "sharded_after": sharded_after(rank), "engine_o2": engine_o2(rank),
+            "tensor_parallel": tensor_parallel(rank)}
+
+
+def tensor_parallel(rank):
+    """Tensor parallelism (``parallelize_module``: the first layer column-wise, the last row-wise) over both ranks,
+    then ``aiak.optimize`` with accumulation 2: no DDP, every rank trains on the same batches, against one process."""
+    import aiak
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def even():  # (tensor parallelism splits the hidden width evenly: 32 columns)
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(13, 32), nn.Tanh(), nn.Linear(32, 7))
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = parallelize_module(even(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, "grad_accumulation": 2})
+    for step in range(STEPS):
+        for micro in range(2):
+            x, y = _batch(0, step, micro, False)  # (the same batch on every rank)
+            _items_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    reference = even()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        batches = [_batch(0, step, micro, False) for micro in range(2)]
+        _items_loss(reference(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches])).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "reference": [p.detach().clone() for p in reference.parameters()],
+            "is_ddp": isinstance(model, nn.parallel.DistributedDataParallel)}
 
 
 def engine_o2(rank):

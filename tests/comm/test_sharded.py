@@ -157,3 +157,14 @@ def test_o2_under_aiaks_fsdp2_is_fsdps_mixed_precision(refusals_and_auto):
         assert set(r["computed_in"]) == {torch.bfloat16} and r["sharded_dtypes"] == {torch.float32}
         assert "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" in r["effects"]["precision"]
         assert r["from_fp32"] < 2e-3 < r["moved"] / 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_tensor_parallel_parameters_are_not_wrapped_in_ddp(refusals_and_auto):
+    """A model tensor parallelism split over both ranks (DTensor parameters, no FSDP; DDP crashed on them): no DDP,
+    accumulation 2, the same weights as one process on the same batches (1e-6)."""
+    for result in refusals_and_auto:
+        r = result["tensor_parallel"]
+        assert not r["is_ddp"]
+        assert max((a - b).abs().max().item() for a, b in zip(r["weights"], r["reference"])) < 1e-6

@@ -26,7 +26,8 @@ def test_o2_on_several_ranks_sends_its_gradients_in_its_half_dtype(dtype):
     (_o2(), 1),                                                       # one process: no gradients travel
     (_o2(compression="int8"), 4),                                     # a compression chosen is kept
     (load_strategy({"precision": {"level": "O1", "dtype": "bf16"}}), 4),   # O1's gradients are fp32's
-])
+    (load_strategy({"precision": {"level": "O2", "dtype": "bf16"}, "comm": {"engine": "fsdp2"}}), 4),  # FSDP2's
+])                                                                    # reduce_dtype says how gradients travel
 def test_nothing_is_derived_where_the_rule_does_not_hold(strategy, world_size):
     resolved, derived = resolve_derived(strategy, world_size)
     assert (resolved, derived) == (strategy, [])
