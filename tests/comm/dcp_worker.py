@@ -1,8 +1,7 @@
 """One rank of ``tests/comm/test_dcp.py``: torch.distributed.checkpoint (DCP) on the models ``aiak.optimize``
-returns, launched as torchrun would by ``tests/comm/conftest.launch``. ``AIAK_TEST_DIR``: the checkpoint's folder."""
+returns, launched as torchrun would by ``tests/comm/conftest.launch``. ``AIAK_TEST_DIR``: the checkpoints' folder."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,12 +15,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.comm.dist_worker import main, rank_data, small_model  # noqa: E402
 
 
-def _optimized(engine="ddp"):
+# The configurations each launch runs, one after the other (a launch's start is most of its time): the comm section
+# (the engine, and what it keeps per rank: int8's residuals, PowerSGD's factors and residuals).
+RESUMES = {"ddp": {}, "fsdp2": {"engine": "fsdp2"}, "int8": {"compression": "int8"},
+           "powersgd": {"algorithm": "powersgd", "powersgd": {"warmup_steps": 2}}}
+ACROSS = {"ddp": {}, "fsdp2": {"engine": "fsdp2"}, "int8": {"compression": "int8"}}
+
+
+def _optimized(comm):
     import aiak
 
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    comm = {"engine": engine, **json.loads(os.environ.get("AIAK_TEST_COMM", "{}"))}
     model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, "grad_accumulation": 2, "comm": comm})
     return model, opt
 
@@ -56,24 +61,27 @@ def _load(model, opt, folder):
     set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def scenario_resume(rank):
-    """aiak's DDP or FSDP2 (``AIAK_TEST_ENGINE``; accumulation 2, AdamW): 8 micro-steps uninterrupted, against 4, a
-    DCP save (``get_state_dict``, ``dcp.save``), a new model and optimizer, a DCP load (``dcp.load``,
-    ``set_state_dict``) and 4 more. Returns both runs' full weights and the keys ``get_state_dict`` gave."""
-    folder, engine = os.environ["AIAK_TEST_DIR"], os.environ.get("AIAK_TEST_ENGINE", "ddp")
-    model, opt = _optimized(engine)
-    _train(model, opt, rank, 8)
-    uninterrupted = [_full(p).detach().clone() for p in model.parameters()]
+def scenario_resumes(rank):
+    """Each configuration of `RESUMES` (accumulation 2, AdamW): 8 micro-steps uninterrupted, against 4, a DCP save
+    (``get_state_dict``, ``dcp.save``), a new model and optimizer, a DCP load (``dcp.load``, ``set_state_dict``) and 4
+    more. Returns both runs' full weights and the keys ``get_state_dict`` gave, by configuration."""
+    out = {}
+    for name, comm in RESUMES.items():
+        folder = os.path.join(os.environ["AIAK_TEST_DIR"], name)
+        model, opt = _optimized(comm)
+        _train(model, opt, rank, 8)
+        uninterrupted = [_full(p).detach().clone() for p in model.parameters()]
 
-    model, opt = _optimized(engine)
-    _train(model, opt, rank, 4)
-    keys = _save(model, opt, folder)
+        model, opt = _optimized(comm)
+        _train(model, opt, rank, 4)
+        keys = _save(model, opt, folder)
 
-    model, opt = _optimized(engine)
-    _load(model, opt, folder)
-    _train(model, opt, rank, 4, start=4)
-    return {"uninterrupted": uninterrupted, "resumed": [_full(p).detach().clone() for p in model.parameters()],
-            "keys": keys, "plain_keys": sorted(small_model().state_dict())}
+        model, opt = _optimized(comm)
+        _load(model, opt, folder)
+        _train(model, opt, rank, 4, start=4)
+        out[name] = {"uninterrupted": uninterrupted, "resumed": [_full(p).detach().clone() for p in model.parameters()],
+                     "keys": keys, "plain_keys": sorted(small_model().state_dict())}
+    return out
 
 
 def _global_batch(step, rank, world):
@@ -100,31 +108,35 @@ def _full_state(model, opt):
 
 
 def scenario_save_at(rank):
-    """Train 4 micro-steps (2 windows of accumulation 2) on ``world`` ranks and save through DCP; returns the full
-    weights and optimizer state saved."""
-    engine, world = os.environ.get("AIAK_TEST_ENGINE", "ddp"), dist.get_world_size()
-    model, opt = _optimized(engine)
-    _train_global(model, opt, rank, world, 4)
-    _save(model, opt, os.environ["AIAK_TEST_DIR"])
-    return _full_state(model, opt)
+    """For each configuration of `ACROSS`: train 4 micro-steps (2 windows of accumulation 2) on this world size and
+    save through DCP; returns the full weights and optimizer state saved, by configuration."""
+    out = {}
+    for name, comm in ACROSS.items():
+        model, opt = _optimized(comm)
+        _train_global(model, opt, rank, dist.get_world_size(), 4)
+        _save(model, opt, os.path.join(os.environ["AIAK_TEST_DIR"], name))
+        out[name] = _full_state(model, opt)
+    return out
 
 
 def scenario_load_at(rank):
-    """Load that checkpoint on this world size (another one), train 4 micro-steps more; returns the full weights and
-    optimizer state right after loading, the weights after, and (rank 0) one process's 8 micro-steps on the same
-    global batches."""
-    engine, world = os.environ.get("AIAK_TEST_ENGINE", "ddp"), dist.get_world_size()
+    """For each configuration of `ACROSS`: load its checkpoint on this world size (another one) and train 4
+    micro-steps more; returns the full weights and optimizer state right after loading, the warnings of the load and
+    the first step (where a checkpoint's residuals are read), the weights after, and (rank 0) one process's 8
+    micro-steps on the same global batches."""
     import warnings
 
-    model, opt = _optimized(engine)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        _load(model, opt, os.environ["AIAK_TEST_DIR"])
-        loaded = _full_state(model, opt)
-        _train_global(model, opt, rank, world, 1, start=4)  # (a checkpoint's residuals are read at the first step)
-    _train_global(model, opt, rank, world, 3, start=5)
-    out = {"loaded": loaded, "weights": [_full(p).detach().clone() for p in model.parameters()],
-           "warnings": [str(w.message) for w in said]}
+    world, out = dist.get_world_size(), {}
+    for name, comm in ACROSS.items():
+        model, opt = _optimized(comm)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            _load(model, opt, os.path.join(os.environ["AIAK_TEST_DIR"], name))
+            loaded = _full_state(model, opt)
+            _train_global(model, opt, rank, world, 1, start=4)
+        _train_global(model, opt, rank, world, 3, start=5)
+        out[name] = {"loaded": loaded, "weights": [_full(p).detach().clone() for p in model.parameters()],
+                     "warnings": [str(w.message) for w in said]}
     if rank == 0:
         reference = small_model()
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)

@@ -121,8 +121,9 @@ def _reference(spec, world):
 
 
 def scenario_cases(rank):
-    """Every case of `CASES` (one launch: a process's start is most of a case's time)."""
-    return {case: _run_case(rank, case) for case in CASES}
+    """Every case of `CASES`, then aiak's own FSDP2 on real models (`engine`), in one launch (a process's start is
+    most of a case's time)."""
+    return {**{case: _run_case(rank, case) for case in CASES}, "engine": engine(rank)}
 
 
 def _run_case(rank, case):
@@ -382,7 +383,7 @@ def _optimizer_with_state(make, batch, loss_of, world):
     return model, opt
 
 
-def scenario_engine(rank):
+def engine(rank):
     """``comm.engine: fsdp2`` on an HF GPT-2, an HF Llama and a timm ViT (SGD with momentum state from a step before,
     2 steps of accumulation 2): aiak shards each and the script's optimizer, its state re-pointed, trains the shards.
     Against one process over the global batch; with what aiak says it did, each rank's share of the parameters and

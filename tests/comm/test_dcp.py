@@ -1,5 +1,4 @@
 """torch.distributed.checkpoint (DCP) on the models ``aiak.optimize`` returns, on 2 gloo ranks."""
-import json
 import tempfile
 
 import pytest
@@ -10,80 +9,82 @@ from tests.comm.conftest import WORKER
 DCP_WORKER = WORKER.with_name("dcp_worker.py")
 
 
+@pytest.fixture(scope="module")
+def resumes(launch_ranks):
+    return launch_ranks("resumes", world=2, nodes=[0, 0], timeout=240, worker=DCP_WORKER,
+                        env={"AIAK_TEST_DIR": tempfile.mkdtemp()})
+
+
+@pytest.fixture(scope="module")
+def across(launch_ranks):
+    """Checkpoints saved on 2 ranks and loaded on 4: ``(saved, loaded)``, per rank, by configuration."""
+    env = {"AIAK_TEST_DIR": tempfile.mkdtemp()}
+    saved = launch_ranks("save_at", world=2, nodes=[0, 0], timeout=240, worker=DCP_WORKER, env=env)
+    return saved, launch_ranks("load_at", world=4, nodes=[0] * 4, timeout=240, worker=DCP_WORKER, env=env)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_dcp_resume_of_aiaks_ddp_is_bit_identical(launch_ranks):
+@pytest.mark.timeout(300)
+def test_dcp_resume_of_aiaks_ddp_is_bit_identical(resumes):
     """``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_dict`` on aiak's DDP, resumed at a window's end,
     equal an uninterrupted run bit for bit, and the saved keys are the model's own (DCP takes DDP's ``module.`` off).
     Two defects: aiak's DDP gives ``state_dict()`` the model's keys, and DCP's walk of a DDP's keys failed on them
     ("Expected 'module', got '0'"); and ``set_state_dict`` initialises a fresh optimizer's state with one
     ``step()`` of zero gradients, which aiak's step controller counted as a micro-step, so the resumed windows ran
     one batch out of step (with only the first fixed, the weights differ)."""
-    ranks = launch_ranks("resume", world=2, nodes=[0, 0], timeout=150, worker=DCP_WORKER,
-                         env={"AIAK_TEST_DIR": tempfile.mkdtemp()})
-    for r in ranks:
-        assert r["keys"] == r["plain_keys"]
-        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["uninterrupted"]))
+    for r in resumes:
+        assert r["ddp"]["keys"] == r["ddp"]["plain_keys"]
+        assert all(torch.equal(a, b) for a, b in zip(r["ddp"]["resumed"], r["ddp"]["uninterrupted"]))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("comm", [{"compression": "int8"}, {"algorithm": "powersgd", "powersgd": {"warmup_steps": 2}}],
-                         ids=["int8", "powersgd"])
-def test_dcp_resume_carries_each_ranks_comm_state(launch_ranks, comm):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["int8", "powersgd"])
+def test_dcp_resume_carries_each_ranks_comm_state(resumes, name):
     """int8's error-feedback residuals and PowerSGD's factors and residuals are each rank's own: DCP saves a plain
     tensor once, as if every rank held the same, and loads only what a fresh optimizer's template holds (they were
     left out, and the resumed run differed). They travel as one object of every rank's, and the resume is
     bit-identical."""
-    ranks = launch_ranks("resume", world=2, nodes=[0, 0], timeout=150, worker=DCP_WORKER,
-                         env={"AIAK_TEST_DIR": tempfile.mkdtemp(), "AIAK_TEST_COMM": json.dumps(comm)})
-    for r in ranks:
-        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["uninterrupted"]))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_dcp_resume_of_aiaks_fsdp2_is_bit_identical(launch_ranks):
-    """The same on the model aiak shards (``comm.engine: fsdp2``): DTensor shards of the weights and AdamW's moments
-    saved and loaded by DCP, aiak's window carried, the resumed run bit-identical to the uninterrupted one."""
-    ranks = launch_ranks("resume", world=2, nodes=[0, 0], timeout=150, worker=DCP_WORKER,
-                         env={"AIAK_TEST_DIR": tempfile.mkdtemp(), "AIAK_TEST_ENGINE": "fsdp2"})
-    for r in ranks:
-        assert r["keys"] == r["plain_keys"]
-        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["uninterrupted"]))
+    for r in resumes:
+        assert all(torch.equal(a, b) for a, b in zip(r[name]["resumed"], r[name]["uninterrupted"]))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_dcp_resume_onto_another_world_size(launch_ranks, engine):
+def test_dcp_resume_of_aiaks_fsdp2_is_bit_identical(resumes):
+    """The same on the model aiak shards (``comm.engine: fsdp2``): DTensor shards of the weights and AdamW's moments
+    saved and loaded by DCP, aiak's window carried, the resumed run bit-identical to the uninterrupted one."""
+    for r in resumes:
+        assert r["fsdp2"]["keys"] == r["fsdp2"]["plain_keys"]
+        assert all(torch.equal(a, b) for a, b in zip(r["fsdp2"]["resumed"], r["fsdp2"]["uninterrupted"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_dcp_resume_onto_another_world_size(across, name):
     """Saved on 2 ranks, loaded on 4 (DCP reshards FSDP2's shards; DDP's are whole on every rank): the weights and
     AdamW's moments come back bit for bit, and the run goes on as one process over the same global batches
     (accumulation 2; the sums run in another order, and AdamW's first steps divide near-zero gradients by their own
     size: 1e-4, seen 1.6e-5, while the two steps after loading move the weights by more than 1e-3)."""
-    folder = tempfile.mkdtemp()
-    env = {"AIAK_TEST_DIR": folder, "AIAK_TEST_ENGINE": engine}
-    saved = launch_ranks("save_at", world=2, nodes=[0, 0], timeout=150, worker=DCP_WORKER, env=env)
-    loaded = launch_ranks("load_at", world=4, nodes=[0] * 4, timeout=150, worker=DCP_WORKER, env=env)
-    weights, state = saved[0]
+    saved, loaded = across
+    weights, state = saved[0][name]
     for r in loaded:
-        assert all(torch.equal(a, b) for a, b in zip(r["loaded"][0], weights))
-        assert all(torch.equal(a, b) for a, b in zip(r["loaded"][1], state))
-        assert max((a - b).abs().max().item() for a, b in zip(r["weights"], loaded[0]["reference"])) < 1e-4
-        assert max((a - b).abs().max().item() for a, b in zip(r["weights"], weights)) > 1e-3
+        assert all(torch.equal(a, b) for a, b in zip(r[name]["loaded"][0], weights))
+        assert all(torch.equal(a, b) for a, b in zip(r[name]["loaded"][1], state))
+        assert max((a - b).abs().max().item() for a, b in zip(r[name]["weights"], loaded[0]["reference"])) < 1e-4
+        assert max((a - b).abs().max().item() for a, b in zip(r[name]["weights"], weights)) > 1e-3
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_each_ranks_comm_state_does_not_follow_onto_another_world_size(launch_ranks):
+def test_each_ranks_comm_state_does_not_follow_onto_another_world_size(across):
     """int8 residuals saved on 2 ranks belong to those ranks' buckets: loaded on 4, the model and AdamW come back bit
     for bit, and the residuals are dropped, saying why, instead of being added to another rank's gradients."""
-    env = {"AIAK_TEST_DIR": tempfile.mkdtemp(), "AIAK_TEST_COMM": json.dumps({"compression": "int8"})}
-    saved = launch_ranks("save_at", world=2, nodes=[0, 0], timeout=150, worker=DCP_WORKER, env=env)
-    loaded = launch_ranks("load_at", world=4, nodes=[0] * 4, timeout=150, worker=DCP_WORKER, env=env)
+    saved, loaded = across
     for r in loaded:
-        assert all(torch.equal(a, b) for a, b in zip(r["loaded"][0], saved[0][0]))
-    said = [w for r in loaded for w in r["warnings"] if "int8 error-feedback residuals" in w and "dropped" in w]
+        assert all(torch.equal(a, b) for a, b in zip(r["int8"]["loaded"][0], saved[0]["int8"][0]))
+    said = [w for r in loaded for w in r["int8"]["warnings"] if "int8 error-feedback residuals" in w and "dropped" in w]
     assert said
 
 

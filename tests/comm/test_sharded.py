@@ -16,7 +16,7 @@ SHARDED_WORKER = WORKER.with_name("sharded_worker.py")
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def cases(request, launch_ranks):
     world = request.param
-    return world, launch_ranks("cases", world=world, nodes=[0] * world, timeout=240, worker=SHARDED_WORKER)
+    return world, launch_ranks("cases", world=world, nodes=[0] * world, timeout=280, worker=SHARDED_WORKER)
 
 
 def _max_difference(result):
@@ -120,21 +120,16 @@ def test_sharding_after_optimize_is_said_at_the_first_step(refusals_and_auto):
         assert message is not None and "fully_shard or another DTensor sharding" in message
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
-def engine(request, launch_ranks):
-    world = request.param
-    return world, launch_ranks("engine", world=world, nodes=[0] * world, timeout=240, worker=SHARDED_WORKER)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["gpt2", "llama", "vit"])
-def test_aiak_shards_real_models_and_the_scripts_optimizer_trains_them(engine, model):
+def test_aiak_shards_real_models_and_the_scripts_optimizer_trains_them(cases, model):
     """``comm.engine: fsdp2`` on HF GPT-2 (tied embeddings), HF Llama and timm ViT: aiak shards each by its blocks,
     the optimizer the script built (momentum state from a step before ``optimize()``) is re-pointed to the shards with
     its state, and two windows of accumulation 2 train what one process trains on the global batch (SGD with
     momentum: 1e-6; seen below 1.2e-7). Each rank holds its share of the parameters and of the state."""
-    world, ranks = engine
+    world, ranks = cases
+    ranks = [result["engine"] for result in ranks]
     units = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "vit": "Block"}[model]
     for result in ranks:
         r = result[model]
