@@ -4,7 +4,7 @@ A profile's ``match:`` maps condition keys (the fields of :class:`Match`) to val
 every condition given must hold: ``modules`` and ``cpu_features`` take a list (all present) or ``{any: [...]}``;
 ``device`` is ``cpu`` or ``cuda``; ``cuda_capability`` is a comparison such as ``">=8.0"`` (false off CUDA);
 ``world_size``, ``nodes`` and ``params`` take an integer or a comparison (``">=2"``, ``"<1e8"``);
-``fp8_linear_share`` a comparison with a share between 0 and 1 (:func:`~aiak.strategy.probes.fp8_linear_share`), as
+``fp8_linear_share`` a comparison with a share between 0 and 1 (`aiak.strategy.probes.fp8_linear_share`), as
 ``training_state_share`` (`aiak.strategy.probes.Probes.training_state_share`);
 ``optimizer`` lists class names (any of them, any case); ``variable_length`` and ``loader`` are booleans. An empty list (or
 null) is no condition, so ``match: {}`` matches everything. README's section "How ``auto`` chooses: the

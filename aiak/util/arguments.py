@@ -11,7 +11,7 @@ instead of being accepted (and a strategy applied to the wrong model) or failing
 
 The same holds after ``optimize()``: a script that shards the model afterwards (``fully_shard`` replaces every
 parameter it shards with a new DTensor parameter) leaves the returned optimizer holding the old ones, and would train
-nothing. :func:`refuse_replaced_parameters` looks once, at the optimizer's first step, and says so.
+nothing. `refuse_replaced_parameters` looks once, at the optimizer's first step, and says so.
 
 A model none of whose parameters trains now while an optimizer is given is said once as a warning: a backbone
 frozen for its first epochs and unfrozen later is a legitimate script.
