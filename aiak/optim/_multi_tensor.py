@@ -402,8 +402,13 @@ class LayerwiseOptimizer(Optimizer):
         return self.bucket_elems, self._plans
 
     def _sharded(self) -> bool:
-        """DTensor parameters (FSDP2, tensor parallelism): the step runs on local shards (`aiak.optim.sharded`)."""
-        return any_sharded([p for g in self.param_groups for p in g["params"]])
+        """DTensor parameters (FSDP2, tensor parallelism): the step runs on local shards (`aiak.optim.sharded`).
+        Looked at again only when the groups change (a group added, or FSDP2's shards swapped in: a new list)."""
+        groups = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if getattr(self, "_sharded_for", None) != groups:
+            self._sharded_for = groups
+            self._sharded_params = any_sharded([p for g in self.param_groups for p in g["params"]])
+        return self._sharded_params
 
     def _begin_step(self, closure):
         """What every ``step`` starts with: evaluate the closure (with grad) and refuse sparse gradients."""

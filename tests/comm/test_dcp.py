@@ -25,16 +25,18 @@ def across(launch_ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dcp_resume_of_aiaks_ddp_is_bit_identical(resumes):
-    """``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_dict`` on aiak's DDP, resumed at a window's end,
-    equal an uninterrupted run bit for bit, and the saved keys are the model's own (DCP takes DDP's ``module.`` off).
-    Two defects: aiak's DDP gives ``state_dict()`` the model's keys, and DCP's walk of a DDP's keys failed on them
-    ("Expected 'module', got '0'"); and ``set_state_dict`` initialises a fresh optimizer's state with one
-    ``step()`` of zero gradients, which aiak's step controller counted as a micro-step, so the resumed windows ran
-    one batch out of step (with only the first fixed, the weights differ)."""
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_dcp_resume_is_bit_identical(resumes, name):
+    """``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_dict`` on aiak's DDP and on the model aiak shards
+    (``comm.engine: fsdp2``: DTensor shards of the weights and AdamW's moments), resumed at a window's end, equal an
+    uninterrupted run bit for bit, and the saved keys are the model's own (DCP takes DDP's ``module.`` off). Two
+    defects on DDP: aiak's DDP gives ``state_dict()`` the model's keys, and DCP's walk of a DDP's keys failed on them
+    ("Expected 'module', got '0'"); and ``set_state_dict`` initialises a fresh optimizer's state with one ``step()``
+    of zero gradients, which aiak's step controller counted as a micro-step, so the resumed windows ran one batch
+    out of step (with only the first fixed, the weights differ)."""
     for r in resumes:
-        assert r["ddp"]["keys"] == r["ddp"]["plain_keys"]
-        assert all(torch.equal(a, b) for a, b in zip(r["ddp"]["resumed"], r["ddp"]["uninterrupted"]))
+        assert r[name]["keys"] == r[name]["plain_keys"]
+        assert all(torch.equal(a, b) for a, b in zip(r[name]["resumed"], r[name]["uninterrupted"]))
 
 
 @pytest.mark.slow
@@ -47,16 +49,6 @@ def test_dcp_resume_carries_each_ranks_comm_state(resumes, name):
     bit-identical."""
     for r in resumes:
         assert all(torch.equal(a, b) for a, b in zip(r[name]["resumed"], r[name]["uninterrupted"]))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_dcp_resume_of_aiaks_fsdp2_is_bit_identical(resumes):
-    """The same on the model aiak shards (``comm.engine: fsdp2``): DTensor shards of the weights and AdamW's moments
-    saved and loaded by DCP, aiak's window carried, the resumed run bit-identical to the uninterrupted one."""
-    for r in resumes:
-        assert r["fsdp2"]["keys"] == r["fsdp2"]["plain_keys"]
-        assert all(torch.equal(a, b) for a, b in zip(r["fsdp2"]["resumed"], r["fsdp2"]["uninterrupted"]))
 
 
 @pytest.mark.slow
