@@ -46,6 +46,9 @@ def refusals(data: Dict[str, Any], sharding: str) -> List[Tuple[str, str]]:
                             "would be timed unsharded, not as it trains: set tune: false"))
     if sharding != AIAK_FSDP2:
         out.extend(_script_sharded(data, engine, sharding))
+    elif get_leaf(data, "precision.fp8") != "off":
+        out.append(("precision.fp8", "torchao's float8 layers under FSDP2 need float8 all-gathers of their own, which "
+                                     "aiak does not set up: set fp8 off, or comm.engine ddp"))
     if get_leaf(data, "precision.level") != "O0" and get_leaf(data, "precision.dtype") == "fp16":
         out.append(("precision.dtype", "fp16 loss scaling checks each rank's gradients for overflow, and a sharded "
                                        "model's gradients are shards: one rank would skip a step the others take. "

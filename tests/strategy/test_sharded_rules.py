@@ -108,3 +108,13 @@ def test_the_probe_reads_a_real_models_bytes_and_this_hosts_memory():
     found = probe(model, torch.optim.AdamW(model[0].parameters()))
     assert found.param_bytes == 2 * (220 + 105) and found.host_memory_gb == host_memory_gb() > 0
     assert found.training_state_share == pytest.approx((650 + 12 * 220) / (found.host_memory_gb * 2 ** 30))
+
+
+def test_aiaks_own_fsdp2_takes_what_applies_before_sharding_and_refuses_the_rest():
+    """Under ``comm.engine: fsdp2`` surgery, channels_last and O2 apply (before sharding; O2 as FSDP2's policy);
+    trials, fp16 scaling, fp8 layers and DDP's comm settings do not."""
+    data = load_strategy({"channels_last": True, "fused_ops": ["window_attention"], "tune": True,
+                          "precision": {"level": "O2", "dtype": "bf16", "fp8": "tensorwise"},
+                          "comm": {"engine": "fsdp2", "compression": "int8"}}).to_dict()
+    assert [path for path, _ in refusals(data, "aiak_fsdp2")] == ["tune", "precision.fp8", "comm.compression"]
+    assert [path for path, _ in refusals(data, "fsdp2")][:2] == ["comm.engine", "tune"]  # the script's: no second
