@@ -30,13 +30,19 @@ CASES = {
     "lars": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4}}, "sgd", 1, None, False),
     "lars_loop": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4, "foreach": False,
                                  "momentum": 0.9, "nesterov": True, "clip": True}}, "sgd", 1, None, False),
+    # bucket_elems: the bucketed path's setting (tensors cut into 64-element pieces) on even and uneven shards
+    "lamb_even": ({"optimizer": {"name": "lamb", "lr": 0.02, "weight_decay": 0.01, "bucket_elems": 64}}, "sgd", 1,
+                  None, False),
+    "lars_buckets": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4, "bucket_elems": 64}}, "sgd", 1,
+                     None, False),
 }
+SIZES = {"lamb_even": (32, 8)}  # (hidden, out) of a case's model: 32 and 8 rows shard evenly over 2 and 4 ranks
 
 
-def _model():
-    """Odd sizes: 31 and 7 rows shard unevenly over 2 and 4 ranks (8, 8, 8, 7 and 2, 2, 2, 1 on 4)."""
+def _model(hidden=31, out=7):
+    """Odd sizes by default: 31 and 7 rows shard unevenly over 2 and 4 ranks (8, 8, 8, 7 and 2, 2, 2, 1 on 4)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(13, 31), nn.Tanh(), nn.Linear(31, 7))
+    return nn.Sequential(nn.Linear(13, hidden), nn.Tanh(), nn.Linear(hidden, out))
 
 
 def _shard(model):
@@ -52,10 +58,10 @@ def _optimizer(name, params):
     return torch.optim.AdamW(params, lr=0.01) if name == "adamw" else torch.optim.SGD(params, lr=0.1)
 
 
-def _batch(rank, step, micro, counted):
+def _batch(rank, step, micro, counted, out=7):
     n = ITEMS[rank] if counted else 4
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    return torch.randn(n, 13, generator=g), torch.randn(n, 7, generator=g)
+    return torch.randn(n, 13, generator=g), torch.randn(n, out, generator=g)
 
 
 def _items_loss(out, y):
@@ -97,18 +103,18 @@ class AllReduces(Collectives):
     NAMES = ("all_reduce",)
 
 
-def _reference(spec, world):
+def _reference(spec, world, sizes=(31, 7)):
     """One process over every rank's batches: each step's loss a mean over all its items (equal micro-batches: the
     mean of their means), the aiak optimizer the strategy names (LAMB/LARS) as the plain model would get it."""
     from aiak.optim import swap_optimizer
     from aiak.strategy.profiles import load_strategy
 
     strategy, opt_name, micro, clip, counted = spec
-    model = _model()
+    model = _model(*sizes)
     opt = swap_optimizer(model, _optimizer(opt_name, model.parameters()), load_strategy(strategy).optimizer)
     half = strategy.get("precision", {}).get("level") == "O1"
     for step in range(STEPS):
-        batches = [_batch(r, step, k, counted) for k in range(micro) for r in range(world)]
+        batches = [_batch(r, step, k, counted, sizes[1]) for k in range(micro) for r in range(world)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         with torch.autocast("cpu", torch.bfloat16, enabled=half):
             out = model(x)
@@ -132,7 +138,7 @@ def _run_case(rank, case):
     import aiak
 
     strategy, opt_name, micro, clip, counted = CASES[case]
-    model = _shard(_model())
+    model = _shard(_model(*SIZES.get(case, (31, 7))))
     opt = _optimizer(opt_name, model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -141,7 +147,7 @@ def _run_case(rank, case):
     reduce_scatters, step_all_reduces = [], []
     for step in range(STEPS):
         for k in range(micro):
-            x, y = _batch(rank, step, k, counted)
+            x, y = _batch(rank, step, k, counted, SIZES.get(case, (31, 7))[1])
             if counted:
                 aiak.count_items(opt, len(x))
             with ReduceScatters() as calls:
@@ -154,7 +160,7 @@ def _run_case(rank, case):
             step_all_reduces.append(calls.count)
             opt.zero_grad()
     return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()],
-            "reference": _reference(CASES[case], dist.get_world_size()), "reduce_scatters": reduce_scatters,
+            "reference": _reference(CASES[case], dist.get_world_size(), SIZES.get(case, (31, 7))), "reduce_scatters": reduce_scatters,
             "step_all_reduces": step_all_reduces, "micro": micro}
 
 

@@ -52,11 +52,12 @@ def test_micro_steps_do_not_reduce_scatter(cases):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lamb_and_lars_norms_travel_in_one_collective(cases):
-    """LAMB and LARS on DTensors: the full tensors' norms of every tensor of a step in one all-reduce (LAMB's
-    max_grad_norm adds one for the global gradient norm); the optimizers of the other cases issue none."""
+    """LAMB and LARS on DTensors: the full tensors' norms of every tensor of a step in one all-reduce, whatever the
+    path or bucket size (LAMB's max_grad_norm adds one for the global gradient norm); plain AdamW issues none."""
     _, ranks = cases
     for result in ranks:
-        for case, per_step in (("lamb", 1), ("lars", 1), ("lars_loop", 1), ("lamb_loop", 2), ("default", 0)):
+        for case, per_step in (("lamb", 1), ("lars", 1), ("lars_loop", 1), ("lamb_loop", 2), ("lamb_even", 1),
+                               ("lars_buckets", 1), ("default", 0)):
             micro = result[case]["micro"]
             counts = result[case]["step_all_reduces"]
             assert counts == [per_step if (i + 1) % micro == 0 else 0 for i in range(len(counts))], case
