@@ -37,6 +37,7 @@ CASES = {
                      None, False),
 }
 SIZES = {"lamb_even": (32, 8)}  # (hidden, out) of a case's model: 32 and 8 rows shard evenly over 2 and 4 ranks
+SCHEDULED = ("accumulation",)   # cases with a StepLR (halving the rate at each real step), stepped at each step()
 
 
 def _model(hidden=31, out=7):
@@ -103,7 +104,7 @@ class AllReduces(Collectives):
     NAMES = ("all_reduce",)
 
 
-def _reference(spec, world, sizes=(31, 7)):
+def _reference(spec, world, sizes=(31, 7), scheduled=False):
     """One process over every rank's batches: each step's loss a mean over all its items (equal micro-batches: the
     mean of their means), the aiak optimizer the strategy names (LAMB/LARS) as the plain model would get it."""
     from aiak.optim import swap_optimizer
@@ -112,6 +113,7 @@ def _reference(spec, world, sizes=(31, 7)):
     strategy, opt_name, micro, clip, counted = spec
     model = _model(*sizes)
     opt = swap_optimizer(model, _optimizer(opt_name, model.parameters()), load_strategy(strategy).optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduled else None
     half = strategy.get("precision", {}).get("level") == "O1"
     for step in range(STEPS):
         batches = [_batch(r, step, k, counted, sizes[1]) for k in range(micro) for r in range(world)]
@@ -123,6 +125,8 @@ def _reference(spec, world, sizes=(31, 7)):
             nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -140,6 +144,7 @@ def _run_case(rank, case):
     strategy, opt_name, micro, clip, counted = CASES[case]
     model = _shard(_model(*SIZES.get(case, (31, 7))))
     opt = _optimizer(opt_name, model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if case in SCHEDULED else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, **strategy},
@@ -159,9 +164,11 @@ def _run_case(rank, case):
                 opt.step()
             step_all_reduces.append(calls.count)
             opt.zero_grad()
-    return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()],
-            "reference": _reference(CASES[case], dist.get_world_size(), SIZES.get(case, (31, 7))), "reduce_scatters": reduce_scatters,
-            "step_all_reduces": step_all_reduces, "micro": micro}
+            if scheduler is not None:
+                scheduler.step()  # (at every step() call, as a script does; aiak counts the real steps)
+    reference = _reference(CASES[case], dist.get_world_size(), SIZES.get(case, (31, 7)), case in SCHEDULED)
+    return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()], "reference": reference,
+            "reduce_scatters": reduce_scatters, "step_all_reduces": step_all_reduces, "micro": micro}
 
 
 REFUSED = {

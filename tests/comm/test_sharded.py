@@ -27,7 +27,8 @@ def _max_difference(result):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
 def test_shard_then_optimize_equals_one_process(cases, case):
-    """Every case trains what one process trains on the global batch, on every rank, with no DDP around FSDP2. The
+    """Every case trains what one process trains on the global batch, on every rank, with no DDP around FSDP2 (the
+    accumulation case with a StepLR the script steps at every ``step()`` call, advanced once per real step). The
     defects: aiak wrapped the sharded model in DDP ("Cannot flatten unevenly sharded tensor"), LAMB and LARS crashed
     on DTensors, and counted items were each rank's own."""
     world, ranks = cases
