@@ -239,7 +239,8 @@ tests() {
             set -e
             python -c "import aiak, sys; where = aiak.__file__; print(\"    aiak imported from\", where); sys.exit(\"site-packages\" not in where)"
             pip install -q pytest pytest-timeout
-            python -m pytest -q -p no:cacheprovider "$@"' sh "${TESTS[@]}" >"$scratch/tests.log" 2>&1 \
+            python -m pytest -q -p no:cacheprovider -o addopts=--import-mode=importlib "$@"' sh "${TESTS[@]}" \
+            >"$scratch/tests.log" 2>&1 \
         || { tail -n 60 "$scratch/tests.log" >&2; return 1; }
     grep -E "aiak imported from|passed|failed" "$scratch/tests.log" | tail -n 2
 }
