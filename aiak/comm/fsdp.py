@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aiak.comm.allreduce.compression import CAST_DTYPES
 from aiak.comm.config import FSDPConfig
+from aiak.comm.sharded import holds
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {**CAST_DTYPES, "fp32": torch.float32}  # the dtypes precision.dtype and comm.fsdp.reduce_dtype name
 
 
 def sharding_units(model: nn.Module, class_names: Sequence[str] = ()) -> List[nn.Module]:
@@ -43,16 +45,12 @@ def sharding_units(model: nn.Module, class_names: Sequence[str] = ()) -> List[nn
             children = list(container.children())
             if len(children) >= 2 and len({type(c) for c in children}) == 1 and all(map(_is_block, children)):
                 blocks.extend(children)
-    holding = {id(outer) for outer in blocks for inner in blocks if inner is not outer and _holds(outer, inner)}
+    holding = {id(outer) for outer in blocks for inner in blocks if inner is not outer and holds(outer, inner)}
     return [b for b in blocks if id(b) not in holding]
 
 
 def _is_block(module: nn.Module) -> bool:
     return sum(1 for m in module.modules() if next(m.parameters(recurse=False), None) is not None) >= 2
-
-
-def _holds(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
 
 
 def _no_split_modules(model: nn.Module) -> set:
@@ -74,7 +72,7 @@ def shard(model: nn.Module, units: List[nn.Module], cfg: FSDPConfig, param_dtype
 
     device_type = torch.device(device).type if device is not None else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=HALF[param_dtype], reduce_dtype=HALF[cfg.reduce_dtype]) \
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]) \
         if param_dtype else MixedPrecisionPolicy()
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy)

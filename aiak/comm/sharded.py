@@ -57,7 +57,7 @@ class FSDPSync:
 
         self.model = model
         self._fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        self._roots = [m for m in self._fsdp if not any(m is not o and _holds(o, m) for o in self._fsdp)]
+        self._roots = [m for m in self._fsdp if not any(m is not o and holds(o, m) for o in self._fsdp)]
         self._sync = True
         self._group, self.group_problem = _data_parallel_group(self._param_groups())
 
@@ -111,7 +111,8 @@ class FSDPSync:
         "keeps its gradient inside FSDP, where aiak cannot average it afterwards")
 
 
-def _holds(outer: nn.Module, inner: nn.Module) -> bool:
+def holds(outer: nn.Module, inner: nn.Module) -> bool:
+    """``inner`` is ``outer`` or one of its submodules."""
     return any(m is inner for m in outer.modules())
 
 

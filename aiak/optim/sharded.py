@@ -60,11 +60,6 @@ class FullSquares:
             self._groups.append(([mesh.get_group(d) for d in dims], idx))
         self.count = len(params)
 
-    @property
-    def collectives(self) -> int:
-        """Collectives per call: one per distinct layout and sharded mesh dimension."""
-        return sum(len(groups) for groups, _ in self._groups)
-
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         if not self._groups:
             return values
