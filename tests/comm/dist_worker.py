@@ -78,7 +78,8 @@ class CollectiveRecorder:
             group = kwargs.get("group")
             ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
                      else tuple(range(dist.get_world_size())))
-            tensor = args[1] if name != "all_reduce" else args[0]  # the input
+            position, keyword = (0, "tensor") if name == "all_reduce" else (1, "input")  # the input, as FSDP2
+            tensor = args[position] if len(args) > position else kwargs[keyword]     # passes it too (by keyword)
             self.calls.append((name.split("_single")[0].replace("_tensor", "").replace("_into", ""), ranks,
                                tensor.numel(), str(tensor.dtype)))
             self.groups.append(group)

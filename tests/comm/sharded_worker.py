@@ -13,7 +13,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.comm.dist_worker import main  # noqa: E402
+from tests.comm.dist_worker import CollectiveRecorder, main  # noqa: E402
 
 STEPS = 3
 ITEMS = (8, 2, 5, 3)  # a rank's batch under counted items (unequal); else 4 rows each
@@ -70,40 +70,6 @@ def _items_loss(out, y):
     return nn.functional.mse_loss(out, y, reduction="none").sum(1).mean()
 
 
-class Collectives:
-    """Counts the collectives of ``NAMES`` issued inside the block (keyword arguments and all)."""
-
-    NAMES: tuple = ()
-
-    def __enter__(self):
-        self.count, self._originals = 0, {}
-        for name in self.NAMES:
-            if hasattr(dist, name):
-                original = self._originals[name] = getattr(dist, name)
-                setattr(dist, name, self._counted(original))
-        return self
-
-    def _counted(self, original):
-        def counted(*args, **kwargs):
-            self.count += 1
-            return original(*args, **kwargs)
-        return counted
-
-    def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-
-
-class ReduceScatters(Collectives):
-    """FSDP2's gradient reductions."""
-
-    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
-
-
-class AllReduces(Collectives):
-    NAMES = ("all_reduce",)
-
-
 def _reference(spec, world, sizes=(31, 7), scheduled=False):
     """One process over every rank's batches: each step's loss a mean over all its items (equal micro-batches: the
     mean of their means), the aiak optimizer the strategy names (LAMB/LARS) as the plain model would get it."""
@@ -155,14 +121,14 @@ def _run_case(rank, case):
             x, y = _batch(rank, step, k, counted, SIZES.get(case, (31, 7))[1])
             if counted:
                 aiak.count_items(opt, len(x))
-            with ReduceScatters() as calls:
+            with CollectiveRecorder() as calls:
                 _items_loss(model(x).float(), y).backward()
-            reduce_scatters.append(calls.count)
+            reduce_scatters.append(sum(1 for op, *_ in calls.calls if op.startswith("reduce_scatter")))
             if clip:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
-            with AllReduces() as calls:
+            with CollectiveRecorder() as calls:
                 opt.step()
-            step_all_reduces.append(calls.count)
+            step_all_reduces.append(sum(1 for op, *_ in calls.calls if op == "all_reduce"))
             opt.zero_grad()
             if scheduler is not None:
                 scheduler.step()  # (at every step() call, as a script does; aiak counts the real steps)
