@@ -33,7 +33,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from aiak.measure.clock import StepClock
-from aiak.measure.thresholds import MIN_ROUNDS_FOR_VERDICT, NOISE_FLOOR, NOISY_SPREAD, SLOW_FACTOR
+from aiak.measure.thresholds import (MIN_ROUNDS_FOR_VERDICT, NOISE_FLOOR, NOISY_SPREAD, SLOW_CONFIRMATIONS,
+                                     SLOW_FACTOR)
 from aiak.runtime.switches import write_switches
 from aiak.util.dist import max_across_ranks
 from aiak.util.text import describe_error
@@ -225,14 +226,6 @@ def plan_rounds(total_steps: int, rounds: int, warmup: int, multiple_of: int = 1
     return total_steps - rounds * per_round, per_round
 
 
-def _least_recent(c: Contender, first_timed: List[float]) -> float:
-    """The fastest of a contender's warm-up steps and its first timed step: one step of a loaded machine can
-    take 40x its usual time (58 ms and 2557 ms, one after the other, on this project's 2-core machine), so the
-    10x rule judges every step a side has run, not one or two (a demo under load once stopped its aiak side
-    on two slow steps); a compiling strategy's slow first steps lose to its later ones."""
-    return min(c.warmup_seconds + first_timed)
-
-
 def _agree(ran: Dict[int, List[float]], order: Sequence[Contender], width: int, elapsed: float,
            across_ranks: bool, group) -> Tuple[Dict[int, List[float]], float]:
     """The slowest rank's seconds of every step each contender of ``order`` ran (``width`` slots each, one
@@ -260,9 +253,9 @@ def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, step
     """Warm every contender up, then time up to ``rounds`` rounds of ``steps_per_round`` steps each.
 
     The first contender is the baseline. Warm-up alternates one step at a time. In round ``r`` the order is
-    rotated by ``r``, so nobody always runs first. A contender whose first timed step (or its last warm-up
-    step, whichever is faster) takes more than ``slow_factor`` times the baseline's stops there (``stopped``
-    says why; its warm-up did not make it faster, so more steps would only cost the user minutes): ``aiak
+    rotated by ``r``, so nobody always runs first. A contender whose fastest step stays more than
+    ``slow_factor`` times the baseline's over its first few timed steps stops there (``stopped`` says why;
+    `_judge_slow`; its warm-up did not make it faster, so more steps would only cost the user minutes): ``aiak
     bench --strategy cnn`` once ran ten minutes at 0.03x before printing anything.
 
     ``catch``: a step that raises stops its contender (``stopped``: the error) instead of propagating; the
@@ -292,15 +285,17 @@ def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, step
         for c in running:
             c.warmup_seconds += agreed.get(id(c), [])
     active = [c for c in contenders if c.stopped is None]
+    judged = {id(baseline)} | ({id(c) for c in contenders} if math.isinf(slow_factor) else set())
     for r in range(rounds):
         shift = r % len(active)
         order = active[shift:] + active[:shift]
         ran: Dict[int, List[float]] = {}
         for c in order:
             seconds: List[float] = []
-            if r == 0 and c is not baseline and id(baseline) in ran and not math.isinf(slow_factor):
-                seconds = _run(c, 1, total, progress, catch)    # round 0 ran the baseline first: judge c on a step
-                _stop_if_too_slow(c, ran[id(baseline)][:1], seconds, slow_factor, across_ranks, group, baseline)
+            while id(c) not in judged and len(seconds) < steps_per_round and (r > 0 or id(baseline) in ran):
+                seconds += _run(c, 1, total, progress, catch)    # a step at a time until the 10x rule has judged c
+                if _judge_slow(c, baseline, ran.get(id(baseline), []), seconds, slow_factor, across_ranks, group):
+                    judged.add(id(c))
             if c.stopped is None:
                 seconds += _run(c, steps_per_round - len(seconds), total, progress, catch)
             ran[id(c)] = seconds
@@ -315,13 +310,31 @@ def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, step
             break
 
 
-def _stop_if_too_slow(c: Contender, theirs_first: List[float], mine_first: List[float], slow_factor: float,
-                      across_ranks: bool, group, baseline: Contender) -> None:
-    """Stop ``c`` (``stopped`` says why) when its first timed step (or last warm-up step, whichever is faster)
-    took more than ``slow_factor`` times the baseline's, by the slowest rank's figures. Every rank judges, also
-    one where ``c`` or the baseline failed (its ``inf`` judges nothing), so the collective is the same on all."""
-    judged = [_least_recent(baseline, theirs_first), _least_recent(c, mine_first)]
-    theirs, mine = max_across_ranks(judged, group) if across_ranks else judged
-    if c.stopped is None and not math.isinf(mine) and mine > slow_factor * theirs:   # inf: a failure, see _agree
-        c.stopped = (f"stopped after its first timed step: {mine * 1e3:.1f} ms, more than {slow_factor:g}x the "
-                     f"baseline's {theirs * 1e3:.1f} ms")
+def _judge_slow(c: Contender, baseline: Contender, theirs_now: List[float], mine_now: List[float],
+                slow_factor: float, across_ranks: bool, group) -> bool:
+    """The 10x rule, after each of ``c``'s first timed steps: True once it has judged ``c``, which is either
+    within ``slow_factor`` of the baseline or stopped (``stopped`` says why).
+
+    Each side is judged by its fastest step so far, warm-up included: one step of a loaded machine can take 40x
+    its usual time (58 ms and 2557 ms, one after the other, on this project's 2-core machine), and a compiling
+    strategy's slow first steps lose to its later ones. A side slower than ``slow_factor`` times the baseline
+    is stopped only when it still is after ``1 + SLOW_CONFIRMATIONS`` timed steps: a loaded machine can make
+    every step a side has run slow (a bench under load once stopped the plain `default` strategy, whose one
+    warm-up step and first timed step took 63 ms against the baseline's 5.9 ms), while a strategy ten times
+    slower than plain costs only those steps more. The steps are the rounds' own, so every contender still
+    runs as many. By the slowest rank's figures (``theirs_now``, ``mine_now``: this round's steps so far); a
+    failure on any rank (``inf``) ends the judging on every rank, so the collectives match."""
+    mine_all = c.warmup_seconds + c.step_seconds + mine_now
+    figures = [min(baseline.warmup_seconds + baseline.step_seconds + theirs_now, default=math.inf),
+               min(mine_all, default=math.inf), float(any(math.isinf(t) for t in mine_now))]
+    theirs, mine, failed = max_across_ranks(figures, group) if across_ranks else figures
+    if failed or math.isinf(mine):                     # a failure: _agree stops c on every rank
+        return True
+    if mine <= slow_factor * theirs:
+        return True
+    timed = len(c.step_seconds) + len(mine_now)
+    if timed < 1 + SLOW_CONFIRMATIONS:
+        return False
+    c.stopped = (f"stopped after its first {timed} timed steps: the fastest step it ran took {mine * 1e3:.1f} ms, "
+                 f"more than {slow_factor:g}x the baseline's {theirs * 1e3:.1f} ms")
+    return True

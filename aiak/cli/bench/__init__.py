@@ -16,7 +16,7 @@ PyTorch under another name (``--strategy default``) ends at the baseline's loss 
 Timing is :func:`aiak.measure.rounds.alternate`: everybody warms up, the timed steps are cut into rounds in rotating
 order, the speedup is the median of the per-round ratios with its confidence interval, "within noise" when
 that interval holds 1.00x or the median is within 3% of it; a strategy over 10x slower than the baseline on its
-first timed step is stopped.
+first timed steps is stopped.
 A strategy that raises in ``optimize()`` or in a step is reported as failed (exit code 1); the others go on.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``, reset whenever a contender's run of steps starts; on
