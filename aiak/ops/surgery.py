@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterable, Optional
 from torch import nn
 
 from aiak.ops import swin_fused
+from aiak.ops.lm_head import replace_lm_heads
 from aiak.runtime.class_swap import original_class, restore_class, swap_class
 from aiak.util.warn import warn
 
@@ -26,7 +27,7 @@ __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", 
 
 logger = logging.getLogger("aiak")
 
-FUSED_OPS = ("window_attention",)
+FUSED_OPS = ("window_attention", "linear_cross_entropy")
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ def _is_fused(module: nn.Module) -> bool:
     return isinstance(module, tuple(p.fused for p in _POLICIES))
 
 
-_APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_window_attention}
+_APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_window_attention,
+                                                    "linear_cross_entropy": replace_lm_heads}
 
 
 def apply_fused_ops(model: nn.Module, names: Iterable[str]) -> Dict[str, int]:
