@@ -72,7 +72,7 @@ def _slice_loss_and_grad(h, weight, bias, target, ignore_index: int, label_smoot
                          grad_scale):
     """One slice: the per-token losses (fp32, 0 where ignored) and, unless ``grad_scale`` is None, the gradient
     of their sum times ``grad_scale`` (a number, or a per-token column) with respect to the head's output,
-    fp32. The softmax is made in place of the slice's fp32 logits: four passes over them in all."""
+    fp32. The softmax is made in place of the slice's fp32 logits: five passes over them in all."""
     z = F.linear(h, weight, bias)
     logits = _transform(z, logit_scale, softcap).float()
     vocab = logits.shape[-1]
@@ -95,9 +95,7 @@ def _slice_loss_and_grad(h, weight, bias, target, ignore_index: int, label_smoot
     grad.scatter_add_(1, safe, -(1 - label_smoothing) * scale_column)
     if label_smoothing:
         grad.sub_(label_smoothing / vocab * scale_column)
-    ignored = (~keep).nonzero().squeeze(1)
-    if len(ignored):
-        grad.index_fill_(0, ignored, 0.0)
+    grad.masked_fill_(~keep.unsqueeze(1), 0.0)
     return losses, _transform_grad(z, grad, logit_scale, softcap)
 
 

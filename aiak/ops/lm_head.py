@@ -24,7 +24,6 @@ included, and the gradients land on ``A`` and ``B``.
 """
 from __future__ import annotations
 
-import collections
 import inspect
 import logging
 from typing import List, Optional, Tuple
@@ -173,16 +172,17 @@ class _LogitsWhenRead:
 
 
 def _with_lazy_logits(out, loss: torch.Tensor, make_logits) -> object:
-    """``out`` (a ModelOutput) with ``loss`` first and ``logits`` made when read."""
-    if isinstance(out, collections.OrderedDict) and "logits" in out.keys():
-        collections.OrderedDict.__delitem__(out, "logits")
-    out.__dict__.pop("logits", None)
-    out.__class__ = swapped_class(type(out), _LogitsWhenRead, "LogitsWhenRead")
-    out.__dict__["_aiak_make_logits"] = make_logits
-    out.loss = loss
-    if isinstance(out, collections.OrderedDict):
-        out.move_to_end("loss", last=False)
-    return out
+    """A copy of ``out`` (a ModelOutput) of a subclass whose ``logits`` are made when read, with ``loss`` set: a
+    new object rather than a class swap, which torch.compile would not trace."""
+    fields = {key: value for key, value in out.items() if key not in ("logits", "loss")}
+    cls = swapped_class(type(out), _LogitsWhenRead, "LogitsWhenRead")
+    if "logits" in getattr(cls, "__dataclass_fields__", {}):
+        # Out of the dataclass's fields, so that code walking an output's fields (FSDP2's post-forward collects
+        # the tensors that need gradients) does not make the logits by looking.
+        cls.__dataclass_fields__ = {k: v for k, v in cls.__dataclass_fields__.items() if k != "logits"}
+    made = cls(loss=loss, **fields)
+    made.__dict__["_aiak_make_logits"] = make_logits
+    return made
 
 
 class FusedCausalLM:
@@ -220,6 +220,10 @@ class FusedCausalLM:
                                     softcap=plan.softcap, implementation=plan.implementation)
 
         def make_logits(weight=capture.weight, bias=capture.bias):
+            if weight.untyped_storage().size() == 0:     # FSDP2 freed the gathered weight after the forward
+                raise RuntimeError("fused_ops linear_cross_entropy: outputs.logits were read after the forward, "
+                                   "when the sharded head's gathered weight is already freed: leave "
+                                   "linear_cross_entropy out of fused_ops to read the logits in training")
             return _transform(F.linear(hidden, weight, bias), plan.logit_scale, plan.softcap)
 
         return _with_lazy_logits(out, loss, make_logits)

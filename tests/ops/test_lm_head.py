@@ -253,3 +253,21 @@ def test_a_fused_model_fuses_once():
     fused = _model("GPT2")
     assert replace_lm_heads(fused) == 1
     assert replace_lm_heads(fused) == 0 and type(type(fused).__mro__[1]) is type
+
+
+def test_code_walking_the_outputs_fields_does_not_make_the_logits(said, warnings_said_again):
+    # FSDP2's post-forward walks an output's dataclass fields for tensors that need gradients: reading a lazy
+    # logits field there made them after the sharded weight was freed (a crash on 2 ranks under comm.engine fsdp2).
+    import dataclasses
+
+    from torch.distributed.fsdp._common_utils import collect_grad_tensors
+
+    fused = _model("Llama")
+    replace_lm_heads(fused)
+    ids, labels = _batch()
+    with said:
+        out = fused(input_ids=ids, labels=labels)
+        assert "logits" not in [f.name for f in dataclasses.fields(out)] and "logits" not in out.keys()
+        assert [t is out.loss for t in collect_grad_tensors(out)] == [True]
+        assert out.to_tuple()[0] is out.loss
+    assert "read outputs.logits" not in said.text and out.__dict__.get("_aiak_logits") is None
