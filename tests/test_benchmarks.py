@@ -207,3 +207,19 @@ def test_fsdp_memory_measures_a_rank_holding_half_the_training_state():
     assert out.returncode == 0, out.stderr[-3000:]
     row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["2", "fsdp2"])
     assert row.endswith("met") and not row.endswith("NOT met")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_linear_cross_entropy_measures_less_peak_memory_for_the_fused_head(tmp_path):
+    """benchmarks/linear_cross_entropy.py --quick (16384 x 64 x 1024, two rounds, 8 MiB slices): every contender of
+    the head and of the whole step has a row with its peak and its time ratio, and the chunked head's peak is under
+    half of plain's (plain holds its 64 MiB of logits about three times over)."""
+    report = tmp_path / "lce.json"
+    out = subprocess.run([sys.executable, "benchmarks/linear_cross_entropy.py", "--quick", "--dtypes", "fp32",
+                          "--json", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["what"], r["contender"]): r for r in json.loads(report.read_text())}
+    assert {("head", "plain"), ("head", "chunked"), ("step", "plain"), ("step", "fused")} <= set(rows)
+    assert rows["head", "chunked"]["peak_bytes"] < 0.5 * rows["head", "plain"]["peak_bytes"]
+    assert all(r["time_ratio"] > 0 and r["rounds"] == 2 for r in rows.values())

@@ -36,7 +36,8 @@ from aiak.ops.linear_cross_entropy import _transform, linear_cross_entropy
 from aiak.runtime.class_swap import original_class, restore_class, swap_class, swapped_class
 from aiak.util.warn import warn, warn_once
 
-__all__ = ["replace_lm_heads", "restore_lm_heads", "lm_head_problem", "FusedCausalLM", "CapturingHead"]
+__all__ = ["replace_lm_heads", "restore_lm_heads", "lm_head_problem", "fusable_lm_heads", "FusedCausalLM",
+           "CapturingHead"]
 
 logger = logging.getLogger("aiak")
 
@@ -81,6 +82,18 @@ def lm_head_problem(model: nn.Module) -> Optional[str]:
     if getattr(loss, "__name__", None) != CAUSAL_LOSS:
         return f"its loss_function is {getattr(loss, '__name__', loss)!r}, not the causal-LM loss"
     return None
+
+
+def fusable_lm_heads(model: nn.Module) -> List[nn.Module]:
+    """The heads of the causal LMs in ``model`` that `replace_lm_heads` would fuse (or has fused)."""
+    heads = []
+    for module in model.modules():
+        if isinstance(module, FusedCausalLM):
+            heads.append(module.__dict__["_aiak_fused_head"].head)
+        elif _head_of(module) is not None and "labels" in inspect.signature(type(module).forward).parameters \
+                and lm_head_problem(module) is None:
+            heads.append(_head_of(module))
+    return heads
 
 
 def _transform_of(model: nn.Module) -> Tuple[Optional[float], Optional[float]]:
@@ -190,15 +203,16 @@ class FusedCausalLM:
 
     def forward(self, *args, **kwargs):
         plan = self.__dict__.get("_aiak_fused_head")
-        bound = inspect.signature(original_class(self).forward).bind(self, *args, **kwargs)
+        if plan is None:
+            return super().forward(*args, **kwargs)
+        bound = plan.signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
         labels = arguments.get("labels")
-        extra = next((arguments.get(p.name) or {} for p in inspect.signature(original_class(self).forward)
-                      .parameters.values() if p.kind is p.VAR_KEYWORD), {})
+        extra = arguments.get(plan.kwargs_name) or {} if plan.kwargs_name else {}
         return_dict = arguments.get("return_dict", extra.get("return_dict"))
         if return_dict is None:
             return_dict = getattr(getattr(self, "config", None), "return_dict", True)
-        if (plan is None or plan.off or labels is None or not self.training or not torch.is_grad_enabled()
+        if (plan.off or labels is None or not self.training or not torch.is_grad_enabled()
                 or return_dict is False):   # a tuple holds the logits in place: they must be made
             return super().forward(*args, **kwargs)
         arguments["labels"] = None
@@ -232,8 +246,11 @@ class FusedCausalLM:
 class _Plan:
     """A fused model's head, its logit transform, and whether the first call's check has run."""
 
-    def __init__(self, head: nn.Module, logit_scale, softcap, implementation: str):
+    def __init__(self, model_class: type, head: nn.Module, logit_scale, softcap, implementation: str):
         self.head, self.logit_scale, self.softcap = head, logit_scale, softcap
+        self.signature = inspect.signature(model_class.forward)
+        self.kwargs_name = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
+                                None)
         self.implementation = implementation
         self.checked = False
         self.off = False
@@ -282,9 +299,10 @@ def replace_lm_heads(model: nn.Module, implementation: str = "auto") -> int:
             continue
         head = _head_of(module)
         logit_scale, softcap = _transform_of(module)
+        plan = _Plan(type(module), head, logit_scale, softcap, implementation)
         swap_class(head, CapturingHead, "Capturing")
         swap_class(module, FusedCausalLM, "Fused")
-        module.__dict__["_aiak_fused_head"] = _Plan(head, logit_scale, softcap, implementation)
+        module.__dict__["_aiak_fused_head"] = plan
         fused += 1
         logger.debug("fused linear cross-entropy: %s (%s)", name or "<root>", type(module).__name__)
     if skipped:

@@ -27,6 +27,7 @@ from aiak.amp.fp8 import plan_fp8
 from aiak.comm.allreduce.topology import detect_topology
 from aiak.comm.sharded import sharding_of
 from aiak.loaders.balanced_loader import sample_length
+from aiak.ops.lm_head import fusable_lm_heads
 from aiak.ops.surgery import is_window_attention
 from aiak.util.machine.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
 from aiak.util.dist import process_group_exists
@@ -78,6 +79,7 @@ class Probes:
     fp8_linear_share: float = 0.0                   # :func:`fp8_linear_share`
     param_bytes: int = 0                            # the parameters' bytes (0: 4 per parameter)
     host_memory_gb: float = 0.0                     # the host's memory, shared by its local ranks on a CPU
+    lm_head_logits_bytes: int = 0                   # :func:`lm_head_logits_bytes`
 
     @property
     def cuda_capability(self) -> Optional[Tuple[int, int]]:
@@ -128,7 +130,8 @@ def probe(model: Optional[nn.Module] = None, optimizer: Any = None, loader: Any 
         params=sum(p.numel() for p in params), trainable_params=sum(p.numel() for p in params if p.requires_grad),
         param_bytes=sum(p.numel() * p.element_size() for p in params), host_memory_gb=host_memory_gb(),
         modules=module_counts(model), loader=loader_facts(loader), fp8_linear_share=fp8_linear_share(model),
-        optimizer=type(optimizer).__name__ if optimizer is not None else None)
+        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+        lm_head_logits_bytes=lm_head_logits_bytes(model, loader))
 
 
 # -- distribution ---------------------------------------------------------------------------------------------
@@ -236,6 +239,26 @@ def model_features(model: Optional[nn.Module]) -> Set[str]:
 
 
 # -- loader ---------------------------------------------------------------------------------------------------
+def lm_head_logits_bytes(model: Optional[nn.Module], loader: Any) -> int:
+    """The bytes of one batch's fp32 logits in the causal language models ``fused_ops: [linear_cross_entropy]``
+    would fuse (`aiak.ops.lm_head.fusable_lm_heads`): tokens per batch (the loader's ``batch_size`` times the
+    longest of the first :data:`LENGTH_PROBE_SAMPLES` samples of its map-style dataset) x vocabulary x 4. The
+    unfused head holds about three tensors of that size at its peak (the logits, their log-softmax and its
+    gradient). 0 without such a model or a loader whose batches can be measured."""
+    vocab = sum(head.out_features if isinstance(head, nn.Linear) else head.base_layer.out_features
+                for head in fusable_lm_heads(model)) if model is not None else 0
+    batch_size = getattr(loader, "batch_size", None)
+    dataset = getattr(loader, "dataset", None)
+    if not vocab or not isinstance(batch_size, int) or dataset is None or isinstance(dataset, IterableDataset):
+        return 0
+    try:
+        with preserved():
+            longest = max(sample_length(dataset[i]) for i in range(min(len(dataset), LENGTH_PROBE_SAMPLES)))
+    except Exception:  # no len(), no indexing, no samples, or a sample without a length: unknown
+        return 0
+    return batch_size * longest * vocab * 4
+
+
 def loader_facts(loader: Any) -> Dict[str, Any]:
     """``{present, batch_size, num_workers, pin_memory, variable_length}``; None for what cannot be known."""
     if loader is None:

@@ -5,7 +5,8 @@ every condition given must hold: ``modules`` and ``cpu_features`` take a list (a
 ``device`` is ``cpu`` or ``cuda``; ``cuda_capability`` is a comparison such as ``">=8.0"`` (false off CUDA);
 ``world_size``, ``nodes`` and ``params`` take an integer or a comparison (``">=2"``, ``"<1e8"``);
 ``fp8_linear_share`` a comparison with a share between 0 and 1 (`aiak.strategy.probes.fp8_linear_share`), as
-``training_state_share`` (`aiak.strategy.probes.Probes.training_state_share`);
+``training_state_share`` (`aiak.strategy.probes.Probes.training_state_share`); ``lm_head_logits_bytes`` takes an
+integer or a comparison (`aiak.strategy.probes.lm_head_logits_bytes`);
 ``optimizer`` lists class names (any of them, any case); ``variable_length`` and ``loader`` are booleans. An empty list (or
 null) is no condition, so ``match: {}`` matches everything. README's section "How ``auto`` chooses: the
 ``match:`` grammar" is the user's reference, with the meaning of each module kind.
@@ -137,6 +138,7 @@ class Match:
     params: Union[int, str, None] = field(default=None, metadata=_condition(_count))
     fp8_linear_share: Optional[str] = field(default=None, metadata=_condition(_share))
     training_state_share: Optional[str] = field(default=None, metadata=_condition(_share))
+    lm_head_logits_bytes: Union[int, str, None] = field(default=None, metadata=_condition(_count))
     optimizer: List[str] = field(default_factory=list, metadata=_condition(_optimizers))
     variable_length: Optional[bool] = field(default=None, metadata=_condition(_boolean))
     loader: Optional[bool] = field(default=None, metadata=_condition(_boolean))
@@ -231,7 +233,7 @@ def _flag(key: str, value: Any, probes: Probes) -> Tuple[bool, str]:
 _EVALUATORS: Dict[str, Callable[[str, Any, Probes], Tuple[bool, str]]] = {
     "modules": _modules, "device": _device_is, "cuda_capability": _cuda_capability, "cpu_features": _cpu_features,
     "world_size": _number, "nodes": _number, "params": _number, "fp8_linear_share": _fraction,
-    "training_state_share": _fraction,
+    "training_state_share": _fraction, "lm_head_logits_bytes": _number,
     "optimizer": _optimizer,
     "variable_length": _flag, "loader": _flag,
 }

@@ -8,7 +8,8 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
 * ``knobs``: ``{key path: {"value", "source", "reason"}}``, source one of ``default``, ``profile:<name>``,
   ``measured`` (the trials changed the rules' pick), ``user`` or ``derived`` (set by the strategy's other knobs
   and the run, :mod:`aiak.strategy.derived`, such as O2's gradients travelling in the half dtype on several ranks);
-* ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``;
+* ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``
+  (``peak_mem_mb``: what the candidate's first step added to memory at its peak, `aiak.measure.memory`);
 * ``tuning_seconds`` and ``cache_hit``;
 * ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
   :class:`aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice
@@ -89,14 +90,16 @@ class Decision:
         if self.trials:
             head = "cached trials" if self.cache_hit else "trials"
             out.append(f"  {head} ({self.tuning_seconds:.2f} s{', cache hit: none run now' if self.cache_hit else ''}):")
-            out.append(f"    {'candidate':<22} {'step ms':>8} {'spread':>15} {'vs plain':>8} {'grad cos':>9}  verdict")
+            out.append(f"    {'candidate':<22} {'step ms':>8} {'spread':>15} {'vs plain':>8} {'peak MiB':>9} "
+                       f"{'grad cos':>9}  verdict")
             for t in self.trials:
                 ms = f"{t['step_ms']:.2f}" if t["step_ms"] else "-"
                 spread = "-" if not t["step_ms_spread"] else f"{t['step_ms_spread'][0]:.1f}-{t['step_ms_spread'][1]:.1f}"
                 ratio = f"{t['speedup']:.2f}x" if t.get("speedup") else "-"
+                peak = f"{t['peak_mem_mb']:.0f}" if t.get("peak_mem_mb") is not None else "-"
                 cos = f"{t['grad_cosine']:.5f}" if t.get("grad_cosine") is not None else "-"
                 verdict = ("kept: " if t["accepted"] else "dropped: ") + t["why"]
-                out.append(f"    {t['label']:<22} {ms:>8} {spread:>15} {ratio:>8} {cos:>9}  {verdict}")
+                out.append(f"    {t['label']:<22} {ms:>8} {spread:>15} {ratio:>8} {peak:>9} {cos:>9}  {verdict}")
         if self.tuning:
             out.append(f"  trials: {self.tuning}")
         if self.comm is not None:

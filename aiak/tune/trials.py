@@ -70,6 +70,7 @@ from torch import nn
 from aiak.apply import apply_strategy
 from aiak.loaders.prefetch import PrefetchLoader
 from aiak.measure.clock import StepClock
+from aiak.measure.memory import PeakMemory
 from aiak.measure.rounds import Contender, alternate
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.rollback import Snapshot
@@ -104,7 +105,7 @@ class TrialRecord:
     step_ms: Optional[float] = None             # median of the timed rounds (slowest rank)
     step_ms_spread: Optional[List[float]] = None  # [min, max] of the timed rounds
     samples_ms: List[float] = field(default_factory=list)
-    peak_mem_mb: Optional[float] = None         # CUDA only (max allocated during the warm-up step)
+    peak_mem_mb: Optional[float] = None         # what its first step added at its peak (`aiak.measure.memory`)
     grad_cosine: Optional[float] = None
     grad_norm_diff: Optional[float] = None
     accepted: bool = False
@@ -439,14 +440,12 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
                     rng.restore()
                     noise_samples = _noise_samples(plain, batches)
                 rng.restore()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
                 clock = StepClock(device)
-                t0 = clock.mark()
-                grads[id(c)] = c.step(batches[0], want_grads=True)
-                seconds[id(c)] = clock.seconds(t0, clock.mark())
-                if device.type == "cuda":
-                    c.record.peak_mem_mb = torch.cuda.max_memory_allocated(device) / 2**20
+                with PeakMemory(device) as peak:
+                    t0 = clock.mark()
+                    grads[id(c)] = c.step(batches[0], want_grads=True)
+                    seconds[id(c)] = clock.seconds(t0, clock.mark())
+                c.record.peak_mem_mb = peak.mib
                 evaluation[id(c)] = c.evaluate(batches[0])
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
             c.fail(describe_error(e))

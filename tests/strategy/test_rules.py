@@ -67,6 +67,8 @@ CASES = [
      "fp8_linear_share >=0.5 (found 0.00)"),
     ({"training_state_share": ">=0.5"}, probes(host_memory_gb=1.0, params=2 ** 28, trainable_params=2 ** 28),
      probes(host_memory_gb=64.0, params=2 ** 28, trainable_params=2 ** 28), "training_state_share >=0.5 (found 0.03)"),
+    ({"lm_head_logits_bytes": ">=2.56e8"}, probes(lm_head_logits_bytes=823_394_304),
+     probes(lm_head_logits_bytes=102_924_288), "lm_head_logits_bytes >=2.56e8 (found 102,924,288)"),
     ({"optimizer": ["AdamW", "Adam"]}, probes(optimizer="AdamW"), probes(optimizer="SGD"),
      "optimizer any of [AdamW, Adam] (found SGD)"),
     ({"optimizer": ["sgd"]}, probes(optimizer="SGD"), probes(), "optimizer any of [sgd] (found no optimizer)"),
@@ -162,8 +164,8 @@ def test_values_are_kept_as_written_and_round_trip(tmp_path):
     ({"loader": 1}, r"match.loader must be true or false, got 1"),
     ({"modulse": ["conv2d"]}, r"match.modulse: unknown key \(did you mean 'modules'\?\); valid keys: \['modules', "
                               r"'device', 'cuda_capability', 'cpu_features', 'world_size', 'nodes', 'params', "
-                              r"'fp8_linear_share', 'training_state_share', 'optimizer', 'variable_length', "
-                              r"'loader'\]"),
+                              r"'fp8_linear_share', 'training_state_share', 'lm_head_logits_bytes', 'optimizer', "
+                              r"'variable_length', 'loader'\]"),
 ])
 def test_each_bad_condition_has_its_message(conditions, message):
     with pytest.raises(StrategyError, match=message):

@@ -292,7 +292,8 @@ def test_a_user_profile_with_a_bad_match_key_is_reported(tmp_path, monkeypatch, 
     assert problems[0].startswith(f"{tmp_path / 'p' / 'also_broken.yaml'}: match.nodes must be")
     assert problems[1] == (f"{path}: match.modulse: unknown key (did you mean 'modules'?); valid keys: ['modules', "
                            "'device', 'cuda_capability', 'cpu_features', 'world_size', 'nodes', 'params', "
-                           "'fp8_linear_share', 'training_state_share', 'optimizer', 'variable_length', 'loader']")
+                           "'fp8_linear_share', 'training_state_share', 'lm_head_logits_bytes', 'optimizer', "
+                           "'variable_length', 'loader']")
     assert problems[2].startswith(f"{path}: match.device must be one of ['cpu', 'cuda'], got 'gpu'")
     with pytest.raises(StrategyError, match="match.modulse"):
         aiak.select_strategy(real_models.torchvision_resnet18())

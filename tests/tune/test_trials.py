@@ -140,10 +140,12 @@ def test_decision_record_is_json_and_every_knob_has_a_source_and_a_reason():
         assert knob["reason"], path
     for t in d["trials"]:
         assert {"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why"} <= set(t)
+        assert t["peak_mem_mb"] is None or t["peak_mem_mb"] >= 0
+    assert any(t["peak_mem_mb"] is not None for t in d["trials"])   # measured on this CPU too (Linux's VmHWM)
     assert d["tuning_seconds"] > 0
     assert sum(t["accepted"] and "chosen" in t["why"] for t in d["trials"]) == 1
     text = aiak.last_decision().render()
-    assert "trials" in text and "plain" in text
+    assert "trials" in text and "plain" in text and "peak MiB" in text
 
 
 def test_gate_drops_a_candidate_whose_gradients_overflow():

@@ -1,0 +1,196 @@
+"""The language-model head without its logits: peak memory and time, fused against plain, on this machine.
+
+    python benchmarks/linear_cross_entropy.py [--sizes 50257x1024x4096,128256x2048x4096] [--dtypes fp32,bf16]
+                                              [--what head,step] [--rounds 5] [--quick] [--json FILE]
+
+A size is ``vocab x hidden x tokens``. Two measurements for each size and dtype:
+
+* ``head``: the loss alone, forward and backward, ``aiak.ops.linear_cross_entropy`` with each implementation
+  (``plain`` = ``F.cross_entropy(F.linear(h, W).float(), y)``, the unfused head; ``chunked``; ``torch``, fp32).
+* ``step``: a whole AdamW training step of a one-layer Llama with that vocabulary and hidden size (Llama 3.2 1B's
+  shapes at 128256 x 2048: tied embeddings, 32 heads, 8 KV heads, MLP 4 x hidden), unfused against
+  ``fused_ops: [linear_cross_entropy]`` through ``aiak.optimize``.
+
+Peak memory: each contender runs in a process of its own; after one warm-up step (the optimizer's state exists),
+one more step is measured by `aiak.measure.memory.PeakMemory` (the process's resident high-water mark, reset
+before the step, above what was resident then): what the step adds to the model, its gradients and its optimizer
+state. Time: the contenders share one process, warm up,
+then run in alternating rounds (``aiak.measure.rounds.alternate``; the order rotates each round); each
+contender's step time is the median over rounds with its p10-p90 spread, and the ratio to plain is the median of
+the per-round ratios with its confidence interval (`aiak.measure.rounds.speedup`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEADS = ("plain", "chunked", "torch")
+
+
+def _parse_size(text: str) -> Tuple[int, int, int]:
+    vocab, hidden, tokens = (int(x) for x in text.lower().split("x"))
+    return vocab, hidden, tokens
+
+
+CHUNK_MIB = None          # --chunk-mib: the chunked head's slice budget (None: the op's default)
+
+
+def _head_step(implementation: str, vocab: int, hidden: int, tokens: int, dtype) -> Callable[[], float]:
+    from aiak.ops import linear_cross_entropy
+    from aiak.ops.linear_cross_entropy import chunk_tokens_for
+
+    chunk = chunk_tokens_for(vocab, CHUNK_MIB * 2 ** 20) if CHUNK_MIB and implementation == "chunked" else None
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dtype).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), generator=g)
+    y[::10] = -100
+
+    def step() -> float:
+        loss = linear_cross_entropy(h, w, y, implementation=implementation, chunk_tokens=chunk)
+        loss.backward()
+        h.grad = w.grad = None
+        return float(loss)
+    return step
+
+
+def _llama(vocab: int, hidden: int):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                                      num_hidden_layers=1, num_attention_heads=max(1, hidden // 64),
+                                      num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=True,
+                                      max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train_step(contender: str, vocab: int, hidden: int, tokens: int, dtype) -> Callable[[], float]:
+    import warnings
+
+    import aiak
+
+    model = _llama(vocab, hidden).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    strategy = {"tune": False, "fused_ops": ["linear_cross_entropy"] if contender == "fused" else []}
+    if dtype != torch.float32:
+        strategy["precision"] = {"level": "O2", "dtype": "bf16"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer, _ = aiak.optimize(model, optimizer, strategy=strategy)
+    length = min(tokens, 2048)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (tokens // length, length), generator=g)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+    return step
+
+
+def _make(what: str, contender: str, size, dtype) -> Callable[[], float]:
+    return (_head_step if what == "head" else _train_step)(contender, *size, dtype)
+
+
+def peak_in_this_process(what: str, contender: str, size, dtype, chunk_mib=None) -> int:
+    """Bytes one step adds at its peak to what was resident before it (after a warm-up step)."""
+    global CHUNK_MIB
+    CHUNK_MIB = chunk_mib
+    from aiak.measure.memory import PeakMemory
+
+    step = _make(what, contender, size, dtype)
+    step()
+    with PeakMemory() as peak:
+        step()
+    return peak.bytes
+
+
+def peak_in_a_fresh_process(what: str, contender: str, size, dtype_name: str) -> int:
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import linear_cross_entropy as b, torch; "
+            f"print(b.peak_in_this_process({what!r}, {contender!r}, {tuple(size)!r}, b.DTYPES[{dtype_name!r}], "
+            f"{CHUNK_MIB!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def timed(what: str, contenders: List[str], size, dtype, rounds: int) -> Dict[str, dict]:
+    from aiak.measure.rounds import Contender, Spread, alternate, speedup
+
+    sides = [Contender(name, _make(what, name, size, dtype)) for name in contenders]
+    alternate(sides, warmup=1, rounds=rounds, steps_per_round=1, slow_factor=float("inf"), across_ranks=False)
+    base = sides[0]
+    out = {}
+    for c in sides:
+        ratio = speedup(c.round_seconds, base.round_seconds)       # candidate time / plain time
+        out[c.name] = {"seconds": Spread.of(c.round_seconds).__dict__, "time_ratio": ratio.median,
+                       "time_ratio_interval": [ratio.low, ratio.high], "rounds": ratio.rounds}
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:,.0f} MiB"
+
+
+def main(argv=None) -> List[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="50257x1024x4096,128256x2048x4096")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--what", default="head,step")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, help="the chunked head's slice of fp32 logits, in MiB (default: "
+                                                      "the op's own)")
+    parser.add_argument("--quick", action="store_true", help="one small size, two rounds, 8 MiB slices (the test "
+                                                             "suite's run)")
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    global CHUNK_MIB
+    if args.quick:
+        args.sizes, args.rounds, args.chunk_mib = "16384x64x1024", 2, 8
+    CHUNK_MIB = args.chunk_mib
+    import logging
+    logging.getLogger("aiak").setLevel(logging.WARNING)       # not the summary of each contender's optimize()
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds")
+    print(f"{'what':5} {'size (V x H x N)':22} {'dtype':5} {'contender':8} {'peak above start':>17} "
+          f"{'vs plain':>9} {'step (p10-p90)':>22} {'time vs plain (CI)':>24}")
+    rows = []
+    for what in args.what.split(","):
+        for size_text in args.sizes.split(","):
+            size = _parse_size(size_text)
+            for dtype_name in args.dtypes.split(","):
+                dtype = DTYPES[dtype_name]
+                contenders = (["plain", "chunked"] + (["torch"] if dtype == torch.float32 and hasattr(
+                    torch.nn, "LinearCrossEntropyOptions") else [])) if what == "head" else ["plain", "fused"]
+                peaks = {c: peak_in_a_fresh_process(what, c, size, dtype_name) for c in contenders}
+                times = timed(what, contenders, size, dtype, args.rounds)
+                for c in contenders:
+                    t = times[c]
+                    s = t["seconds"]
+                    low, high = t["time_ratio_interval"]
+                    row = {"what": what, "size": size_text, "dtype": dtype_name, "contender": c,
+                           "peak_bytes": peaks[c], "memory_ratio": peaks[c] / peaks[contenders[0]], **t}
+                    rows.append(row)
+                    print(f"{what:5} {size_text:22} {dtype_name:5} {c:8} {_mib(peaks[c]):>17} "
+                          f"{row['memory_ratio']:>8.2f}x {s['median'] * 1e3:>8.0f} ms ({s['p10'] * 1e3:.0f}-"
+                          f"{s['p90'] * 1e3:.0f}) {t['time_ratio']:>8.2f}x ({low:.2f}-{high:.2f}x)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
