@@ -1,6 +1,6 @@
 """One script that checks and times every CUDA path of aiak on one GPU, in under 8 minutes.
 
-    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8,compile,fsdp]
+    python benchmarks/gpu_check.py [--only core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8,compile,fsdp,lce]
                                    [--budget-s 420]
 
 Sections: core (TF32 switch, O1/O2 fp16/bf16 on CUDA vs fp32, overflow skip, step time against goals),
@@ -15,7 +15,9 @@ bench (``aiak bench`` on resnet18: CUDA memory, CUDA kernels in its trace, defau
 block at widths 4096 and 8192, compiled: tensorwise and rowwise against bf16, step time and loss; several minutes
 of compiling, so run it with ``--only fp8`` when the budget is short), compile (an MLP, a ViT and GPT-2 compiled
 under O2 and O1 bf16: graphs and step time against compiled plain autocast; minutes of compiling too), fsdp
-(``comm.engine: fsdp2`` against DDP on 2 GPUs: per-rank training state and step time; not measured on one GPU).
+(``comm.engine: fsdp2`` against DDP on 2 GPUs: per-rank training state and step time; not measured on one GPU),
+lce (the language-model head without its logits: each implementation against fp64, the head's and a one-layer
+Llama step's peak memory and time against plain at a 128k vocabulary, ``benchmarks/linear_cross_entropy.py``).
 Every row compares what it measured to its goal and says ok or NO.
 Exit status 1 if any check failed. Without CUDA it prints why and exits 0 having checked nothing (so it is
 safe to run anywhere).
@@ -308,13 +310,16 @@ def section(name: str):
     if name == "fsdp":
         from fsdp_memory import gpu_checks
         return gpu_checks()
+    if name == "lce":
+        from linear_cross_entropy import gpu_checks
+        return gpu_checks()
     raise ValueError(f"--only: unknown section {name!r}; valid: core, auto, amp, loaders, optim, ops, comm, doctor, "
-                     "bench, fp8, compile, fsdp")
+                     "bench, fp8, compile, fsdp, lce")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8,compile,fsdp")
+    ap.add_argument("--only", default="core,auto,amp,loaders,optim,ops,comm,doctor,bench,fp8,compile,fsdp,lce")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining sections past this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -41,6 +41,7 @@ def _parse_size(text: str) -> Tuple[int, int, int]:
 
 
 CHUNK_MIB = None          # --chunk-mib: the chunked head's slice budget (None: the op's default)
+DEVICE = "cpu"            # gpu_checks: "cuda"
 
 
 def _head_step(implementation: str, vocab: int, hidden: int, tokens: int, dtype) -> Callable[[], float]:
@@ -50,10 +51,11 @@ def _head_step(implementation: str, vocab: int, hidden: int, tokens: int, dtype)
     chunk = chunk_tokens_for(vocab, CHUNK_MIB * 2 ** 20) if CHUNK_MIB and implementation == "chunked" else None
 
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dtype).requires_grad_()
+    h = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(DEVICE, dtype).requires_grad_()
     y = torch.randint(0, vocab, (tokens,), generator=g)
     y[::10] = -100
+    y = y.to(DEVICE)
 
     def step() -> float:
         loss = linear_cross_entropy(h, w, y, implementation=implementation, chunk_tokens=chunk)
@@ -79,7 +81,7 @@ def _train_step(contender: str, vocab: int, hidden: int, tokens: int, dtype) -> 
 
     import aiak
 
-    model = _llama(vocab, hidden).train()
+    model = _llama(vocab, hidden).train().to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     strategy = {"tune": False, "fused_ops": ["linear_cross_entropy"] if contender == "fused" else []}
     if dtype != torch.float32:
@@ -89,7 +91,7 @@ def _train_step(contender: str, vocab: int, hidden: int, tokens: int, dtype) -> 
         model, optimizer, _ = aiak.optimize(model, optimizer, strategy=strategy)
     length = min(tokens, 2048)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (tokens // length, length), generator=g)
+    ids = torch.randint(3, vocab, (tokens // length, length), generator=g).to(DEVICE)
 
     def step() -> float:
         loss = model(input_ids=ids, labels=ids).loss
@@ -138,6 +140,68 @@ def timed(what: str, contenders: List[str], size, dtype, rounds: int) -> Dict[st
         out[c.name] = {"seconds": Spread.of(c.round_seconds).__dict__, "time_ratio": ratio.median,
                        "time_ratio_interval": [ratio.low, ratio.high], "rounds": ratio.rounds}
     return out
+
+
+def gpu_checks() -> list:
+    """``gpu_check.py --only lce``: on one GPU, at 128256 x 2048 x 8192 in bf16 (Llama 3's vocabulary), the correctness
+    of each implementation against fp64, then the head's peak memory (the allocator's, above its start) and time
+    against plain, and the whole one-layer step's, each against its goal (head memory <= 1/8 of plain's, step
+    time <= 1.05x plain's)."""
+    from aiak.measure.memory import PeakMemory
+    from aiak.measure.rounds import Contender, alternate, speedup
+    from aiak.ops import linear_cross_entropy
+
+    global DEVICE
+    DEVICE = "cuda"
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(512, 256, device="cuda", generator=g, requires_grad=True)
+    w = (torch.randn(32000, 256, device="cuda", generator=g) * 0.05).requires_grad_()
+    y = torch.randint(0, 32000, (512,), device="cuda", generator=g)
+    y[::9] = -100
+    reference = torch.autograd.grad(linear_cross_entropy(h.double(), w.double(), y, implementation="plain"), [h, w])
+    for implementation in ("chunked", "torch"):
+        for dtype in (torch.float32, torch.bfloat16):
+            if implementation == "torch" and dtype != torch.float32:
+                continue
+            hd, wd = h.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
+            ours = torch.autograd.grad(linear_cross_entropy(hd, wd, y, implementation=implementation), [hd, wd])
+            plain = torch.autograd.grad(linear_cross_entropy(hd, wd, y, implementation="plain"), [hd, wd])
+            error = max(float((a.double() - r).abs().max()) for a, r in zip(ours, reference))
+            bound = max(2 * float((p.double() - r).abs().max()) + torch.finfo(dtype).eps * float(r.abs().max())
+                        for p, r in zip(plain, reference))
+            rows.append({"check": f"lce: {implementation} {str(dtype)[6:]} gradients vs fp64", "ok": error <= bound,
+                         "metric": "max error (goal <= 2x plain's + 1 ulp)", "value": f"{error:.2e} <= {bound:.2e}"})
+    size = (128256, 2048, 8192)
+    for what, contender in (("head", "chunked"), ("step", "fused")):
+        peaks = {}
+        for c in ("plain", contender):
+            step = _make(what, c, size, torch.bfloat16)
+            step()
+            torch.cuda.synchronize()
+            with PeakMemory("cuda") as peak:
+                step()
+                torch.cuda.synchronize()
+            peaks[c] = peak.bytes
+            del step
+            torch.cuda.empty_cache()
+        sides = [Contender(c, _make(what, c, size, torch.bfloat16), device=torch.device("cuda"))
+                 for c in ("plain", contender)]
+        alternate(sides, warmup=2, rounds=8, steps_per_round=2, slow_factor=float("inf"), across_ranks=False)
+        ratio = speedup(sides[1].round_seconds, sides[0].round_seconds)
+        if what == "head":
+            rows.append({"check": "lce: head peak memory, 128k x 2048 x 8192 bf16", "ok": peaks[contender] * 8 <=
+                         peaks["plain"], "metric": "fused / plain (goal <= 0.125)",
+                         "value": f"{peaks[contender] / peaks['plain']:.3f} ({_mib(peaks[contender])} of "
+                                  f"{_mib(peaks['plain'])})"})
+        rows.append({"check": f"lce: {what} time, 128k x 2048 x 8192 bf16", "ok": what == "head" or
+                     ratio.median <= 1.05, "metric": "fused / plain" + (" (goal <= 1.05)" if what == "step" else ""),
+                     "value": f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f})"})
+        if what == "step":
+            rows.append({"check": "lce: step peak memory, 128k x 2048 x 8192 bf16", "ok": peaks[contender] <
+                         peaks["plain"], "metric": "fused / plain (goal < 1)",
+                         "value": f"{peaks[contender] / peaks['plain']:.3f}"})
+    return rows
 
 
 def _mib(n: float) -> str:

@@ -68,7 +68,7 @@ def test_the_plain_formula_is_f_cross_entropy_of_f_linear():
 def test_half_precision_is_as_close_to_fp64_as_plain_pytorch_is(dtype, options):
     h, w, b, t = _inputs(150, 64, 2001, dtype)
     plain = _run(h, w, b, t, implementation="plain", **options)
-    chunked = _run(h, w, b, t, implementation="chunked", chunk_tokens=40, **options)
+    chunked = _run(h, w, b, t, implementation="chunked", chunk_tokens=10, **options)   # 15 slices
     reference = _run(*_fp64_copy(h, w, b), t, implementation="plain", **options)
     eps = torch.finfo(dtype).eps
     for name, p, c, r in zip(("loss", "hidden", "weight", "bias"), plain, chunked, reference):
@@ -168,3 +168,16 @@ def test_slices_hold_a_fixed_budget_of_logits_and_the_op_never_keeps_them():
     with torch.autograd.graph.saved_tensors_hooks(lambda x: plain_saved.append(tuple(x.shape)) or x, lambda x: x):
         linear_cross_entropy(h, w, t, b, implementation="plain")
     assert (300, 2000) in plain_saved                              # the check can fail: plain keeps its logits
+
+
+def test_a_second_backward_through_one_loss_is_refused_not_doubled():
+    # The gradients are made in the forward pass and scaled in place by the first backward; a second one (a graph
+    # kept with retain_graph=True) would hand out the scaled tensors again.
+    h, w, b, t = _inputs(64, 16, 500, torch.float32)
+    loss = linear_cross_entropy(h, w, t, b, implementation="chunked")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second backward through the same loss.*implementation='plain'"):
+        loss.backward()
+    again = linear_cross_entropy(h, w, t, b, implementation="plain")
+    again.backward(retain_graph=True)
+    again.backward()                                                      # the plain formula takes it
