@@ -93,11 +93,16 @@ def _train_step(contender: str, vocab: int, hidden: int, tokens: int, dtype) -> 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (tokens // length, length), generator=g).to(DEVICE)
 
-    def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+    def step(peaks=None) -> float:
+        from aiak.measure.memory import PeakMemory
+
+        with PeakMemory(DEVICE) as forward_backward:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if peaks is not None:
+            peaks["forward_backward"] = forward_backward.bytes
         return float(loss)
     return step
 
@@ -106,26 +111,33 @@ def _make(what: str, contender: str, size, dtype) -> Callable[[], float]:
     return (_head_step if what == "head" else _train_step)(contender, *size, dtype)
 
 
-def peak_in_this_process(what: str, contender: str, size, dtype, chunk_mib=None) -> int:
-    """Bytes one step adds at its peak to what was resident before it (after a warm-up step)."""
+def peak_in_this_process(what: str, contender: str, size, dtype, chunk_mib=None) -> dict:
+    """Bytes one step adds at its peak to what was resident before it (after a warm-up step): ``{"step": ...}``,
+    and for a train step also ``"forward_backward"``, its peak before the optimizer's step (whose ``foreach``
+    temporaries, about the parameters' size, are the same with the knob and without)."""
     global CHUNK_MIB
     CHUNK_MIB = chunk_mib
     from aiak.measure.memory import PeakMemory
 
     step = _make(what, contender, size, dtype)
     step()
+    phases = {}
     with PeakMemory() as peak:
-        step()
-    return peak.bytes
+        step(phases) if what == "step" else step()
+    return {"step": peak.bytes, **phases}
 
 
-def peak_in_a_fresh_process(what: str, contender: str, size, dtype_name: str) -> int:
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import linear_cross_entropy as b, torch; "
-            f"print(b.peak_in_this_process({what!r}, {contender!r}, {tuple(size)!r}, b.DTYPES[{dtype_name!r}], "
-            f"{CHUNK_MIB!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+def peak_in_a_fresh_process(what: str, contender: str, size, dtype_name: str) -> dict:
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import linear_cross_entropy as b, torch; "
+            f"print(json.dumps(b.peak_in_this_process({what!r}, {contender!r}, {tuple(size)!r}, b.DTYPES[{dtype_name!r}], "
+            f"{CHUNK_MIB!r})))")
+    # glibc serves allocations under its mmap threshold (which grows to 32 MiB as large blocks are freed) from a
+    # heap that keeps freed memory resident, where a second step reuses it unseen: a fixed 64 KiB threshold makes
+    # every tensor an mmap that goes back to the kernel on free, so the high-water mark follows the tensors.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return int(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def timed(what: str, contenders: List[str], size, dtype, rounds: int) -> Dict[str, dict]:
@@ -244,12 +256,19 @@ def main(argv=None) -> List[dict]:
                     t = times[c]
                     s = t["seconds"]
                     low, high = t["time_ratio_interval"]
-                    row = {"what": what, "size": size_text, "dtype": dtype_name, "contender": c,
-                           "peak_bytes": peaks[c], "memory_ratio": peaks[c] / peaks[contenders[0]], **t}
+                    peak, base = peaks[c]["step"], peaks[contenders[0]]["step"]
+                    row = {"what": what, "size": size_text, "dtype": dtype_name, "contender": c, "peak_bytes": peak,
+                           "memory_ratio": peak / base, **t}
+                    fb = peaks[c].get("forward_backward")
+                    if fb is not None:
+                        row["forward_backward_bytes"] = fb
+                        row["forward_backward_ratio"] = fb / peaks[contenders[0]]["forward_backward"]
                     rows.append(row)
-                    print(f"{what:5} {size_text:22} {dtype_name:5} {c:8} {_mib(peaks[c]):>17} "
+                    extra = (f"   forward+backward {_mib(fb)}, {row['forward_backward_ratio']:.2f}x"
+                             if fb is not None else "")
+                    print(f"{what:5} {size_text:22} {dtype_name:5} {c:8} {_mib(peak):>17} "
                           f"{row['memory_ratio']:>8.2f}x {s['median'] * 1e3:>8.0f} ms ({s['p10'] * 1e3:.0f}-"
-                          f"{s['p90'] * 1e3:.0f}) {t['time_ratio']:>8.2f}x ({low:.2f}-{high:.2f}x)", flush=True)
+                          f"{s['p90'] * 1e3:.0f}) {t['time_ratio']:>8.2f}x ({low:.2f}-{high:.2f}x){extra}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
