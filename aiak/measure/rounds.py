@@ -262,7 +262,7 @@ def alternate(contenders: Sequence[Contender], *, warmup: int, rounds: int, step
     others go on. ``until(rounds_done, elapsed)``, called after every round with every contender's figures of
     that round in place and the seconds since ``started`` (a ``time.perf_counter()`` reading, by default this
     call's start), ends the rounds early when it returns True: the auto-selector's trials stop when their
-    warm-up has settled and the ranking is clear, or their budget is spent (:mod:`aiak.tune.trials`).
+    warm-up has settled and the ranking is clear, or their budget is spent (`aiak.tune.trials`).
 
     Under ``torch.distributed`` every rank must call this with the same contenders: every step's seconds
     (warm-up and rounds) are the slowest rank's, a failure on any rank stops the contender on all, and the

@@ -79,7 +79,7 @@ class Probes:
     fp8_linear_share: float = 0.0                   # :func:`fp8_linear_share`
     param_bytes: int = 0                            # the parameters' bytes (0: 4 per parameter)
     host_memory_gb: float = 0.0                     # the host's memory, shared by its local ranks on a CPU
-    lm_head_logits_bytes: int = 0                   # :func:`lm_head_logits_bytes`
+    lm_head_logits_bytes: int = 0                   # `lm_head_logits_bytes`
 
     @property
     def cuda_capability(self) -> Optional[Tuple[int, int]]:
@@ -242,7 +242,7 @@ def model_features(model: Optional[nn.Module]) -> Set[str]:
 def lm_head_logits_bytes(model: Optional[nn.Module], loader: Any) -> int:
     """The bytes of one batch's fp32 logits in the causal language models ``fused_ops: [linear_cross_entropy]``
     would fuse (`aiak.ops.lm_head.fusable_lm_heads`): tokens per batch (the loader's ``batch_size`` times the
-    longest of the first :data:`LENGTH_PROBE_SAMPLES` samples of its map-style dataset) x vocabulary x 4. The
+    longest of the first `LENGTH_PROBE_SAMPLES` samples of its map-style dataset) x vocabulary x 4. The
     unfused head holds about three tensors of that size at its peak (the logits, their log-softmax and its
     gradient). 0 without such a model or a loader whose batches can be measured."""
     vocab = sum(head.out_features if isinstance(head, nn.Linear) else head.base_layer.out_features

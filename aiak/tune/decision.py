@@ -7,17 +7,17 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
   are in ``knobs``);
 * ``knobs``: ``{key path: {"value", "source", "reason"}}``, source one of ``default``, ``profile:<name>``,
   ``measured`` (the trials changed the rules' pick), ``user`` or ``derived`` (set by the strategy's other knobs
-  and the run, :mod:`aiak.strategy.derived`, such as O2's gradients travelling in the half dtype on several ranks);
+  and the run, `aiak.strategy.derived`, such as O2's gradients travelling in the half dtype on several ranks);
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``
   (``peak_mem_mb``: what the candidate's first step added to memory at its peak, `aiak.measure.memory`);
 * ``tuning_seconds`` and ``cache_hit``;
 * ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
-  :class:`aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice
+  `aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice
   made during the first steps shows once made;
 
 plus ``matched`` / ``not_matched`` (the profiles' rules), ``probes`` and ``tuning`` (why nothing was measured, if
 so: no trial ran, or every candidate failed; a knob is ``measured`` only when a trial chose it).
-:meth:`Decision.render` is the one table the ``aiak`` logger prints at ``optimize()`` and ``aiak explain`` shows.
+`Decision.render` is the one table the ``aiak`` logger prints at ``optimize()`` and ``aiak explain`` shows.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import aiak
+from tests.graphs import graph_counts as graphs
 
 ROOT = Path(__file__).resolve().parents[2]
 PRECISIONS = [("O1", "bf16"), ("O2", "bf16"), ("O1", "fp16"), ("O2", "fp16")]
@@ -54,15 +55,6 @@ def optimized(model, level, dtype, **strategy):
     model, opt, _ = aiak.optimize(model, opt, strategy={"precision": {"level": level, "dtype": dtype},
                                                         "tune": False, **strategy})
     return model, opt
-
-
-def graphs(fn, *args):
-    torch._dynamo.reset()
-    try:
-        explained = torch._dynamo.explain(fn)(*args)
-    finally:
-        torch._dynamo.reset()
-    return explained.graph_count, explained.graph_break_count
 
 
 def batches(n, width=16):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import aiak
+from tests.graphs import graph_counts
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,15 +144,6 @@ def test_the_summary_says_what_was_fused():
     assert "linear_cross_entropy" in line and "1 module" in line, line
 
 
-def _graphs(fn, *args):
-    torch._dynamo.reset()
-    try:
-        explained = torch._dynamo.explain(fn)(*args)
-    finally:
-        torch._dynamo.reset()
-    return explained.graph_count, explained.graph_break_count
-
-
 def test_compiled_with_ignored_tokens_it_computes_the_eager_loss_and_gradients_with_no_more_graph_breaks():
     # Liger's head once returned a silently wrong loss under torch.compile with ignore_index.
     batch = _batches(1)[0]
@@ -173,8 +165,8 @@ def test_compiled_with_ignored_tokens_it_computes_the_eager_loss_and_gradients_w
         return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
     args = (batch["input_ids"], batch["attention_mask"], batch["labels"])
-    _, plain_breaks = _graphs(step, plain, *args)
-    _, fused_breaks = _graphs(step, fused, *args)
+    _, plain_breaks = graph_counts(step, plain, *args)
+    _, fused_breaks = graph_counts(step, fused, *args)
     assert fused_breaks == plain_breaks, (fused_breaks, plain_breaks)
 
 
