@@ -208,7 +208,7 @@ class FusedCausalLM:
         bound = plan.signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
         labels = arguments.get("labels")
-        extra = arguments.get(plan.kwargs_name) or {} if plan.kwargs_name else {}
+        extra = (arguments.get(plan.kwargs_name) or {}) if plan.kwargs_name else {}
         return_dict = arguments.get("return_dict", extra.get("return_dict"))
         if return_dict is None:
             return_dict = getattr(getattr(self, "config", None), "return_dict", True)
