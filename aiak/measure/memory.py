@@ -3,10 +3,11 @@
 On CUDA, the caching allocator's peak (``torch.cuda.max_memory_allocated``, reset at the start) over what was
 allocated at the start. On a CPU, the process's resident high-water mark: Linux resets it on request (writing
 ``5`` to ``/proc/self/clear_refs`` sets ``VmHWM`` to the resident size now), and ``VmHWM`` after the work, less
-the resident size before it, is what the work added at its peak. Tensors over glibc's mmap threshold (which grows
-to 32 MiB as large blocks are freed) come from ``mmap`` and go back on free, so the figure follows them; smaller
-ones come from a heap that keeps freed memory resident, and work reusing it adds nothing to the figure (set
-``MALLOC_MMAP_THRESHOLD_=65536`` in the environment to count them too). Elsewhere (no ``/proc``, or a kernel that
+the resident size before it, is what the work added at its peak. It is exact where every tensor is an ``mmap``
+of its own that goes back to the kernel on free: a fresh process with ``MALLOC_MMAP_THRESHOLD_=65536`` in its
+environment, as `benchmarks/linear_cross_entropy.py` measures. In a long-lived process it is a lower bound: glibc
+serves a request from freed heap memory that is still resident when it has room (a 128 MiB tensor once read 0 in
+a test process of the suite), and that adds nothing to the figure. Elsewhere (no ``/proc``, or a kernel that
 refuses the reset), None: a figure that would include the peaks of earlier work is not given.
 """
 from __future__ import annotations

@@ -105,7 +105,8 @@ class TrialRecord:
     step_ms: Optional[float] = None             # median of the timed rounds (slowest rank)
     step_ms_spread: Optional[List[float]] = None  # [min, max] of the timed rounds
     samples_ms: List[float] = field(default_factory=list)
-    peak_mem_mb: Optional[float] = None         # what its first step added at its peak (`aiak.measure.memory`)
+    peak_mem_mb: Optional[float] = None         # its first step's peak above its start (`aiak.measure.memory`;
+                                                # on a CPU a lower bound)
     grad_cosine: Optional[float] = None
     grad_norm_diff: Optional[float] = None
     accepted: bool = False
