@@ -84,14 +84,18 @@ def lm_head_problem(model: nn.Module) -> Optional[str]:
     return None
 
 
+def _looks_like_lm(module: nn.Module) -> bool:
+    """An output embedding and a forward taking ``labels``: a language model, fusable or not."""
+    return _head_of(module) is not None and "labels" in inspect.signature(type(module).forward).parameters
+
+
 def fusable_lm_heads(model: nn.Module) -> List[nn.Module]:
     """The heads of the causal LMs in ``model`` that `replace_lm_heads` would fuse (or has fused)."""
     heads = []
     for module in model.modules():
         if isinstance(module, FusedCausalLM):
             heads.append(module.__dict__["_aiak_fused_head"].head)
-        elif _head_of(module) is not None and "labels" in inspect.signature(type(module).forward).parameters \
-                and lm_head_problem(module) is None:
+        elif _looks_like_lm(module) and lm_head_problem(module) is None:
             heads.append(_head_of(module))
     return heads
 
@@ -290,7 +294,7 @@ def replace_lm_heads(model: nn.Module, implementation: str = "auto") -> int:
         if isinstance(module, FusedCausalLM):
             inside.append(name)
             continue
-        if _head_of(module) is None or "labels" not in inspect.signature(type(module).forward).parameters:
+        if not _looks_like_lm(module):
             continue
         problem = lm_head_problem(module)
         inside.append(name)
