@@ -126,6 +126,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                                                              label_smoothing, logit_scale, softcap, grad_scale)
             if ctx.precomputed:
                 _accumulate(grads, grad_z.to(hidden.dtype), h, weight, start, end)
+            del grad_z      # before the next slice's logits are made: one slice's at a time, not two
         ctx.consumed = False
         if ctx.precomputed:
             ctx.save_for_backward(*grads)
@@ -161,6 +162,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             _, grad_z = _slice_loss_and_grad(h, weight, bias, target[start:end], ignore_index, label_smoothing,
                                              logit_scale, softcap, upstream * scale if scale is not None else upstream)
             _accumulate(grads, grad_z.to(hidden.dtype), h, weight, start, end)
+            del grad_z
         return (*_finish(grads, weight, bias), None, None, None, None, None, None, None, None)
 
 

@@ -5,6 +5,9 @@ the largest) of plain PyTorch's; in bf16 and fp16 the chunked result's error aga
 twice plain PyTorch's own error in that dtype, plus one ulp of the dtype at the gradient's scale.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,3 +184,42 @@ def test_a_second_backward_through_one_loss_is_refused_not_doubled():
     again = linear_cross_entropy(h, w, t, b, implementation="plain")
     again.backward(retain_graph=True)
     again.backward()                                                      # the plain formula takes it
+
+
+PEAK_WORK = '''
+import sys
+import torch
+from aiak.measure.memory import PeakMemory
+from aiak.ops.linear_cross_entropy import linear_cross_entropy
+
+MIB = 2 ** 20
+vocab, hidden, tokens, chunk = 65536, 16, 2048, 256            # a slice's fp32 logits: 64 MiB; the weight 4 MiB
+g = torch.Generator().manual_seed(0)
+h = torch.randn(tokens, hidden, generator=g).to(getattr(torch, sys.argv[1])).requires_grad_()
+w = (torch.randn(vocab, hidden, generator=g) * 0.1).to(h.dtype).requires_grad_()
+t = torch.randint(0, vocab, (tokens,), generator=g)
+for _ in range(2):                                             # the second pass is measured
+    with PeakMemory() as forward:
+        loss = linear_cross_entropy(h, w, t, implementation="chunked", chunk_tokens=chunk, reduction=sys.argv[2])
+    with PeakMemory() as backward:
+        loss.sum().backward()
+    del loss
+    h.grad = w.grad = None
+print(forward.bytes / MIB, backward.bytes / MIB)
+'''
+
+
+@pytest.mark.parametrize("dtype, reduction", [("float32", "mean"), ("bfloat16", "mean"), ("float32", "none")])
+def test_one_slice_of_logits_is_alive_at_a_time(dtype, reduction):
+    """Measured in a fresh process (``aiak.measure.memory``'s exact setting): the forward (gradients made there) and
+    the backward (recomputed with reduction 'none') each add at most one slice's fp32 logits (64 MiB) and the
+    slice's few half-size copies to the gradients' 4 MiB. Two slices alive at once (the last one's gradient kept
+    while the next one's logits are made) read 128 MiB and more."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", PEAK_WORK, dtype, reduction], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    forward, backward = (float(x) for x in out.stdout.split())
+    assert max(forward, backward) >= 60                        # the check can fail: a slice is really measured
+    limit = 64 + 4 + 8 + (64 if dtype == "bfloat16" else 0)    # bf16: the slice's bf16 logits and gradient beside
+    assert forward < limit and backward < limit, (forward, backward)
