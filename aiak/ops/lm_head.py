@@ -1,10 +1,11 @@
-"""Module surgery: the causal language model's loss from its hidden states, without its logits.
+"""Module surgery: a language model's loss from its hidden states, without its logits.
 
 A Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Gemma2ForCausalLM``, ...) runs its
 backbone, makes ``logits = lm_head(hidden)`` for every token, transforms them (Gemma-2's soft-capping, Cohere's
 scale, Granite's divisor), and passes them to ``self.loss_function``, the causal-LM loss: shift the labels by
 one, upcast the logits to fp32, cross-entropy with ``ignore_index``, summed over ``num_items_in_batch`` when the
-caller counted the items of a whole accumulation window. `replace_lm_heads` recognises such a model by its
+caller counted the items of a whole accumulation window. A masked LM (``ModernBertForMaskedLM``,
+``EuroBertForMaskedLM``) does the same without the shift, and its fused head runs over the tokens it scores alone. `replace_lm_heads` recognises such a model by its
 structure (an output embedding that is a linear layer, a forward taking ``labels`` that reads
 ``self.loss_function``, which is the causal-LM loss), never by importing a library, and swaps the classes of
 the model and its head in place (`aiak.runtime.class_swap`: parameters, buffers, ``state_dict`` and tied weights
@@ -41,7 +42,9 @@ __all__ = ["replace_lm_heads", "restore_lm_heads", "lm_head_problem", "fusable_l
 
 logger = logging.getLogger("aiak")
 
-CAUSAL_LOSS = "ForCausalLMLoss"
+# The Hugging Face losses fused, by name, and whether each shifts the labels by one: the causal LM's, and the masked
+# LM's (ModernBERT, EuroBERT), which scores every token where its label is not ignored.
+LOSSES = {"ForCausalLMLoss": True, "ForMaskedLMLoss": False}
 PROBE_COLUMNS = 8
 
 
@@ -64,7 +67,7 @@ def _reads_loss_function(cls: type) -> bool:
 
 
 def lm_head_problem(model: nn.Module) -> Optional[str]:
-    """Why ``model`` is not a causal LM whose loss can be fused (None when it is), by structure only."""
+    """Why ``model`` is not a causal or masked LM whose loss can be fused (None when it is), by structure only."""
     forward = getattr(type(model), "forward", None)
     if forward is None or "labels" not in inspect.signature(forward).parameters:
         return "its forward takes no labels"
@@ -79,8 +82,8 @@ def lm_head_problem(model: nn.Module) -> Optional[str]:
     if not _reads_loss_function(original_class(model) or type(model)):
         return "its forward computes its loss without self.loss_function"
     loss = getattr(model, "loss_function", None)
-    if getattr(loss, "__name__", None) != CAUSAL_LOSS:
-        return f"its loss_function is {getattr(loss, '__name__', loss)!r}, not the causal-LM loss"
+    if getattr(loss, "__name__", None) not in LOSSES:
+        return f"its loss_function is {getattr(loss, '__name__', loss)!r}, not the causal-LM or masked-LM loss"
     return None
 
 
@@ -230,19 +233,34 @@ class FusedCausalLM:
             return super().forward(*args, **kwargs)
         hidden = capture.hidden
         ignore_index = extra.get("ignore_index", -100)
-        shift_labels = extra.get("shift_labels")
-        if shift_labels is None:
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        loss = linear_cross_entropy(hidden, capture.weight, shift_labels.to(hidden.device), capture.bias, ignore_index,
+        if plan.shift:
+            target = extra.get("shift_labels")
+            if target is None:
+                target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            features = hidden
+        else:
+            # A masked LM scores a few tokens in seven: the head's slices run over those alone (a host sync, so
+            # not where torch.compile traces; there every token runs, the ignored ones adding nothing).
+            target, features = labels.to(hidden.device), hidden
+            if not torch.compiler.is_compiling():
+                rows = (target.reshape(-1) != ignore_index).nonzero().squeeze(1)
+                features = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+                target = target.reshape(-1).index_select(0, rows)
+        loss = linear_cross_entropy(features, capture.weight, target.to(hidden.device), capture.bias, ignore_index,
                                     num_items=extra.get("num_items_in_batch"), logit_scale=plan.logit_scale,
                                     softcap=plan.softcap, implementation=plan.implementation)
+        sparse_prediction = not plan.shift and getattr(self, "sparse_prediction", False)
 
         def make_logits(weight=capture.weight, bias=capture.bias):
             if weight.untyped_storage().size() == 0:     # FSDP2 freed the gathered weight after the forward
                 raise RuntimeError("fused_ops linear_cross_entropy: outputs.logits were read after the forward, "
                                    "when the sharded head's gathered weight is already freed: leave "
                                    "linear_cross_entropy out of fused_ops to read the logits in training")
-            return _transform(F.linear(hidden, weight, bias), plan.logit_scale, plan.softcap)
+            rows = hidden
+            if sparse_prediction:   # ModernBERT's unfused logits are those of the tokens it scores, [scored, vocab]
+                keep = labels.reshape(-1) != getattr(self, "sparse_pred_ignore_index", ignore_index)
+                rows = hidden.reshape(-1, hidden.shape[-1])[keep.to(hidden.device)]
+            return _transform(F.linear(rows, weight, bias), plan.logit_scale, plan.softcap)
 
         return _with_lazy_logits(out, loss, make_logits)
 
@@ -250,8 +268,8 @@ class FusedCausalLM:
 class _Plan:
     """A fused model's head, its logit transform, and whether the first call's check has run."""
 
-    def __init__(self, model_class: type, head: nn.Module, logit_scale, softcap, implementation: str):
-        self.head, self.logit_scale, self.softcap = head, logit_scale, softcap
+    def __init__(self, model_class: type, head: nn.Module, logit_scale, softcap, implementation: str, shift: bool):
+        self.head, self.logit_scale, self.softcap, self.shift = head, logit_scale, softcap, shift
         self.signature = inspect.signature(model_class.forward)
         self.kwargs_name = next((p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
                                 None)
@@ -303,7 +321,8 @@ def replace_lm_heads(model: nn.Module, implementation: str = "auto") -> int:
             continue
         head = _head_of(module)
         logit_scale, softcap = _transform_of(module)
-        plan = _Plan(type(module), head, logit_scale, softcap, implementation)
+        plan = _Plan(type(module), head, logit_scale, softcap, implementation,
+                     shift=LOSSES[module.loss_function.__name__])
         swap_class(head, CapturingHead, "Capturing")
         swap_class(module, FusedCausalLM, "Fused")
         module.__dict__["_aiak_fused_head"] = plan

@@ -1,4 +1,4 @@
-"""aiak.ops.replace_lm_heads on real Hugging Face causal LMs (random weights, tiny configs, nothing downloaded).
+"""aiak.ops.replace_lm_heads on real Hugging Face causal and masked LMs (random weights, tiny configs, nothing downloaded).
 
 Each family's fused model is held to the unfused one: the loss within 1e-6 relative and every parameter's
 gradient within 1e-5 of the largest (fp32), with ignored labels and an odd sequence length. Then what scripts do
@@ -86,6 +86,58 @@ def test_each_family_trains_exactly_as_unfused(family, extra):
         assert replace_lm_heads(fused) == 1
     assert isinstance(fused, FusedCausalLM) and isinstance(fused, type(plain))
     _assert_same_training(plain, fused)
+
+
+MASKED = [("ModernBert", {}), ("ModernBert", {"sparse_prediction": True}), ("EuroBert", {})]
+
+
+def _masked_model(family, **extra):
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "ModernBert":
+        sizes.update(cls_token_id=1, sep_token_id=2, embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0)
+    else:
+        sizes.update(num_key_value_heads=2, mask_token_id=3)
+    config = getattr(transformers, f"{family}Config")(**sizes, **extra)
+    return getattr(transformers, f"{family}ForMaskedLM")(config).train()
+
+
+def _masked_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (2, 17), generator=g)
+    labels = torch.full_like(ids, -100)
+    scored = torch.rand(ids.shape, generator=g) < 0.3
+    labels[scored] = ids[scored]
+    return ids, labels
+
+
+@pytest.mark.parametrize("family, extra", MASKED, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()))
+def test_masked_lms_train_exactly_as_unfused_and_their_head_runs_over_the_scored_tokens_alone(family, extra):
+    plain = _masked_model(family, **extra)
+    fused = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replace_lm_heads(fused) == 1
+    ids, labels = _masked_batch()
+    loss, grads = _loss_and_grads(plain, ids, labels)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x, lambda x: x):
+        fused_loss, fused_grads = _loss_and_grads(fused, ids, labels)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
+    assert fused_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
+    scored = int((labels != -100).sum())
+    assert (scored, 32) in shapes                          # the head's gradient: the scored tokens' alone
+    assert not any(len(s) >= 2 and s[-1] == VOCAB for s in shapes)     # no logits kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                    # the one warning that the logits were read
+        made = fused(input_ids=ids, labels=labels).logits
+    expected = plain(input_ids=ids, labels=labels).logits  # ModernBERT's sparse prediction: [scored, vocab]
+    assert made.shape == expected.shape
+    torch.testing.assert_close(made, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_logits_are_never_made_in_a_fused_training_step():
@@ -272,3 +324,19 @@ def test_code_walking_the_outputs_fields_does_not_make_the_logits(said, warnings
         assert [t is out.loss for t in collect_grad_tensors(out)] == [True]
         assert out.to_tuple()[0] is out.loss
     assert "read outputs.logits" not in said.text and out.__dict__.get("_aiak_logits") is None
+
+
+def test_a_compiled_masked_lm_scores_every_token_and_trains_as_unfused():
+    # Under torch.compile the scored tokens are not picked out (a host sync): every token runs through the fused
+    # head, the ignored ones adding nothing, and the result is the unfused model's.
+    plain = _masked_model("EuroBert")
+    fused = copy.deepcopy(plain)
+    replace_lm_heads(fused)
+    ids, labels = _masked_batch()
+    loss, grads = _loss_and_grads(plain, ids, labels)
+    compiled = torch.compile(fused)
+    _loss_and_grads(compiled, ids, labels)
+    fused_loss, fused_grads = _loss_and_grads(compiled, ids, labels)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads["_orig_mod." + name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()))
