@@ -125,6 +125,7 @@ class _Capture:
         self.weight: Optional[torch.Tensor] = None
         self.bias: Optional[torch.Tensor] = None
         self.probe_logits: Optional[torch.Tensor] = None
+        self.problem: Optional[str] = None
 
 
 class CapturingHead:
@@ -135,7 +136,12 @@ class CapturingHead:
         capture = self.__dict__.get("_aiak_capture")
         if capture is None or args or kwargs:
             return super().forward(x, *args, **kwargs)
-        capture.hidden, capture.weight, capture.bias = _as_one_linear(self, x)
+        hidden, weight, bias = _as_one_linear(self, x)
+        if _is_dtensor(weight):
+            capture.problem = ("its head's weight is a DTensor (tensor parallelism): the loss needs every class's "
+                               "logit on each rank")
+            return super().forward(x)
+        capture.hidden, capture.weight, capture.bias = hidden, weight, bias
         if capture.probe:
             with torch.no_grad():
                 columns = min(PROBE_COLUMNS, capture.weight.shape[0])
@@ -144,6 +150,14 @@ class CapturingHead:
                                                 None if bias is None else bias.detach())
             return capture.probe_logits
         return x.new_empty(*x.shape[:-1], 0)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _as_one_linear(head: nn.Module, x: torch.Tensor):
@@ -282,8 +296,10 @@ class _Plan:
         self.checked = True
         made = getattr(out, "logits", None) if not isinstance(out, tuple) else None
         probe = capture.probe_logits
-        problem = None
-        if capture.hidden is None:
+        problem = capture.problem
+        if problem is not None:
+            pass
+        elif capture.hidden is None:
             problem = "its forward did not call its head with the hidden states alone"
         elif not isinstance(made, torch.Tensor) or probe is None or made.shape != probe.shape:
             problem = "its forward changes the shape of the logits after the head"

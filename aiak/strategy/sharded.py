@@ -9,14 +9,15 @@ model cannot be copied (its parameters are shards whose other parts live on the 
 What does compose, and why: the loader; accumulation (FSDP2's own switch keeps a micro-step from reduce-scattering);
 counted items (summed over the ranks FSDP averages over); clipping (torch's norms of DTensor gradients are the full
 tensors'); schedulers; LAMB and LARS (trust ratios of the full tensors); O1 (autocast around FSDP's all-gathered
-parameters); ``compile``; checkpoints (DCP).
+parameters); ``compile``; checkpoints (DCP); under FSDP2 the language-model head's fused loss (a class swap that
+reads the head's weight inside the forward, where FSDP2 has gathered it).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
 from aiak.comm.algorithms import AllReduce
-from aiak.comm.sharded import AIAK_FSDP2, ENGINE_NAMES, FSDP1
+from aiak.comm.sharded import AIAK_FSDP2, ENGINE_NAMES, FSDP1, FSDP2
 from aiak.strategy.key_paths import get_leaf
 from aiak.util.config import StrategyError
 
@@ -77,9 +78,13 @@ def _script_sharded(data: Dict[str, Any], engine: str, sharding: str) -> List[Tu
     """What a model the script sharded cannot take: changes to modules or parameters FSDP already holds as shards,
     O2's swapped copies, and (FSDP1) aiak's accumulation and layer-wise optimizers."""
     out: List[Tuple[str, str]] = []
-    if get_leaf(data, "fused_ops"):
-        out.append(("fused_ops", f"module surgery would replace modules whose parameters {engine} already sharded: "
-                                 "leave fused_ops empty"))
+    # The language-model head's surgery swaps classes and reads the head's weight inside the forward, where FSDP2
+    # has gathered it; the others would replace modules whose parameters are shards.
+    surgery = [op for op in get_leaf(data, "fused_ops") or [] if sharding != FSDP2 or op != "linear_cross_entropy"]
+    if surgery:
+        out.append(("fused_ops", f"module surgery ({', '.join(surgery)}) would replace modules whose parameters "
+                                 f"{engine} already sharded: leave fused_ops empty"
+                                 + (", or linear_cross_entropy alone" if sharding == FSDP2 else "")))
     if get_leaf(data, "channels_last"):
         out.append(("channels_last", f"NHWC rewrites the parameters' tensors, which {engine} holds as shards: set it "
                                      "false, and convert the model (model.to(memory_format=torch.channels_last)) "

@@ -340,3 +340,30 @@ def test_a_compiled_masked_lm_scores_every_token_and_trains_as_unfused():
     torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
     for name, g in grads.items():
         torch.testing.assert_close(fused_grads["_orig_mod." + name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()))
+
+
+def _tensor_parallel_head(rank, world):
+    """On one gloo rank: the head sharded over the vocabulary by tensor parallelism (``ColwiseParallel``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    plain = _model("Llama")
+    fused = copy.deepcopy(plain)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(fused, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    replace_lm_heads(fused)
+    ids, labels = _batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = fused(input_ids=ids, labels=labels).loss
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return float(loss), float(plain(input_ids=ids, labels=labels).loss), [str(w.message) for w in caught]
+
+
+def test_a_tensor_parallel_head_runs_unfused_saying_why():
+    from tests.ranks import spawn_ranks
+
+    [(loss, plain_loss, said)] = spawn_ranks(_tensor_parallel_head, world=1, timeout=120)
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert any("runs unfused: its head's weight is a DTensor (tensor parallelism)" in w for w in said), said

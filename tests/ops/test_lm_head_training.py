@@ -38,8 +38,19 @@ def _batches(n, seed=1):
     return out
 
 
-def _train(strategy, batches, clip=None, tie=False, make_optimizer=None, **optimize_kwargs):
+def _shard(model):
+    """FSDP2 as a script applies it before the aiak line: each decoder layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _train(strategy, batches, clip=None, tie=False, make_optimizer=None, prepare=None, **optimize_kwargs):
     model = _model(tie)
+    if prepare is not None:
+        model = prepare(model)
     optimizer = (make_optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-2)))(model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -174,26 +185,47 @@ def test_compiled_with_ignored_tokens_it_computes_the_eager_loss_and_gradients_w
 
 
 def _ranks_train(rank, world):
-    """On each rank its own batches, two micro-batches a window counted by tokens, under DDP and under aiak's
-    FSDP2: the weights after three windows with the knob and without, as full tensors."""
+    """On each rank its own batches, two micro-batches a window counted by tokens, under DDP, aiak's FSDP2 and
+    the script's FSDP2 (``fully_shard`` before the aiak line): the weights after three windows with the knob and
+    without, as full tensors. Then, on the script-sharded fused model, the logits read in training: before the
+    backward (the root's gathered weight is still there) and after the backward and FSDP2's reshard (freed: the
+    clear error)."""
     batches = _batches(6, seed=10 + rank)
     count = (lambda batch: (batch["labels"][:, 1:] != -100).sum())
     out = {}
-    for engine in ("ddp", "fsdp2"):
+    for engine in ("ddp", "fsdp2", "script"):
         for fused in (False, True):
-            strategy = {"grad_accumulation": 2, "comm": {"engine": engine}, **(FUSED if fused else {})}
-            model, losses = _train(strategy, batches, count_items=count)
+            strategy = {"grad_accumulation": 2, **(FUSED if fused else {})}
+            if engine != "script":
+                strategy["comm"] = {"engine": engine}
+            model, losses = _train(strategy, batches, count_items=count,
+                                   prepare=_shard if engine == "script" else None)
             out[engine, fused] = ([p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
                                    for p in model.parameters()], losses)
+            if engine == "script":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")      # the one warning that the logits were read
+                    output = model(**batches[0])
+                    logits = output.logits.detach().clone()
+                    output.loss.backward()
+                    output = model(**batches[0])
+                    output.loss.backward()
+                    try:                                 # the window closed: FSDP2 resharded the root
+                        output.logits
+                        error = None
+                    except RuntimeError as e:
+                        error = str(e)
+                model.zero_grad()
+                out["logits", fused] = (logits, error)
     return out
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp2_on_two_ranks_train_as_without_the_knob():
+def test_ddp_aiaks_fsdp2_and_the_scripts_fsdp2_on_two_ranks_train_as_without_the_knob():
     from tests.ranks import spawn_ranks
 
-    results = spawn_ranks(_ranks_train, world=2, timeout=240)
-    for engine in ("ddp", "fsdp2"):
+    results = spawn_ranks(_ranks_train, world=2, timeout=300)
+    for engine in ("ddp", "fsdp2", "script"):
         plain, plain_losses = results[0][engine, False]
         fused, losses = results[0][engine, True]
         torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-5, msg=engine)
@@ -202,3 +234,7 @@ def test_ddp_and_fsdp2_on_two_ranks_train_as_without_the_knob():
         assert all(torch.equal(a, b) for a, b in zip(fused, other_rank)), engine    # the ranks agree
     ddp, _ = results[0]["ddp", True]
     assert max(float((a - b).abs().max()) for a, b in zip(ddp, results[0]["fsdp2", True][0])) < 1e-3
+    assert max(float((a - b).abs().max()) for a, b in zip(ddp, results[0]["script", True][0])) < 1e-3
+    (fused_logits, error), (plain_logits, _) = results[0]["logits", True], results[0]["logits", False]
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-5, atol=1e-5)
+    assert error is not None and "gathered weight is already freed" in error, error

@@ -57,6 +57,19 @@ def test_a_named_strategy_is_refused_with_every_problem():
     assert all(p.startswith("the strategy given, on a model sharded by FSDP2 (fully_shard)") for p in e.value.problems)
 
 
+def test_the_language_model_heads_fused_loss_composes_with_the_scripts_fsdp2_alone():
+    """A class swap that reads the head's weight inside the forward, where FSDP2 has gathered it (trained on two
+    ranks in tests/ops/test_lm_head_training.py); window attention's surgery, FSDP1's flat parameters and a
+    tensor-parallel head's vocabulary shards stay refused."""
+    lce = load_strategy({"fused_ops": ["linear_cross_entropy"]}).to_dict()
+    assert refusals(lce, "fsdp2") == []
+    assert [path for path, _ in refusals(lce, "fsdp1")] == [path for path, _ in refusals(lce, "dtensor")] == [
+        "fused_ops"]
+    both = load_strategy({"fused_ops": ["window_attention", "linear_cross_entropy"]}).to_dict()
+    [(path, why)] = refusals(both, "fsdp2")
+    assert path == "fused_ops" and "(window_attention)" in why and "linear_cross_entropy alone" in why
+
+
 def test_fsdp1_refuses_accumulation_layerwise_optimizers_and_counted_items():
     """FSDP1 keeps micro-steps unsynchronised only inside no_sync() and flattens the parameters."""
     data = load_strategy({"grad_accumulation": 4, "optimizer": {"name": "lamb"}}).to_dict()
