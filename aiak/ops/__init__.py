@@ -3,7 +3,7 @@
 * `window_attention` - fused Swin window attention (Triton on CUDA, one SDPA call elsewhere).
 * `replace_window_attention` - swaps known Swin window-attention modules for fused ones in place.
 * `linear_cross_entropy` - the loss of a linear head without its logits (chunked, or torch's own op).
-* `replace_lm_heads` - fuses that loss into Hugging Face causal LMs in place (`restore_lm_heads` undoes it).
+* `replace_lm_heads` - fuses that loss into Hugging Face causal and masked LMs in place (`restore_lm_heads` undoes it).
 * `apply_fused_ops` - what ``aiak.optimize()`` calls for the strategy's ``fused_ops`` list.
 
 Importing this package needs only torch; triton is imported on the first CUDA (or interpreter) call.

@@ -5,11 +5,11 @@ backbone, makes ``logits = lm_head(hidden)`` for every token, transforms them (G
 scale, Granite's divisor), and passes them to ``self.loss_function``, the causal-LM loss: shift the labels by
 one, upcast the logits to fp32, cross-entropy with ``ignore_index``, summed over ``num_items_in_batch`` when the
 caller counted the items of a whole accumulation window. A masked LM (``ModernBertForMaskedLM``,
-``EuroBertForMaskedLM``) does the same without the shift, and its fused head runs over the tokens it scores alone. `replace_lm_heads` recognises such a model by its
-structure (an output embedding that is a linear layer, a forward taking ``labels`` that reads
-``self.loss_function``, which is the causal-LM loss), never by importing a library, and swaps the classes of
-the model and its head in place (`aiak.runtime.class_swap`: parameters, buffers, ``state_dict`` and tied weights
-untouched). In training with labels and gradients, the model runs its own forward with the head capturing its
+``EuroBertForMaskedLM``) does the same without the shift, and its fused head runs over the tokens it scores
+alone. `replace_lm_heads` recognises such a model by its structure (an output embedding that is a linear layer,
+a forward taking ``labels`` that reads ``self.loss_function``, which is one of those two losses), never by
+importing a library, and swaps the classes of the model and its head in place (`aiak.runtime.class_swap`:
+parameters, buffers, ``state_dict`` and tied weights untouched). In training with labels and gradients, the model runs its own forward with the head capturing its
 input, then takes the loss from `aiak.ops.linear_cross_entropy`, with the same shift, transform, ignored tokens
 and divisor. Evaluation, inference and calls without labels run the original forward.
 

@@ -39,7 +39,7 @@ PHASES: Tuple[Phase, ...] = (
           "every process switch, as `read_switches` read it before"),
     Phase("surgery", ("fused_ops",),
           "fused modules in place of the bare model's (`ops/surgery.py`: Swin window attention; `ops/lm_head.py`: a "
-          "causal LM's loss without its logits, `ops/linear_cross_entropy.py`), before any wrapping",
+          "causal or masked LM's loss without its logits, `ops/linear_cross_entropy.py`), before any wrapping",
           "each submodule's class and attribute dicts: the replaced modules back in their parents"),
     Phase("optimizer", ("optimizer",),
           "LAMB or LARS in place of the given optimizer (`optim/factory.py`), or the given one kept",

@@ -1,4 +1,5 @@
-"""aiak.ops.replace_lm_heads on real Hugging Face causal and masked LMs (random weights, tiny configs, nothing downloaded).
+"""aiak.ops.replace_lm_heads on real Hugging Face causal and masked LMs (random weights, tiny configs, nothing
+downloaded).
 
 Each family's fused model is held to the unfused one: the loss within 1e-6 relative and every parameter's
 gradient within 1e-5 of the largest (fp32), with ignored labels and an odd sequence length. Then what scripts do
