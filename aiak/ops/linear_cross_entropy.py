@@ -22,8 +22,8 @@ Implementations, one `autograd.Function` and torch's own op:
 * ``"plain"``: the unfused formula, the reference of the tests.
 
 ``"auto"`` takes ``"chunked"``. On this project's 2-core CPU (`benchmarks/linear_cross_entropy.py`, vocabulary
-128256, hidden 2048, 4096 tokens, 5 alternating rounds) the chunked head held 0.26x plain's peak in fp32 at 1.05x
-its time (1.02-1.10x) and 0.19x in bf16 at 1.02x (0.92-1.11x); torch's op held 0.18x in fp32 at 1.11x (1.10-1.22x).
+128256, hidden 2048, 4096 tokens, 4 alternating rounds) the chunked head held 0.21x plain's peak in fp32 at 0.99x
+its time (0.94-1.06x) and 0.15x in bf16 at 0.87x (0.83-1.24x); torch's op held 0.18x in fp32 at 1.15x (1.09-1.19x).
 """
 from __future__ import annotations
 
