@@ -9,9 +9,10 @@ caller counted the items of a whole accumulation window. A masked LM (``ModernBe
 alone. `replace_lm_heads` recognises such a model by its structure (an output embedding that is a linear layer,
 a forward taking ``labels`` that reads ``self.loss_function``, which is one of those two losses), never by
 importing a library, and swaps the classes of the model and its head in place (`aiak.runtime.class_swap`:
-parameters, buffers, ``state_dict`` and tied weights untouched). In training with labels and gradients, the model runs its own forward with the head capturing its
-input, then takes the loss from `aiak.ops.linear_cross_entropy`, with the same shift, transform, ignored tokens
-and divisor. Evaluation, inference and calls without labels run the original forward.
+parameters, buffers, ``state_dict`` and tied weights untouched). In training with labels and gradients, the model
+runs its own forward with the head capturing its input, then takes the loss from `aiak.ops.linear_cross_entropy`,
+with the same shift, transform, ignored tokens and divisor. Evaluation, inference and calls without labels run
+the original forward.
 
 The first fused call checks the model's logit transform: the head hands the forward a few real logits, and what
 the forward makes of them must be what aiak would (`linear_cross_entropy`'s ``logit_scale`` and ``softcap``,
@@ -292,28 +293,29 @@ class _Plan:
         self.off = False
 
     def check(self, model: nn.Module, out, capture: _Capture) -> bool:
-        """The first call: the forward must make of the probe's logits what `_transform` makes of them."""
+        """The first call: the head must be one the loss can read whole, and the forward must make of the probe's
+        logits what `_transform` makes of them."""
         self.checked = True
-        made = getattr(out, "logits", None) if not isinstance(out, tuple) else None
-        probe = capture.probe_logits
-        problem = capture.problem
-        if problem is not None:
-            pass
-        elif capture.hidden is None:
-            problem = "its forward did not call its head with the hidden states alone"
-        elif not isinstance(made, torch.Tensor) or probe is None or made.shape != probe.shape:
-            problem = "its forward changes the shape of the logits after the head"
-        else:
-            expected = _transform(probe, self.logit_scale, self.softcap)
-            tolerance = 4 * torch.finfo(probe.dtype).eps * float(expected.abs().max().clamp(min=1.0))
-            if not torch.allclose(made.detach().float(), expected.float(), rtol=0, atol=tolerance):
-                problem = ("its forward transforms the logits after the head in a way aiak does not reproduce "
-                           "(known: a config's final_logit_softcapping, logit_scale, logits_scaling)")
+        problem = capture.problem or self._transform_problem(out, capture)
         if problem is not None:
             self.off = True
             warn(f"fused_ops linear_cross_entropy: {(original_class(model) or type(model)).__name__} runs unfused: "
                  f"{problem}")
         return problem is None
+
+    def _transform_problem(self, out, capture: _Capture) -> Optional[str]:
+        made = getattr(out, "logits", None) if not isinstance(out, tuple) else None
+        probe = capture.probe_logits
+        if capture.hidden is None:
+            return "its forward did not call its head with the hidden states alone"
+        if not isinstance(made, torch.Tensor) or probe is None or made.shape != probe.shape:
+            return "its forward changes the shape of the logits after the head"
+        expected = _transform(probe, self.logit_scale, self.softcap)
+        tolerance = 4 * torch.finfo(probe.dtype).eps * float(expected.abs().max().clamp(min=1.0))
+        if not torch.allclose(made.detach().float(), expected.float(), rtol=0, atol=tolerance):
+            return ("its forward transforms the logits after the head in a way aiak does not reproduce "
+                    "(known: a config's final_logit_softcapping, logit_scale, logits_scaling)")
+        return None
 
 
 def replace_lm_heads(model: nn.Module, implementation: str = "auto") -> int:
