@@ -67,24 +67,35 @@ def _loss_and_grads(model, ids, labels, **kwargs):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same_training(plain, fused, **kwargs):
-    ids, labels = _batch()
-    loss, grads = _loss_and_grads(plain, ids, labels, **kwargs)
-    fused_loss, fused_grads = _loss_and_grads(fused, ids, labels, **kwargs)
+def _assert_same_loss_and_grads(loss, grads, fused_loss, fused_grads):
     torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
     assert fused_grads.keys() == grads.keys()
     for name, g in grads.items():
         torch.testing.assert_close(fused_grads[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
 
 
-@pytest.mark.parametrize("family, extra", FAMILIES, ids=lambda v: v if isinstance(v, str) else
-                         ",".join(f"{k}={x}" for k, x in v.items()))
-def test_each_family_trains_exactly_as_unfused(family, extra):
-    plain = _model(family, **extra)
+def _assert_same_training(plain, fused, **kwargs):
+    ids, labels = _batch()
+    _assert_same_loss_and_grads(*_loss_and_grads(plain, ids, labels, **kwargs),
+                                *_loss_and_grads(fused, ids, labels, **kwargs))
+
+
+def _fused_copy(plain):
     fused = copy.deepcopy(plain)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                     # a family left unfused would warn
+        warnings.simplefilter("error")                     # a model left unfused would warn
         assert replace_lm_heads(fused) == 1
+    return fused
+
+
+def _family_id(value):
+    return value if isinstance(value, str) else ",".join(f"{k}={x}" for k, x in value.items())
+
+
+@pytest.mark.parametrize("family, extra", FAMILIES, ids=_family_id)
+def test_each_family_trains_exactly_as_unfused(family, extra):
+    plain = _model(family, **extra)
+    fused = _fused_copy(plain)
     assert isinstance(fused, FusedCausalLM) and isinstance(fused, type(plain))
     _assert_same_training(plain, fused)
 
@@ -113,23 +124,15 @@ def _masked_batch(seed=1):
     return ids, labels
 
 
-@pytest.mark.parametrize("family, extra", MASKED, ids=lambda v: v if isinstance(v, str) else
-                         ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("family, extra", MASKED, ids=_family_id)
 def test_masked_lms_train_exactly_as_unfused_and_their_head_runs_over_the_scored_tokens_alone(family, extra):
     plain = _masked_model(family, **extra)
-    fused = copy.deepcopy(plain)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert replace_lm_heads(fused) == 1
+    fused = _fused_copy(plain)
     ids, labels = _masked_batch()
-    loss, grads = _loss_and_grads(plain, ids, labels)
     shapes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x, lambda x: x):
-        fused_loss, fused_grads = _loss_and_grads(fused, ids, labels)
-    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
-    assert fused_grads.keys() == grads.keys()
-    for name, g in grads.items():
-        torch.testing.assert_close(fused_grads[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
+        fused_training = _loss_and_grads(fused, ids, labels)
+    _assert_same_loss_and_grads(*_loss_and_grads(plain, ids, labels), *fused_training)
     scored = int((labels != -100).sum())
     assert (scored, 32) in shapes                          # the head's gradient: the scored tokens' alone
     assert not any(len(s) >= 2 and s[-1] == VOCAB for s in shapes)     # no logits kept
@@ -331,16 +334,12 @@ def test_a_compiled_masked_lm_scores_every_token_and_trains_as_unfused():
     # Under torch.compile the scored tokens are not picked out (a host sync): every token runs through the fused
     # head, the ignored ones adding nothing, and the result is the unfused model's.
     plain = _masked_model("EuroBert")
-    fused = copy.deepcopy(plain)
-    replace_lm_heads(fused)
+    compiled = torch.compile(_fused_copy(plain))
     ids, labels = _masked_batch()
-    loss, grads = _loss_and_grads(plain, ids, labels)
-    compiled = torch.compile(fused)
     _loss_and_grads(compiled, ids, labels)
     fused_loss, fused_grads = _loss_and_grads(compiled, ids, labels)
-    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
-    for name, g in grads.items():
-        torch.testing.assert_close(fused_grads["_orig_mod." + name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()))
+    fused_grads = {name.removeprefix("_orig_mod."): g for name, g in fused_grads.items()}
+    _assert_same_loss_and_grads(*_loss_and_grads(plain, ids, labels), fused_loss, fused_grads)
 
 
 def _tensor_parallel_head(rank, world):
