@@ -48,7 +48,8 @@ def _head_step(implementation: str, vocab: int, hidden: int, tokens: int, dtype)
     from aiak.ops import linear_cross_entropy
     from aiak.ops.linear_cross_entropy import chunk_tokens_for
 
-    chunk = chunk_tokens_for(vocab, CHUNK_MIB * 2 ** 20) if CHUNK_MIB and implementation == "chunked" else None
+    chunk = (chunk_tokens_for(vocab, CHUNK_MIB * 2 ** 20, min_tokens=16) if CHUNK_MIB and implementation == "chunked"
+             else None)
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype).requires_grad_()

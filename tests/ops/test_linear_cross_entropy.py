@@ -158,7 +158,8 @@ def test_bad_arguments_get_one_clear_error(call, message):
 
 def test_slices_hold_a_fixed_budget_of_logits_and_the_op_never_keeps_them():
     assert chunk_tokens_for(50257) * 50257 * 4 <= 256 * 2 ** 20 < (chunk_tokens_for(50257) + 1) * 50257 * 4
-    assert chunk_tokens_for(10 ** 9) == 16
+    assert chunk_tokens_for(256000) == chunk_tokens_for(10 ** 9) == 512     # never fewer tokens than that
+    assert chunk_tokens_for(10 ** 9, min_tokens=16) == 16
     # What autograd keeps for backward: the gradients made in the forward pass ([N, H] and [V, H]), never a
     # tensor of [N, V] logits.
     h, w, b, t = _inputs(300, 16, 2000, torch.float32)
