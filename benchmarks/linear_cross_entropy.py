@@ -7,9 +7,9 @@ A size is ``vocab x hidden x tokens``. Two measurements for each size and dtype:
 
 * ``head``: the loss alone, forward and backward, ``aiak.ops.linear_cross_entropy`` with each implementation
   (``plain`` = ``F.cross_entropy(F.linear(h, W).float(), y)``, the unfused head; ``chunked``; ``torch``, fp32).
-* ``step``: a whole training step (torch's fused AdamW, the Hugging Face Trainer's default) of a one-layer Llama with that vocabulary and hidden size (Llama 3.2 1B's
-  shapes at 128256 x 2048: tied embeddings, 32 heads, 8 KV heads, MLP 4 x hidden), unfused against
-  ``fused_ops: [linear_cross_entropy]`` through ``aiak.optimize``.
+* ``step``: a whole training step (torch's fused AdamW, the Hugging Face Trainer's default) of a one-layer Llama
+  with that vocabulary and hidden size (Llama 3.2 1B's shapes at 128256 x 2048: tied embeddings, 32 heads, 8 KV
+  heads, MLP 4 x hidden), unfused against ``fused_ops: [linear_cross_entropy]`` through ``aiak.optimize``.
 
 Peak memory: each contender runs in a process of its own; after one warm-up step (the optimizer's state exists),
 one more step is measured by `aiak.measure.memory.PeakMemory` (the process's resident high-water mark, reset

@@ -36,6 +36,7 @@ from torch import nn
 
 from aiak.ops.linear_cross_entropy import _transform, linear_cross_entropy
 from aiak.runtime.class_swap import original_class, restore_class, swap_class, swapped_class
+from aiak.util.dist import is_dtensor
 from aiak.util.warn import warn, warn_once
 
 __all__ = ["replace_lm_heads", "restore_lm_heads", "lm_head_problem", "fusable_lm_heads", "FusedCausalLM",
@@ -138,7 +139,7 @@ class CapturingHead:
         if capture is None or args or kwargs:
             return super().forward(x, *args, **kwargs)
         hidden, weight, bias = _as_one_linear(self, x)
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             capture.problem = ("its head's weight is a DTensor (tensor parallelism): the loss needs every class's "
                                "logit on each rank")
             return super().forward(x)
@@ -151,14 +152,6 @@ class CapturingHead:
                                                 None if bias is None else bias.detach())
             return capture.probe_logits
         return x.new_empty(*x.shape[:-1], 0)
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 def _as_one_linear(head: nn.Module, x: torch.Tensor):
@@ -256,7 +249,7 @@ class FusedCausalLM:
         else:
             # A masked LM scores a few tokens in seven: the head's slices run over those alone (a host sync, so
             # not where torch.compile traces; there every token runs, the ignored ones adding nothing).
-            target, features = labels.to(hidden.device), hidden
+            target, features = labels, hidden
             if not torch.compiler.is_compiling():
                 rows = (target.reshape(-1) != ignore_index).nonzero().squeeze(1)
                 features = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)

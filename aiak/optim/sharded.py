@@ -15,25 +15,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-
-def _dtensor_class():
-    if not dist.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+from aiak.util.dist import is_dtensor
 
 
 def any_sharded(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether any of ``tensors`` is a DTensor."""
-    dtensor = _dtensor_class()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+    return any(is_dtensor(t) for t in tensors)
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The local shard of a DTensor (a view: writing it writes the DTensor), or ``t`` itself."""
-    dtensor = _dtensor_class()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -79,8 +71,7 @@ class FullSquares:
 
 def _layout(p: torch.Tensor):
     """``(mesh, mesh dimensions it is sharded along)`` of a DTensor sharded somewhere, else None."""
-    dtensor = _dtensor_class()
-    if dtensor is None or not isinstance(p, dtensor):
+    if not is_dtensor(p):
         return None
     dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
     return (p.device_mesh, dims) if dims else None

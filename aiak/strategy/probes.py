@@ -241,8 +241,9 @@ def model_features(model: Optional[nn.Module]) -> Set[str]:
 # -- loader ---------------------------------------------------------------------------------------------------
 def lm_head_logits_bytes(model: Optional[nn.Module], loader: Any) -> int:
     """The bytes of one batch's fp32 logits in the causal and masked language models
-    ``fused_ops: [linear_cross_entropy]`` would fuse (`aiak.ops.lm_head.fusable_lm_heads`): tokens per batch (the loader's ``batch_size`` times the
-    longest of the first `LENGTH_PROBE_SAMPLES` samples of its map-style dataset) x vocabulary x 4. The
+    ``fused_ops: [linear_cross_entropy]`` would fuse (`aiak.ops.lm_head.fusable_lm_heads`): tokens per batch (the
+    loader's ``batch_size`` times the longest of the first `LENGTH_PROBE_SAMPLES` samples of its map-style
+    dataset) x vocabulary x 4. The
     unfused head holds about three tensors of that size at its peak (the logits, their log-softmax and its
     gradient). 0 without such a model or a loader whose batches can be measured."""
     vocab = sum(head.out_features if isinstance(head, nn.Linear) else head.base_layer.out_features

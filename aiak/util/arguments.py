@@ -31,6 +31,7 @@ from typing import Any, Optional
 from torch import nn
 from torch.optim import Optimizer
 
+from aiak.util.dist import is_dtensor
 from aiak.util.warn import warn_once
 
 CALL = "aiak.optimize(model, optimizer=None, loader=None, *, strategy=..., scheduler=None)"
@@ -147,11 +148,5 @@ def refuse_replaced_parameters(model: Any, optimizer: Optional[Optimizer]) -> No
 
 def _dtensors(params) -> list:
     """The DTensors among ``params`` (FSDP2's and tensor parallelism's parameters)."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return []
-    from torch.distributed.tensor import DTensor
-
-    return [p for p in params if isinstance(p, DTensor)]
+    return [p for p in params if is_dtensor(p)]
 

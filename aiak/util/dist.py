@@ -28,6 +28,16 @@ def group_device(group=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2's and tensor parallelism's parameters); False where torch was built
+    without torch.distributed."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def process_group_exists() -> bool:
     """torch's default process group is initialized (of any size, one rank included)."""
     return dist.is_available() and dist.is_initialized()
