@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from aiak.ops import replace_lm_heads, restore_lm_heads                    # noqa: E402
 from aiak.ops.lm_head import FusedCausalLM, lm_head_problem                 # noqa: E402
+from tests.graphs import graph_breaks                                       # noqa: E402
 
 VOCAB = 503
 
@@ -340,6 +341,14 @@ def test_a_compiled_masked_lm_scores_every_token_and_trains_as_unfused():
     fused_loss, fused_grads = _loss_and_grads(compiled, ids, labels)
     fused_grads = {name.removeprefix("_orig_mod."): g for name, g in fused_grads.items()}
     _assert_same_loss_and_grads(*_loss_and_grads(plain, ids, labels), fused_loss, fused_grads)
+
+    def step(model, ids, labels):
+        return model(input_ids=ids, labels=labels).loss
+
+    plain_breaks = graph_breaks(step, plain, ids, labels)
+    fused_breaks = graph_breaks(step, compiled._orig_mod, ids, labels)
+    assert not [b for b in fused_breaks if "/aiak/" in b], fused_breaks      # none in aiak's code
+    assert len(fused_breaks) <= len(plain_breaks), (fused_breaks, plain_breaks)
 
 
 def _tensor_parallel_head(rank, world):
