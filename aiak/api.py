@@ -62,7 +62,7 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
     check_unpacking(scheduler is not None)
     _check_count_items(count_items, optimizer, loader)
     given_optimizer, (optimizer, wrappers) = optimizer, unwrap_optimizer(optimizer)
-    check_arguments(model, optimizer, scheduler)
+    check_arguments(model, optimizer, scheduler, loader)
     bare = model.module if is_ddp(model) else model  # a DDP the script built: the strategy is chosen for its model
     before: Optional[ModelRecord] = marked(bare, "_aiak_applied")
     if before is not None:  # a second optimizer for a model optimized before

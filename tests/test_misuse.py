@@ -50,6 +50,26 @@ def test_a_model_or_optimizer_of_the_wrong_kind_is_named():
         aiak.optimize(model, _net(1), strategy="default")
 
 
+def test_a_scheduler_in_the_loader_or_optimizer_slot_is_named_with_where_it_goes():
+    """A scheduler passed positionally lands in the loader's (or the optimizer's) slot: it would come back as the
+    "loader". It is refused before anything is applied, naming the slot and ``scheduler=``."""
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    for wrong in (scheduler, plateau):
+        with pytest.raises(TypeError, match=rf"third argument \(loader\) is a learning-rate scheduler "
+                                            rf"\({type(wrong).__name__}\).*pass it as scheduler="):
+            aiak.optimize(model, optimizer, wrong, strategy={"precision": {"level": "O2"}})
+    with pytest.raises(TypeError, match=r"second argument \(optimizer\) is a learning-rate scheduler \(StepLR\).*"
+                                        r"pass the optimizer there and the scheduler as scheduler="):
+        aiak.optimize(model, scheduler, strategy="default")
+    assert _untouched(model) and not hasattr(optimizer, "_aiak_steps")
+    # where it belongs, it is taken
+    model, optimizer, loader, scheduler = aiak.optimize(model, optimizer, scheduler=scheduler, strategy="default")
+    assert loader is None and isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+
+
 def test_a_model_with_nothing_to_train_is_said_once(warnings_said_again, said):
     model = _net()
     model.requires_grad_(False)

@@ -5,6 +5,8 @@ instead of being accepted (and a strategy applied to the wrong model) or failing
 ``AttributeError``:
 
 * arguments in the wrong order (``aiak.optimize(optimizer, model, loader)``), or a model that is not a module;
+* a learning-rate scheduler passed positionally (``aiak.optimize(model, optimizer, scheduler)``): it lands in the
+  loader's slot (or the optimizer's) and would come back as the "loader"; it goes in as ``scheduler=``;
 * an optimizer that holds none of the model's parameters (built for another model, or before the model was
   replaced): training would update that other model;
 * a scheduler built on another optimizer: it would change another optimizer's learning rate.
@@ -30,6 +32,7 @@ from typing import Any, Optional
 
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from aiak.util.dist import is_dtensor
 from aiak.util.warn import warn_once
@@ -37,7 +40,8 @@ from aiak.util.warn import warn_once
 CALL = "aiak.optimize(model, optimizer=None, loader=None, *, strategy=..., scheduler=None)"
 
 
-def check_arguments(model: Any, optimizer: Optional[Any], scheduler: Optional[Any] = None) -> None:
+def check_arguments(model: Any, optimizer: Optional[Any], scheduler: Optional[Any] = None,
+                    loader: Optional[Any] = None) -> None:
     """Raise one ``TypeError`` / ``ValueError`` for a setup that cannot be what the script means (see the module
     docstring); ``optimizer`` is the optimizer itself (a framework's wrapper already seen through)."""
     if not isinstance(model, nn.Module):
@@ -48,15 +52,34 @@ def check_arguments(model: Any, optimizer: Optional[Any], scheduler: Optional[An
         raise TypeError(f"{CALL}: the first argument must be the model (a torch.nn.Module), got "
                         f"{type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, Optimizer):
+        if _is_scheduler(optimizer):
+            raise TypeError(f"{CALL}: the second argument (optimizer) is a learning-rate scheduler "
+                            f"({type(optimizer).__name__}), not an optimizer: pass the optimizer there and the "
+                            "scheduler as scheduler=: aiak.optimize(model, optimizer, loader, scheduler=scheduler)")
         if isinstance(optimizer, nn.Module):
             raise TypeError(f"{CALL}: the second argument must be the optimizer, got another model "
                             f"({type(optimizer).__name__})")
         raise TypeError(f"{CALL}: the second argument must be the optimizer (a torch.optim.Optimizer) or None, got "
                         f"{type(optimizer).__name__}")
+    if loader is not None and _is_scheduler(loader):
+        raise TypeError(f"{CALL}: the third argument (loader) is a learning-rate scheduler ({type(loader).__name__}), "
+                        "not a loader: it would come back as the loader and never be bound to the step; pass it as "
+                        "scheduler=: aiak.optimize(model, optimizer, loader, scheduler=scheduler) (loader=None when "
+                        "there is none)")
     if optimizer is not None:
         _check_optimizer_owns(model, optimizer)
     if scheduler is not None:
         _check_scheduler(scheduler, optimizer)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is a learning-rate scheduler: torch's (``ReduceLROnPlateau`` included), or a framework's that
+    steers an optimizer (an ``optimizer`` attribute with param groups, a ``step``) and yields no batches."""
+    if isinstance(obj, LRScheduler):
+        return True
+    steered = getattr(obj, "optimizer", None)
+    return (hasattr(steered, "param_groups") and callable(getattr(obj, "step", None))
+            and not hasattr(obj, "__iter__"))
 
 
 def _check_optimizer_owns(model: nn.Module, optimizer: Optimizer) -> None:
