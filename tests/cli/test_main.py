@@ -182,6 +182,46 @@ def test_every_option_of_every_command_has_a_description_and_its_default():
                 assert f"default: {shown}" in " ".join(text.split()), (name, label, text)
 
 
+def _stated_default(parser, action):
+    """The default ``--help`` states for ``action`` (its first word after "default: "), or None."""
+    helped = " ".join(parser._get_formatter()._expand_help(action).split())
+    match = re.search(r"\bdefault: ([^,;)\s]+)", helped)
+    return match[1] if match else None
+
+
+def test_every_default_docs_cli_states_is_the_one_help_gives():
+    """docs/cli.md writes an option's default as its value in the usage (``[--rounds 20]``) and a placeholder in
+    capitals (``[--steps N]``, or the option's metavar); each stated default must be the parser's, each option must
+    exist, and a bare ``[--flag]`` must take no value. The page once said ``--rounds 10`` and ``--steps 30`` while
+    ``--help`` said 20 and 40."""
+    from pathlib import Path
+
+    from aiak.cli import build_parser
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    usages = {m[1]: m[2] for m in re.finditer(r"^- `aiak (\w+)([^`]*)`", doc, re.M)}
+    assert set(usages) == set(commands), usages
+    checked, wrong = 0, []
+    for name, usage in usages.items():
+        sub = commands[name]
+        options = {o: a for a in sub._actions for o in a.option_strings}
+        for option, value in re.findall(r"\[(--[\w-]+)(?: ([^\]\s]+))?(?: \.\.\.)?\]", " ".join(usage.split())):
+            assert option in options, f"docs/cli.md: aiak {name} has no option {option}"
+            action = options[option]
+            if not value:
+                assert action.nargs == 0, f"docs/cli.md: aiak {name} {option} takes a value, the page shows none"
+                continue
+            if value == action.metavar or re.fullmatch(r"[A-Z][A-Z0-9_,.]*", value):
+                continue  # a placeholder, not a default
+            helped = _stated_default(sub, action)
+            checked += 1
+            if value != helped or (action.default is not None and value != str(action.default)):
+                wrong.append(f"aiak {name} {option}: docs/cli.md says {value}, --help says {helped}")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 6, checked  # the page does state defaults: the check is not vacuous
+
+
 DEMO_ROW = re.compile(r"^  (?P<run>baseline|aiak)\s+(?P<steps>\d+)\s+(?P<median>[\d.]+) \((?P<p10>[\d.]+)-(?P<p90>[\d.]+)\)"
                       r"\s+(?P<throughput>[\d.]+)\s+(?P<loss>[\d.]+)$")
 

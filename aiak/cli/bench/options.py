@@ -24,13 +24,14 @@ def add_arguments(parser) -> None:
                         help="image size (e.g. 3,64,64), or one number, the sequence length, for a text model "
                              "(default: the model's own)")
     parser.add_argument("--steps", type=whole_number(1), default=None, metavar="N",
-                        help="timed steps per contender, cut into --rounds rounds (default: 40, or --rounds if that "
-                             "is more)")
+                        help="timed steps per contender, cut into --rounds rounds "
+                             f"(default: {DEFAULT_STEPS}, or --rounds if that is more)")
     parser.add_argument("--warmup", type=whole_number(0), default=5, metavar="N",
                         help="untimed steps per contender first, alternating (they train too)")
     parser.add_argument("--rounds", type=whole_number(1), default=None, metavar="N",
                         help="rounds of alternation; the speedup is the median of their ratios, and a verdict needs "
-                             f"{MIN_ROUNDS_FOR_VERDICT} or more (default: 20, or --steps if that is fewer)")
+                             f"{MIN_ROUNDS_FOR_VERDICT} or more (default: {DEFAULT_ROUNDS}, or --steps if that is "
+                             "fewer)")
     parser.add_argument("--device", type=device_type, default=None, metavar="D",
                         help="cpu, cuda or cuda:N (default: cuda when available, else cpu; under torchrun each rank "
                              "takes cuda:LOCAL_RANK)")
