@@ -1,4 +1,4 @@
-"""``aiak.optimize``: chooses a strategy (the rules, then the trials), applies it through :mod:`aiak.apply` inside a
+"""``aiak.optimize``: chooses a strategy (the rules, then the trials), applies it through `aiak.apply` inside a
 snapshot (all or nothing), records the decision and says what was applied; ``explain`` says what it would do."""
 from __future__ import annotations
 
@@ -36,28 +36,28 @@ def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "
 
     The same objects come back, patched in place or wrapped; the training loop stays
     ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``strategy`` is ``"auto"``, a built-in
-    profile name, a YAML path, a dict or an :class:`aiak.Strategy`. ``device`` moves the model there first
+    profile name, a YAML path, a dict or an `aiak.Strategy`. ``device`` moves the model there first
     (default: where its parameters already are).
 
     With ``tune`` on (the default for ``"auto"``), candidate strategies are first timed on copies of the
     model and optimizer and on the loader's first batches, which the returned loader then yields first
-    (:mod:`aiak.tune.trials`); ``aiak.last_decision()`` says what was chosen and why.
+    (`aiak.tune.trials`); ``aiak.last_decision()`` says what was chosen and why.
 
-    All or nothing: the arguments (:mod:`aiak.util.arguments`: their order, an optimizer or a scheduler of
+    All or nothing: the arguments (`aiak.util.arguments`: their order, an optimizer or a scheduler of
     another model) and the strategy are validated before anything is touched, and if a later step fails, the
-    model, optimizer, scheduler and loader are put back exactly as they were (:mod:`aiak.runtime.rollback`) before
+    model, optimizer, scheduler and loader are put back exactly as they were (`aiak.runtime.rollback`) before
     the error propagates.
 
     A framework's optimizer wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
     seen through: the optimizer inside is the one patched, and the wrapper comes back
-    (:mod:`aiak.step.wrappers`).
+    (`aiak.step.wrappers`).
 
     ``count_items``: a function of a batch returning the items its loss averages over (a causal language model's
     loss averages over the labels shifted by one: ``lambda b: (b["labels"][:, 1:] != -100).sum()``; a masked
     language model's over the labels as they are: ``lambda b: (b["labels"] != -100).sum()``), called by the
     returned loader for each batch, or ``True`` when the script calls
-    :func:`aiak.count_items` itself: accumulation windows (and, under DDP, the ranks' gradients) are then averaged
-    by items, the big batch's gradient for mean-over-items losses (:mod:`aiak.step.window_items`).
+    `aiak.count_items` itself: accumulation windows (and, under DDP, the ranks' gradients) are then averaged
+    by items, the big batch's gradient for mean-over-items losses (`aiak.step.window_items`).
     """
     check_unpacking(scheduler is not None)
     _check_count_items(count_items, optimizer, loader)
@@ -180,5 +180,5 @@ def _planned(strategy, model) -> Optional[Summary]:
 
 def last_decision() -> Optional["decisions.Decision"]:
     """The record of the most recent ``optimize()``: strategy, knobs with source and reason, trials
-    (:mod:`aiak.tune.decision`); ``.to_dict()`` is JSON-ready."""
+    (`aiak.tune.decision`); ``.to_dict()`` is JSON-ready."""
     return decisions.last_decision()

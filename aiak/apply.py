@@ -1,11 +1,11 @@
-"""The one applier of a strategy: the phases of the phase table (:mod:`aiak.strategy.phases`: switches, module
+"""The one applier of a strategy: the phases of the phase table (`aiak.strategy.phases`: switches, module
 surgery, optimizer, channels_last, precision, the step controller, DDP, compile, loader), in that order, each a
-function of :data:`PHASES` that writes what it did into a :class:`Summary`. The phases share one
-:class:`Applying` and apply the strategy with its derived settings resolved first (:mod:`aiak.strategy.derived`),
+function of `PHASES` that writes what it did into a `Summary`. The phases share one
+`Applying` and apply the strategy with its derived settings resolved first (`aiak.strategy.derived`),
 so no phase derives a setting itself.
 
-``aiak.optimize()`` calls :func:`apply_strategy` inside a :class:`~aiak.runtime.rollback.Snapshot` (all or nothing), and
-the trials (:mod:`aiak.tune.trials`) call it on their copies with ``distributed=False``, so a candidate is timed
+``aiak.optimize()`` calls `apply_strategy` inside a `Snapshot` (all or nothing), and
+the trials (`aiak.tune.trials`) call it on their copies with ``distributed=False``, so a candidate is timed
 exactly as it would be applied.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from aiak.util.text import yaml_text
 
 @dataclass
 class Summary:
-    """What each step of :func:`apply_strategy` did, knob by knob: the "applied" part of the decision record."""
+    """What each step of `apply_strategy` did, knob by knob: the "applied" part of the decision record."""
 
     lines: List[Tuple[str, str, str]] = field(default_factory=list)  # (knob, value, effect)
 
@@ -71,7 +71,7 @@ MODEL_KNOBS = knobs.model_knobs()
 class ModelRecord:
     """What ``optimize()`` applied to a model, kept on it (``model._aiak_applied``) for a later ``optimize()`` of
     another optimizer of the same model: two optimizers of one module, or Lightning calling
-    ``configure_optimizers`` again for a second ``fit``. Model-level knobs (:data:`MODEL_KNOBS`) are applied once;
+    ``configure_optimizers`` again for a second ``fit``. Model-level knobs (`MODEL_KNOBS`) are applied once;
     each optimizer gets its own step controller, sharing the model's loss scaler."""
 
     strategy: Strategy
@@ -81,8 +81,8 @@ class ModelRecord:
 
 @dataclass
 class Applied:
-    """What :func:`apply_strategy` returns: the (possibly wrapped) objects, the summary, the step controller, and
-    the settings derived for this run (:mod:`aiak.strategy.derived`), for the decision record."""
+    """What `apply_strategy` returns: the (possibly wrapped) objects, the summary, the step controller, and
+    the settings derived for this run (`aiak.strategy.derived`), for the decision record."""
 
     model: Any
     optimizer: Any
@@ -95,7 +95,7 @@ class Applied:
 
 @dataclass
 class Applying:
-    """What the phases of one :func:`apply_strategy` call share, each leaving it for the next: the objects as the
+    """What the phases of one `apply_strategy` call share, each leaving it for the next: the objects as the
     phases so far left them, what they built (the loss scaler, the step controller) and the facts of the call."""
 
     strategy: Strategy                 # with its derived settings: what the phases apply
@@ -127,15 +127,15 @@ class Applying:
 def apply_strategy(s: Strategy, model: nn.Module, optimizer, loader, scheduler, device,
                    *, distributed: bool = True, model_applied: Optional[ModelRecord] = None,
                    count_items: Any = None) -> Applied:
-    """Steps 2-7 of applying a validated strategy: each phase of :data:`PHASES`, in order (the phase table,
-    :mod:`aiak.strategy.phases`, says what each applies and reads), on the strategy with its derived settings
-    (:mod:`aiak.strategy.derived`).
+    """Steps 2-7 of applying a validated strategy: each phase of `PHASES`, in order (the phase table,
+    `aiak.strategy.phases`, says what each applies and reads), on the strategy with its derived settings
+    (`aiak.strategy.derived`).
 
-    The one place a strategy is applied: ``optimize()`` calls it (inside a :class:`~aiak.runtime.rollback.Snapshot`),
-    and so do the trials (:mod:`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping, one
-    process, nothing derived). ``model_applied``: the model was optimized before (see :class:`ModelRecord`); only
+    The one place a strategy is applied: ``optimize()`` calls it (inside a `Snapshot`),
+    and so do the trials (`aiak.tune.trials`, on copies, with ``distributed=False``: no DDP wrapping, one
+    process, nothing derived). ``model_applied``: the model was optimized before (see `ModelRecord`); only
     the phases of one optimizer run. ``count_items``: ``True`` (the script calls ``aiak.count_items``) or a
-    function of a batch the loader calls (:func:`_wrap_loader`); either way the optimizer gets a step controller.
+    function of a batch the loader calls (`_wrap_loader`); either way the optimizer gets a step controller.
     """
     if model_applied is None and model is not None and device is not None:
         model.to(model_device(model, device))
@@ -227,7 +227,7 @@ def _precision(ctx: Applying) -> None:
 
 def _step_controller(ctx: Applying) -> None:
     """The scheduler re-pointed to a swapped optimizer, and the step controller when the steps need one
-    (accumulation, loss scaling, :func:`_steps_need_control`); for another optimizer of an optimized model, the
+    (accumulation, loss scaling, `_steps_need_control`); for another optimizer of an optimized model, the
     controller steps under the DDP the model already has."""
     s = ctx.strategy
     if ctx.scheduler is not None and ctx.optimizer is not ctx.user_optimizer:
@@ -328,7 +328,7 @@ def _compile(ctx: Applying) -> None:
 
 
 def _loader(ctx: Applying) -> None:
-    """The loader wrapped, last (:func:`_wrap_loader`)."""
+    """The loader wrapped, last (`_wrap_loader`)."""
     ctx.loader = _wrap_loader(ctx.strategy, ctx.loader, ctx.device, ctx.controller, ctx.count_items, ctx.summary)
 
 
@@ -390,7 +390,7 @@ def _attach_comm(controller: StepController, wrapped) -> None:
 
 # -- another optimizer of a model optimized before ---------------------------------------------------------------
 def _apply_to_another_optimizer(ctx: Applying) -> Applied:
-    """The phases of one optimizer (:data:`PER_OPTIMIZER`), for a model optimized before: its model-level knobs
+    """The phases of one optimizer (`PER_OPTIMIZER`), for a model optimized before: its model-level knobs
     are kept as the first ``optimize()`` applied them, its loss scaler shared."""
     algorithm = getattr(ctx.model, "aiak_comm_algorithm", None)
     if algorithm is not None and ctx.user_optimizer is not None:

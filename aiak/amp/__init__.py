@@ -2,7 +2,7 @@
 a script's own ``GradScaler`` beside them, and warnings for precisions the device only emulates.
 
 The TF32 switch, which the public contract lists under ``aiak.amp``, lives with the other process switches in
-:mod:`aiak.runtime.switches` and is handed on here; nothing in aiak imports it from here."""
+`aiak.runtime.switches` and is handed on here; nothing in aiak imports it from here."""
 from aiak.amp.emulation import emulation_warning
 from aiak.amp.half_compute import HalfCompute
 from aiak.amp.scaling.loss_scaler import LossScaler

@@ -1,4 +1,4 @@
-"""The ``precision:`` section of a strategy: what :func:`aiak.amp.apply_precision` reads."""
+"""The ``precision:`` section of a strategy: what `aiak.amp.apply_precision` reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,14 +18,14 @@ class Precision:
 
     ``loss_scale`` is ``dynamic``, a positive number (static scale) or ``none`` (no scaling; refused for
     fp16 at O1/O2, where small gradients underflow). ``keep_fp32``: module class names or module paths that O2
-    computes in fp32, with their inputs cast for them (:mod:`aiak.amp.fp32_modules`); each must name a module of
+    computes in fp32, with their inputs cast for them (`aiak.amp.fp32_modules`); each must name a module of
     the model.
 
-    ``fp8``: torchao's float8 training recipe for the eligible ``nn.Linear`` layers (:mod:`aiak.amp.fp8`), the
+    ``fp8``: torchao's float8 training recipe for the eligible ``nn.Linear`` layers (`aiak.amp.fp8`), the
     rest computing as ``level`` says; ``off`` by default. ``fp8_skip``: layers left in high precision: ``first``
     and ``last`` (the model's first and last ``nn.Linear``), module paths and class names. Whether torchao is
     installed is not a property of the file: a profile naming fp8 loads anywhere; applying it without torchao is
-    one error naming the extra (:func:`aiak.amp.fp8.apply_fp8`, before any layer changes), and ``auto`` leaves
+    one error naming the extra (`aiak.amp.fp8.apply_fp8`, before any layer changes), and ``auto`` leaves
     fp8 out there.
     """
 

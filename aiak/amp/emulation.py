@@ -42,8 +42,8 @@ def emulation_warning(dtype: str, device: torch.device, *, cpu_flags: Optional[F
                       capability: Optional[Tuple[int, int]] = None) -> Optional[Tuple[str, str]]:
     """``(key, message)`` if ``dtype`` ("fp16" / "bf16") is emulated on ``device``, else None.
 
-    ``cpu_flags`` and ``capability`` default to the probes of this machine (:mod:`aiak.util.machine.cpu`,
-    :mod:`aiak.util.machine.devices`); passing them describes another machine. ``key`` names the knob and device kind,
+    ``cpu_flags`` and ``capability`` default to the probes of this machine (`aiak.util.machine.cpu`,
+    `aiak.util.machine.devices`); passing them describes another machine. ``key`` names the knob and device kind,
     for warning once.
     """
     if device.type == "cpu":

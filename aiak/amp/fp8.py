@@ -9,8 +9,8 @@ Learning", 2022, for e4m3/e5m2 and scaled casts):
 * ``rowwise``: a scale per row (per column of the weight), more accurate with outliers;
 * ``rowwise_with_gw_hp``: rowwise, with the weight-gradient product kept in high precision.
 
-:func:`apply_fp8` converts the eligible ``nn.Linear`` layers of a model in place by swapping their class for
-``Float8<Name>`` (:mod:`aiak.runtime.class_swap`): the module's ``forward`` becomes torchao's float8 matmul, fed
+`apply_fp8` converts the eligible ``nn.Linear`` layers of a model in place by swapping their class for
+``Float8<Name>`` (`aiak.runtime.class_swap`): the module's ``forward`` becomes torchao's float8 matmul, fed
 with the module's own ``weight`` and ``bias`` read at every call. So the parameters stay the user's fp32 tensors
 (an O2 region's half copies when one is open), ``state_dict()`` keys and dtypes are those of the plain model, hooks
 registered on the layer still run, and copies compute the same way. torchao's own conversion
@@ -19,7 +19,7 @@ layers. Only the float8 autograd function and the config objects come from torch
 
 Eligible: an ``nn.Linear`` that is not parametrized and whose class keeps ``nn.Linear.forward``, with both
 dimensions multiples of 16 (what the fp8 GEMM accepts), outside ``nn.MultiheadAttention`` (which reads its
-projection weights without calling them), outside modules kept in fp32 (:mod:`aiak.amp.fp32_modules`), and not
+projection weights without calling them), outside modules kept in fp32 (`aiak.amp.fp32_modules`), and not
 named by ``precision.fp8_skip``.
 That list defaults to ``[first, last]``, the model's first and last ``nn.Linear`` in registration order, since
 torchao advises keeping those in high precision. It also takes module paths and class names.
@@ -28,7 +28,7 @@ torchao's float8 backward cannot be differentiated again: a backward with ``crea
 penalty) through a converted layer is refused at once, naming the layer and ``precision.fp8_skip``.
 
 Where the device has no fp8 tensor cores (a CPU, a GPU below 8.9) torchao emulates the casts and products:
-numerically the same recipe and slow, which :mod:`aiak.amp.emulation` warns about once. This is how the tests
+numerically the same recipe and slow, which `aiak.amp.emulation` warns about once. This is how the tests
 run it.
 """
 from __future__ import annotations
@@ -172,8 +172,8 @@ def _inside(path: str, prefixes: Sequence[str]) -> bool:
 
 
 def plan_fp8(model: nn.Module, recipe: str, skip: Sequence[str] = EDGES) -> Fp8Plan:
-    """What :func:`apply_fp8` would convert, without torchao. An entry of ``skip`` other than ``first`` and
-    ``last`` names modules as ``precision.keep_fp32`` does (:func:`~aiak.amp.fp32_modules.modules_named`: a class
+    """What `apply_fp8` would convert, without torchao. An entry of ``skip`` other than ``first`` and
+    ``last`` names modules as ``precision.keep_fp32`` does (`modules_named`: a class
     name or a module path, else one ``StrategyError``); the layers inside them stay in high precision."""
     modules = dict(model.named_modules())
     named = {id(m) for m in modules_named(model, [s for s in skip if s not in EDGES], "precision.fp8_skip")}

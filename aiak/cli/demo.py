@@ -75,7 +75,7 @@ class DemoError(ValueError):
 
 @dataclass
 class DemoResult:
-    """Both runs of :func:`run_demo`: the same steps, the same data, alternated in rounds."""
+    """Both runs of `run_demo`: the same steps, the same data, alternated in rounds."""
 
     baseline: Contender
     optimized: Contender
@@ -98,8 +98,8 @@ class DemoResult:
 
 
 def plan(epochs: int, n: int, batch_size: int, rounds: int, warmup: int) -> Tuple[int, int, int]:
-    """``(steps per side, steps per round, warm-up steps)`` of a demo (:func:`aiak.measure.rounds.plan_rounds`);
-    :class:`DemoError` naming the flags when the steps do not fill ``warmup`` steps and ``rounds`` rounds."""
+    """``(steps per side, steps per round, warm-up steps)`` of a demo (`aiak.measure.rounds.plan_rounds`);
+    `DemoError` naming the flags when the steps do not fill ``warmup`` steps and ``rounds`` rounds."""
     steps = epochs * (n // batch_size)
     try:
         warmup, per_round = plan_rounds(steps, rounds, warmup)
@@ -114,7 +114,7 @@ def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size:
              warmup: int = 5, show_progress: bool = True, seed: int = 0) -> DemoResult:
     """Train the demo model twice from the same weights on the same batches, plain PyTorch and
     ``aiak.optimize(strategy=...)``, alternating the two in ``rounds`` rounds after ``warmup`` steps each
-    (:func:`aiak.measure.rounds.alternate`). Steps that do not fill a round are added to the warm-up, so both
+    (`aiak.measure.rounds.alternate`). Steps that do not fill a round are added to the warm-up, so both
     sides train every step of ``epochs`` epochs."""
     import aiak
 

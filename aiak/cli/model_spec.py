@@ -4,7 +4,7 @@
 the right kind of data without the user writing a script. A SPEC is one of (a public contract):
 
 ========================  =====================================================================================
-``demo``                  :class:`aiak.cli.demo.DemoNet` (a small CNN with BatchNorm), 3x32x32 images
+``demo``                  `aiak.cli.demo.DemoNet` (a small CNN with BatchNorm), 3x32x32 images
 ``timm:NAME``             ``timm.create_model(NAME, pretrained=False)``; input from its ``pretrained_cfg``
 ``torchvision:NAME``      ``torchvision.models.get_model(NAME, weights=None)`` (classification models), 224 px
 ``hf:NAME``               a transformers model *type* (``swin``, ``vit``, ``bert``, ``resnet``, ...): the
@@ -18,7 +18,7 @@ Weights are random and nothing is downloaded (never ``pretrained=True``, ``weigh
 and transformers are imported only inside the branch that needs them, so ``import aiak`` loads none of them.
 
 The data is synthetic and learnable, so a loss comparison means something: an image of class ``k`` is a
-fixed random pattern plus Gaussian noise (as :func:`aiak.cli.demo.synthetic_dataset`); a text sample of class
+fixed random pattern plus Gaussian noise (as `aiak.cli.demo.synthetic_dataset`); a text sample of class
 ``k`` is random tokens in which about one in five is class ``k``'s keyword, padded at the end to a fixed
 length (``attention_mask`` marks the real tokens). Samples are generated from ``(seed, index)`` when read,
 so a large input shape never holds the whole data set in memory.
@@ -64,7 +64,7 @@ class ModelSetup:
 
     ``input_shape`` is ``(C, H, W)`` for images and ``(length,)`` for text; each batch of ``loader`` is
     ``(images, labels)`` for images and ``{"input_ids", "attention_mask", "labels"}`` for text (see
-    :func:`compute_loss`).
+    `compute_loss`).
     """
 
     model: nn.Module
@@ -85,7 +85,7 @@ def _sample_generator(seed: int, index: int) -> torch.Generator:
 class SyntheticImages(Dataset):
     """``n`` learnable images of ``shape`` (C, H, W): class ``k`` is pattern ``k`` plus ``noise`` x N(0, 1).
 
-    With the default noise (0.8, as :func:`aiak.cli.demo.synthetic_dataset`) a model learns the classes within
+    With the default noise (0.8, as `aiak.cli.demo.synthetic_dataset`) a model learns the classes within
     tens of steps; a benchmark that compares losses over a fixed number of steps raises it to keep the task
     from being solved (loss near 0 hides any difference).
     """
@@ -135,7 +135,7 @@ class SyntheticText(Dataset):
 
 
 def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Cross-entropy of ``model`` on one batch of a :class:`ModelSetup` loader: what a user's loop computes."""
+    """Cross-entropy of ``model`` on one batch of a `ModelSetup` loader: what a user's loop computes."""
     if isinstance(batch, dict):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return nn.functional.cross_entropy(logits_of(model(**inputs)).float(), batch["labels"])
@@ -177,7 +177,7 @@ class _NoSuchArgument(Exception):
 
 
 def _construct(spec: str, constructor, *args, **kwargs) -> nn.Module:
-    """``constructor(*args, **kwargs)``; a failure becomes one :class:`ModelSpecError` naming the call."""
+    """``constructor(*args, **kwargs)``; a failure becomes one `ModelSpecError` naming the call."""
     try:
         return constructor(*args, **kwargs)
     except TypeError as e:
@@ -396,11 +396,11 @@ def from_model(model: nn.Module, *, spec: str, kind: str = "image", input_shape:
                batch_size: int = 32, samples: Optional[int] = None, seed: int = 0,
                vocab_size: Optional[int] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                family: str = "", note: str = "") -> ModelSetup:
-    """A :class:`ModelSetup` around a model built elsewhere (a benchmark's small variant, a test's model).
+    """A `ModelSetup` around a model built elsewhere (a benchmark's small variant, a test's model).
 
     ``spec`` only names the model in the description. ``kind`` is ``"image"`` (``input_shape`` C,H,W) or
     ``"text"`` (``input_shape`` (length,), ``vocab_size`` needed). The optimizer defaults to
-    :func:`default_optimizer`.
+    `default_optimizer`.
     """
     if kind not in ("image", "text"):
         raise ValueError(f"kind must be 'image' or 'text', got {kind!r}")
@@ -432,7 +432,7 @@ def build(spec: str, *, batch_size: Optional[int] = None, input_shape: Optional[
     ``samples`` synthetic samples (default 16 batches) in batches of ``batch_size`` (default 64 for ``demo``,
     32 otherwise). ``input_shape`` overrides the image size (C, H, W), or the sequence length (one number)
     for a text model; models that fix their size at construction (timm ViT/Swin, torchvision ViT, Hugging
-    Face image models) are built for it. Raises :class:`ModelSpecError` for a SPEC that cannot be built.
+    Face image models) are built for it. Raises `ModelSpecError` for a SPEC that cannot be built.
 
     Weights come from ``torch.manual_seed(seed)`` inside a forked RNG: the same SPEC and seed give the same
     model, and the caller's RNG state is left as it was.

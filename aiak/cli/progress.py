@@ -18,7 +18,7 @@ __all__ = ["Board"]
 
 
 def _library(stream: TextIO) -> str:
-    """``"rich"``, ``"tqdm"`` or ``"lines"``: what :class:`Board` draws with on ``stream``."""
+    """``"rich"``, ``"tqdm"`` or ``"lines"``: what `Board` draws with on ``stream``."""
     if not is_terminal(stream):
         return "lines"
     for name in ("rich", "tqdm"):

@@ -1,12 +1,12 @@
 """aiak.comm: communication under DDP, in three rooms.
 
-- :mod:`aiak.comm.allreduce`: how gradients travel when every rank averages them (the hook's stages: flat,
+- `aiak.comm.allreduce`: how gradients travel when every rank averages them (the hook's stages: flat,
   hierarchical, compressed, several connections, CPU-Reduce; topology, buckets, the comm autotuner);
-- :mod:`aiak.comm.algorithms`: what is synchronised (``comm.algorithm``): the :class:`CommAlgorithm` interface and
+- `aiak.comm.algorithms`: what is synchronised (``comm.algorithm``): the `CommAlgorithm` interface and
   its registry by name (allreduce, local SGD, decentralized SGD, PowerSGD);
-- :mod:`aiak.comm.diagnostics`: watching communication go wrong (the stall watch, the deadlock guard).
+- `aiak.comm.diagnostics`: watching communication go wrong (the stall watch, the deadlock guard).
 
-``optimize()`` calls :func:`wrap_distributed` (step 5); the other names are for users who assemble the pieces
+``optimize()`` calls `wrap_distributed` (step 5); the other names are for users who assemble the pieces
 themselves. Importing this package touches neither CUDA nor a process group.
 """
 from aiak.comm.allreduce.autotune import CommChoice, StepTuner, cache_key, model_signature, read_choice, tune_comm

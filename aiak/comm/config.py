@@ -1,4 +1,4 @@
-"""The ``comm:`` section of a strategy: how gradients travel under DDP (:func:`aiak.comm.wrap_distributed`)."""
+"""The ``comm:`` section of a strategy: how gradients travel under DDP (`aiak.comm.wrap_distributed`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,10 +45,10 @@ class CommConfig:
     fp32 values; int8 chunks hold twice as many values; 0 = whole buckets); ``compress_intra`` also compresses
     the intra-node steps (fp16/bf16); ``int8_block`` is the number of values sharing one min/scale.
     ``stall_warn_s``: a collective of aiak's communication hook that has waited this long warns which ranks
-    have not reached it and where they were last seen, then waits on (:mod:`aiak.comm.diagnostics.stall`; 0 = off).
+    have not reached it and where they were last seen, then waits on (`aiak.comm.diagnostics.stall`; 0 = off).
     DDP's own allreduce (flat fp32 with nothing else set) runs without aiak's hook, so it is not watched.
     ``connections``: TCP connections per peer for the stage that crosses nodes (gloo; each cut into that many
-    pieces sent at once, :mod:`aiak.comm.allreduce.connections`): an integer, or ``auto``: the comm autotuner measures
+    pieces sent at once, `aiak.comm.allreduce.connections`): an integer, or ``auto``: the comm autotuner measures
     one against several (one without autotuning). NCCL's sockets are NCCL's own settings (``aiak doctor``).
     ``cpu_reduce``: ACSpeed's CPU-Reduce for NCCL jobs (GPUs sharing PCIe with the NIC): the hierarchical
     algorithm with its cross-node stage on pinned host copies over gloo. ``auto``: the comm autotuner measures it
@@ -63,7 +63,7 @@ class CommConfig:
     the model with PyTorch's FSDP2, ``fully_shard``: each rank holds 1/N of the parameters, gradients and optimizer
     state, all-gathered per unit for compute and reduce-scattered after; the settings of ``comm.fsdp``; none of DDP's
     settings above apply).
-    ``algorithm``: how ranks synchronise, a name of :data:`aiak.comm.algorithms.REGISTRY`: ``allreduce`` (the hooks
+    ``algorithm``: how ranks synchronise, a name of `aiak.comm.algorithms.REGISTRY`: ``allreduce`` (the hooks
     above), or one that changes the training and is only ever named by a profile or the user, each with its section
     of settings (the field of the same name).
     """

@@ -2,9 +2,9 @@
 
 What ``aiak.optimize`` calls in its step 5 (distributed wrapping). Without an initialized process group
 of more than one rank, the model is returned unchanged. Otherwise the model is wrapped in
-:class:`~torch.nn.parallel.DistributedDataParallel` with ``bucket_cap_mb`` from the strategy, the
-:func:`aiak.comm.allreduce.hooks.comm_hook` is registered with the chosen algorithm (or the comm autotuner picks it,
-see :mod:`aiak.comm.allreduce.autotune`), and ``state_dict()`` / ``load_state_dict()`` of the returned DDP object
+`DistributedDataParallel` with ``bucket_cap_mb`` from the strategy, the
+`aiak.comm.allreduce.hooks.comm_hook` is registered with the chosen algorithm (or the comm autotuner picks it,
+see `aiak.comm.allreduce.autotune`), and ``state_dict()`` / ``load_state_dict()`` of the returned DDP object
 use the user's own keys (no ``module.`` prefix; ``module.``-prefixed checkpoints still load).
 Gradient-accumulation micro-steps are the caller's: toggle ``ddp.require_backward_grad_sync``.
 """
@@ -113,7 +113,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
                      **options: Any) -> torch.nn.Module:
     """Wrap ``model`` in DDP with the communication settings of ``cfg`` (a ``CommConfig``).
 
-    ``options`` are the ``comm:`` keys the schema lacks yet (fields of :class:`~aiak.comm.config.CommConfig`): ``perf_mode``
+    ``options`` are the ``comm:`` keys the schema lacks yet (fields of `CommConfig`): ``perf_mode``
     (``comm`` | ``step``), ``tune_steps`` (timed runs or steps per candidate, default 3), ``tune_cache``
     (file; default ``$AIAK_TUNE_CACHE`` or ``~/.cache/aiak/tune.json``), ``tune_int8`` (let the tuner
     pick int8, default False: it changes numerics), ``deadlock_guard`` (default False), ``timeout_s`` (guard
@@ -179,7 +179,7 @@ def wrap_distributed(model: torch.nn.Module, cfg: Any = None, device=None, *, pr
 
 
 def _node_groups(opts: CommConfig, topology, algorithm, process_group):
-    """The intra- and inter-node groups (:func:`~aiak.comm.allreduce.topology.build_groups`) where the settings want
+    """The intra- and inter-node groups (`build_groups`) where the settings want
     them (``hierarchical`` or ``cpu_reduce`` true; ``auto``, the autotuner or an algorithm that averages inside
     nodes, where the topology has nodes of several ranks), else ``None``; a ``true`` that cannot apply says why.
     The one place the hierarchical route is made possible: the hook's state starts on it where ``hierarchical``
@@ -266,7 +266,7 @@ def _hook_existing(ddp, opts: CommConfig):
 
 
 def _connection_counts(opts: CommConfig, topology, process_group):
-    """:func:`aiak.comm.allreduce.connections.connection_counts` for this run; a number given that cannot apply says
+    """`aiak.comm.allreduce.connections.connection_counts` for this run; a number given that cannot apply says
     why."""
     crosses = topology.num_nodes > 1
     available = connections_available(process_group)

@@ -14,7 +14,7 @@ be set on a built DDP (``static_graph=True``, ...) is an error saying to put the
 line (aiak then keeps the script's DDP and registers its hook on it); ``find_unused_parameters=True`` is accepted
 when the strategy set ``comm.find_unused_parameters: true``, and otherwise the error names that key. Every
 other construction of a DDP, subclasses included, runs as it always does. The two methods are the
-``ddp-constructor`` patch of :mod:`aiak.runtime.patches`, installed with the first DDP aiak builds.
+``ddp-constructor`` patch of `aiak.runtime.patches`, installed with the first DDP aiak builds.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ With aiak's ``grad_accumulation: N`` and the Trainer's ``gradient_accumulation_s
 aiak's windows what the Trainer's own would be: each window closes at the epoch's last batch (``on_step_begin``
 tells aiak before that batch's forward), and each micro-batch is weighed by the items the Trainer counted for it
 (its ``num_items_in_batch``, the real tokens of a language model's labels, passed to a model that takes loss
-keyword arguments: a forward pre-hook hands it to :func:`aiak.count_items`), so a loss that is a mean over tokens
+keyword arguments: a forward pre-hook hands it to `aiak.count_items`), so a loss that is a mean over tokens
 accumulates to the big batch's mean over all its tokens, as the Trainer's own accumulation gives. With the
 Trainer's accumulation (``gradient_accumulation_steps > 1``) the Trainer already divides by the window's items;
 aiak's accumulation then steps aside and the callback counts nothing, so nothing is weighed twice.
@@ -84,8 +84,8 @@ class AiakTrainerCallback(TrainerCallback, ExportableState):
     """``Trainer(callbacks=[AiakTrainerCallback(strategy)])``: ``aiak.optimize`` on the Trainer's model, optimizer and
     scheduler when training begins (after the Trainer built them, before the first batch).
 
-    As an ``ExportableState`` its :meth:`state` goes into every checkpoint's ``trainer_state.json``: the strategy
-    and aiak's step state (:meth:`aiak.step.controller.StepController.checkpoint_extras`), which a resumed run
+    As an ``ExportableState`` its `state` goes into every checkpoint's ``trainer_state.json``: the strategy
+    and aiak's step state (`aiak.step.controller.StepController.checkpoint_extras`), which a resumed run
     takes back after ``optimize``.
     """
 

@@ -28,10 +28,10 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
     """Apply a ``LoaderConfig`` (``prefetch``, ``pin_memory``, ``balanced``) to the user's loader and return it.
 
     * ``balanced``: a torch ``DataLoader`` over variable-length samples is rebuilt around a
-      :class:`BalancedBatchSampler` that reshuffles every epoch as the loader's own sampler would, with
-      ``set_epoch`` reaching it through every handle (see :func:`balance_loader` for when it applies);
+      `BalancedBatchSampler` that reshuffles every epoch as the loader's own sampler would, with
+      ``set_epoch`` reaching it through every handle (see `balance_loader` for when it applies);
       otherwise a warning says why and the loader is kept.
-    * ``prefetch > 0``: the result is wrapped in a :class:`PrefetchLoader` of that depth moving batches to
+    * ``prefetch > 0``: the result is wrapped in a `PrefetchLoader` of that depth moving batches to
       ``device`` (pinned, side-stream copies on CUDA; ``channels_last`` 4-D float batches if asked).
     * A ``PrefetchLoader`` the script built itself is kept as it was configured (its device, depth and
       normalization: ``mean``/``std`` turn uint8 images into the inputs the model was written for), whatever

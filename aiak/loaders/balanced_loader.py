@@ -1,4 +1,4 @@
-"""Rebuild a user's ``DataLoader`` around a :class:`BalancedBatchSampler` that follows the user's sampler.
+"""Rebuild a user's ``DataLoader`` around a `BalancedBatchSampler` that follows the user's sampler.
 
 ``loader.balanced: true`` replaces the loader's batches, not its epochs: every epoch must still be shuffled
 as the user's own sampler would have shuffled it (a ``DistributedSampler``'s seed and ``set_epoch``, a
@@ -22,7 +22,7 @@ logger = logging.getLogger("aiak")
 
 
 class BalancedDataLoader(DataLoader):
-    """A ``DataLoader`` whose batches come from a :class:`BalancedBatchSampler` following the user's sampler.
+    """A ``DataLoader`` whose batches come from a `BalancedBatchSampler` following the user's sampler.
 
     ``batch_sampler`` is the balanced sampler. ``sampler`` stays the user's own sampler object (what the
     balanced plan follows), and the loader has ``set_epoch`` too, so ``sampler.set_epoch(e)``,
@@ -70,7 +70,7 @@ def sample_lengths(dataset: Any) -> Optional[List[int]]:
 
 
 def sample_length(sample: Any) -> int:
-    """The length of one sample, by the rule of :func:`sample_lengths` (raises when it has none)."""
+    """The length of one sample, by the rule of `sample_lengths` (raises when it has none)."""
     if isinstance(sample, torch.Tensor):
         return int(sample.shape[0]) if sample.dim() else 1
     if isinstance(sample, dict):
@@ -83,11 +83,11 @@ def sample_length(sample: Any) -> int:
 
 def balance_loader(loader: Any, *, rank: Optional[int] = None, world_size: Optional[int] = None,
                    max_tokens: Optional[int] = None) -> Any:
-    """Rebuild a ``DataLoader`` as a :class:`BalancedDataLoader`; keep every other setting.
+    """Rebuild a ``DataLoader`` as a `BalancedDataLoader`; keep every other setting.
 
     Applies to a ``torch.utils.data.DataLoader`` over a map-style dataset with a fixed ``batch_size`` and the
     default sampler (random without replacement, sequential, or ``DistributedSampler``), whose samples have
-    lengths (:func:`sample_lengths`) that are not all equal. Otherwise it logs a warning naming the reason and
+    lengths (`sample_lengths`) that are not all equal. Otherwise it logs a warning naming the reason and
     returns ``loader`` unchanged (an already balanced loader is returned as it is). Rank and world size come
     from a ``DistributedSampler``, else the initialized process group, else a single process. Each epoch is
     shuffled as the original sampler would have shuffled it (see ``BalancedBatchSampler``'s ``follow``).

@@ -68,12 +68,12 @@ class BalancedBatchSampler(Sampler[List[int]]):
         seed: same on every rank; default 0.
         drop_last: drop the last step when it cannot give every rank a full share; otherwise it is completed
             with samples from the start of the plan (as ``DistributedSampler`` pads), so no sample is lost.
-        follow: the sampler a ``DataLoader`` had before balancing (:func:`aiak.loaders.balance_loader` passes
+        follow: the sampler a ``DataLoader`` had before balancing (`aiak.loaders.balance_loader` passes
             it), so that every epoch is shuffled as that sampler would have shuffled it. ``shuffle`` and ``seed``
             then come from it (leave them unset):
 
             * ``DistributedSampler``: its ``shuffle`` and ``seed``; the epoch is its ``epoch``, read when an
-              epoch starts, and :meth:`set_epoch` here calls its ``set_epoch``, so both always agree.
+              epoch starts, and `set_epoch` here calls its ``set_epoch``, so both always agree.
             * ``RandomSampler``: every epoch iterates it once, so its generator (or torch's global RNG) is
               consumed exactly as a plain ``DataLoader`` would consume it, and that permutation breaks the ties;
               the steps are shuffled by a generator seeded from a digest of it. No ``set_epoch`` is needed. On

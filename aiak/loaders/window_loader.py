@@ -43,7 +43,7 @@ def batches_per_epoch(loader: Any) -> Optional[int]:
 
 
 def check_epochs_alike(loader: Any, accumulation: int) -> Optional[int]:
-    """``loader``'s batches per epoch (:func:`batches_per_epoch`), the same on every rank of the process group
+    """``loader``'s batches per epoch (`batches_per_epoch`), the same on every rank of the process group
     (one small collective): ranks closing their windows at different batches would send DDP's allreduces out of
     step. Raises naming the lengths if they differ; says once when no length is known (windows then run on)."""
     batches = batches_per_epoch(loader)

@@ -11,7 +11,7 @@ class StepClock:
 
     CPU: ``time.perf_counter``. CUDA: an event recorded on the current stream at each mark, because host time
     between two hook calls is kernel-launch time, not step time. CUDA marks are read (one synchronisation) only
-    by :meth:`seconds`, which the tuner calls once, when it has all its samples.
+    by `seconds`, which the tuner calls once, when it has all its samples.
     """
 
     __slots__ = ("device",)

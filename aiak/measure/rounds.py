@@ -92,7 +92,7 @@ def median_interval(values: Sequence[float], level: float = 0.99) -> Tuple[float
 @dataclass(frozen=True)
 class Speedup:
     """Baseline time / candidate time, one ratio per round: the median, its confidence interval, and what they
-    allow (:attr:`verdict`)."""
+    allow (`verdict`)."""
 
     median: float
     low: float
@@ -115,13 +115,13 @@ class Speedup:
 
     @property
     def too_noisy(self) -> bool:
-        """Within noise with an interval wider than :data:`NOISY_SPREAD` (high / low): the machine's load, not
+        """Within noise with an interval wider than `NOISY_SPREAD` (high / low): the machine's load, not
         the strategies, decided the rounds, and no ratio is worth printing."""
         return self.verdict == "within noise" and self.high > NOISY_SPREAD * self.low
 
     def describe(self) -> str:
         """E.g. ``1.52x faster (99% CI 1.41-1.60x, 10 rounds)``, ``1.01x, within noise (...)``, or no ratio at all
-        when the rounds were :attr:`too_noisy`."""
+        when the rounds were `too_noisy`."""
         spread = f"{self.coverage * 100:.1f}% CI {self.low:.2f}-{self.high:.2f}x, {self.rounds} rounds"
         if self.verdict == "too few rounds":
             return (f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f}x over {self.rounds} rounds: too few to "
@@ -154,14 +154,14 @@ def speedup(baseline_rounds: Sequence[float], candidate_rounds: Sequence[float])
 class Contender:
     """One side of a comparison: ``step()`` runs one training step on ``device`` and returns its loss.
 
-    ``switches`` (:func:`aiak.runtime.switches.read_switches`, taken right after the contender was set up) are put in
+    ``switches`` (`aiak.runtime.switches.read_switches`, taken right after the contender was set up) are put in
     place before each of its runs of steps: ``aiak.optimize`` sets process-wide settings (TF32, cuDNN
     autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too.
 
-    :func:`alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
+    `alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
     steps in each round), ``steps`` (all steps run, warm-up included) and ``loss`` (the last loss, a float); a
     contender stopped early has ``stopped`` set to the reason. With ``reports_seconds``, ``step()`` returns the
-    seconds it measured itself instead of a loss (work timed in other processes, :mod:`aiak.comm.allreduce.env_trials`):
+    seconds it measured itself instead of a loss (work timed in other processes, `aiak.comm.allreduce.env_trials`):
     they replace the clock's, which would count the waiting for those processes too.
     """
 
@@ -187,7 +187,7 @@ Until = Callable[[int, float], bool]                 # (rounds done, seconds sin
 
 def _run(c: Contender, n: int, total: int, progress: Optional[Progress], catch: bool) -> List[float]:
     """``n`` steps of ``c``, each timed on its device's clock (CUDA events, read once at the end). With ``catch``
-    a step that raises stops ``c`` (``stopped`` says why, :func:`aiak.util.text.describe_error`) and ends the
+    a step that raises stops ``c`` (``stopped`` says why, `aiak.util.text.describe_error`) and ends the
     run, whose last entry is then ``inf``."""
     if c.switches is not None:
         write_switches(c.switches)

@@ -2,11 +2,11 @@
 
 Policies in the style of Composer's module surgery: each policy recognises one implementation by class
 name and structure (never by importing its library) and names the fused forward that replaces it
-(:mod:`aiak.ops.swin_fused`). The swap changes only the module's class, to ``Fused<Name>``, a subclass
-of the original with the fused ``forward`` in front (:mod:`aiak.runtime.class_swap`): parameters (the same
+(`aiak.ops.swin_fused`). The swap changes only the module's class, to ``Fused<Name>``, a subclass
+of the original with the fused ``forward`` in front (`aiak.runtime.class_swap`): parameters (the same
 ``nn.Parameter`` objects), buffers and ``state_dict`` keys are untouched, so an optimizer created before surgery
 still holds the right tensors. Surgery refuses models already wrapped (DDP, DataParallel, torch.compile) and warns (rank 0, at the
-user's line: :mod:`aiak.util.warn`) about variants it cannot fuse exactly (SwinV2 cosine attention) and about
+user's line: `aiak.util.warn`) about variants it cannot fuse exactly (SwinV2 cosine attention) and about
 modules whose attention dropout makes training fall back to the original forward.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ def is_window_attention(module: nn.Module) -> bool:
     ``relative_position_bias_table`` parameter itself, or a class named ``*Attention*`` with a
     ``relative_position_bias`` submodule or SwinV2's cosine-attention parameters. Broader than the fusing
     policies: surgery uses it to warn about look-alikes it leaves alone, and the auto-selector's model probe
-    (:mod:`aiak.strategy.probes`) counts window-attention modules with it."""
+    (`aiak.strategy.probes`) counts window-attention modules with it."""
     return ("relative_position_bias_table" in dict(module.named_parameters(recurse=False))
             or hasattr(module, "relative_position_bias") and "Attention" in type(module).__name__
             or _is_cosine_attention(module) and "Attention" in type(module).__name__)
@@ -182,7 +182,7 @@ def replace_window_attention(model: nn.Module) -> int:
 
 
 def restore_window_attention(model: nn.Module) -> int:
-    """Undo :func:`replace_window_attention` in place; returns how many modules were restored."""
+    """Undo `replace_window_attention` in place; returns how many modules were restored."""
     return sum(restore_class(module) for module in model.modules() if _is_fused(module))
 
 

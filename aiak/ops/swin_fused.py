@@ -1,9 +1,9 @@
 """Fused forwards for the Swin window-attention modules people actually use.
 
-Each class here is a mixin placed *in front of* the original class by :mod:`aiak.ops.surgery`
+Each class here is a mixin placed *in front of* the original class by `aiak.ops.surgery`
 (``type("FusedX", (Mixin, X), {})``): the module keeps its parameters, buffers, attributes, helper
 methods and ``isinstance`` identity, so ``state_dict`` keys and an optimizer built beforehand are
-unchanged; only ``forward`` computes the attention with :func:`aiak.ops.window_attention`. Whatever the
+unchanged; only ``forward`` computes the attention with `aiak.ops.window_attention`. Whatever the
 fused path cannot reproduce exactly (attention dropout while training, returning attention weights,
 head masks) calls the original ``forward`` through ``super()``.
 

@@ -10,12 +10,12 @@ and ``M`` the shifted-window mask (one ``[N, N]`` matrix per window position, 0 
 number). Eager PyTorch spends about ten kernel launches on this and materialises the ``[windows, H, N, N]``
 score tensor several times. This module provides:
 
-* :func:`window_attention` - the public functional form; picks a backend.
-* :class:`TritonWindowAttention` - autograd.Function over the Triton kernels (``aiak/ops/_triton``):
+* `window_attention` - the public functional form; picks a backend.
+* `TritonWindowAttention` - autograd.Function over the Triton kernels (``aiak/ops/_triton``):
   one forward launch, one backward launch that also reduces the bias gradient over windows.
-* :func:`torch_window_attention` - the fastest exact torch path: ``scaled_dot_product_attention`` with
+* `torch_window_attention` - the fastest exact torch path: ``scaled_dot_product_attention`` with
   bias and mask folded into one small ``[nW * H, N, N]`` additive mask broadcast over the batch.
-* :func:`reference_window_attention` - the eager formula, used as the numerical baseline in tests.
+* `reference_window_attention` - the eager formula, used as the numerical baseline in tests.
 
 A Triton kernel that cannot launch on the device (``OutOfResources``: no autotune config fits, e.g. the
 shared memory of fp32 N=256 D=128 tiles) makes that shape fall back to the torch path, with one warning:
@@ -171,7 +171,7 @@ def torch_window_attention(q, k, v, bias=None, mask=None, scale=None):
 
     ``[B*nW, H, N, D]`` is viewed as ``[B, nW*H, N, D]`` so that the combined bias+mask is only
     ``[1, nW*H, N, N]`` (broadcast over B, never materialised per batch element). When the bias needs a
-    gradient, :class:`_SDPAWithBiasGrad` supplies a recomputing backward that sums it over windows;
+    gradient, `_SDPAWithBiasGrad` supplies a recomputing backward that sums it over windows;
     otherwise SDPA's own backward runs.
     """
     d = q.shape[-1]
@@ -255,7 +255,7 @@ class TritonWindowAttention(torch.autograd.Function):
     """Triton forward (saves only the output and the row log-sum-exp) and single-launch backward.
 
     A backward kernel that cannot launch (``OutOfResources``) recomputes the gradients through the torch
-    path. A forward that cannot launch raises ``OutOfResources``; :func:`window_attention` falls back.
+    path. A forward that cannot launch raises ``OutOfResources``; `window_attention` falls back.
     """
 
     @staticmethod

@@ -1,9 +1,9 @@
 """aiak.optim: layer-wise large-batch optimizers and the optimizer swap used by ``aiak.optimize``.
 
-* :class:`Lamb` (You et al. 2019) and :class:`Lars` (You et al. 2017): ``torch.optim.Optimizer``
+* `Lamb` (You et al. 2019) and `Lars` (You et al. 2017): ``torch.optim.Optimizer``
   subclasses with a single-tensor and a bucketed multi-tensor (``torch._foreach_*``) path.
-* :func:`layerwise_param_groups`: biases and normalization weights out of decay and adaptation.
-* :func:`create` (by name) and :func:`swap_optimizer` (apply a strategy's ``optimizer:`` section).
+* `layerwise_param_groups`: biases and normalization weights out of decay and adaptation.
+* `create` (by name) and `swap_optimizer` (apply a strategy's ``optimizer:`` section).
 """
 from aiak.optim.factory import HYPERPARAMETERS, OPTIMIZERS, create, swap_optimizer
 from aiak.optim.lamb import Lamb, lamb

@@ -7,7 +7,7 @@ path works on **buckets** of at most ``bucket_elems`` elements instead (the idea
 ``multi_tensor_apply`` chunks, applied on the host side): whole small tensors are packed together, and a
 tensor larger than a bucket is cut into flat pieces. A bucket's temporaries then stay in cache, and a
 whole tensor is updated right after its norms are known. Temporaries live in scratch memory kept
-between steps (:class:`BucketPlan`), so the hot loop allocates nothing. Pieces of a cut tensor need
+between steps (`BucketPlan`), so the hot loop allocates nothing. Pieces of a cut tensor need
 the norm of the whole tensor, so they take two sweeps: the first accumulates the piece norms, the
 second updates with the finished trust ratio.
 
@@ -85,8 +85,8 @@ class BucketPlan:
     """The buckets of one list of parameters, with views and scratch memory cached between steps.
 
     ``persistent`` are lists that live across steps (parameters, then their state tensors): their bucket
-    views are built once. Gradients may be new tensors every step and are cut per call (:meth:`take`).
-    Scratch (:meth:`scratch`) is one flat buffer per slot, sized to the largest bucket, so the hot loop
+    views are built once. Gradients may be new tensors every step and are cut per call (`take`).
+    Scratch (`scratch`) is one flat buffer per slot, sized to the largest bucket, so the hot loop
     allocates nothing; with ``bucket_elems=None`` (one bucket, GPU) it is allocated per call instead and
     the caching allocator serves it.
     """
@@ -121,7 +121,7 @@ class BucketPlan:
         return [self._flat[key][start:stop]]
 
     def fusable(self, k: int, grads: Sequence[torch.Tensor]) -> bool:
-        """Bucket ``k``'s tensors, their state and ``grads`` share one dense layout each (:func:`same_layout`).
+        """Bucket ``k``'s tensors, their state and ``grads`` share one dense layout each (`same_layout`).
 
         The parameters' and state's part is checked once per plan; the gradients, which may be new
         tensors every step, on every call.
@@ -157,7 +157,7 @@ def dense_strides(t: torch.Tensor) -> Tuple[int, ...]:
     permutation of dimensions), else contiguous strides: the layout to give a scratch tensor shaped like ``t``.
 
     A scratch tensor with the parameter's own layout can then go through a fused kernel beside the
-    parameter's gradient and state, which walk memory in the same order (see :func:`same_layout`).
+    parameter's gradient and state, which walk memory in the same order (see `same_layout`).
     """
     expected = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
@@ -190,9 +190,9 @@ def same_layout(*lists: Sequence[torch.Tensor]) -> bool:
 
 
 class PlanCache:
-    """The optimizer's :class:`BucketPlan` per list of tensors, rebuilt when any tensor was replaced.
+    """The optimizer's `BucketPlan` per list of tensors, rebuilt when any tensor was replaced.
 
-    Plans not used during a step are dropped by :meth:`prune` (their views would otherwise keep replaced
+    Plans not used during a step are dropped by `prune` (their views would otherwise keep replaced
     parameters or state alive).
     """
 
@@ -278,7 +278,7 @@ def add_scaled_(targets: List[torch.Tensor], sources: List[torch.Tensor], scales
                 via_host: Optional[bool] = None) -> None:
     """``targets[i] += alpha * scales[i] * sources[i]`` (``scales``: 1-D, one value per tensor).
 
-    On CPU one ``addcmul_`` pass with 0-dim scales; elsewhere see :func:`per_tensor_scalars`.
+    On CPU one ``addcmul_`` pass with 0-dim scales; elsewhere see `per_tensor_scalars`.
     """
     if via_host is None:
         via_host = FORCE_HOST_SCALARS or scales.device.type != "cpu"
@@ -347,7 +347,7 @@ def check_betas(betas) -> Tuple[float, float]:
 
 
 class LayerwiseOptimizer(Optimizer):
-    """Base of :class:`~aiak.optim.Lamb` and :class:`~aiak.optim.Lars`: fp32 state kept fp32 on reload.
+    """Base of `Lamb` and `Lars`: fp32 state kept fp32 on reload.
 
     ``Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype; for half
     parameters that would silently turn the fp32 moments into fp16. This restores them in fp32.

@@ -1,4 +1,4 @@
-"""The ``optimizer:`` section of a strategy: keep the user's optimizer, or swap it (:mod:`aiak.optim.factory`)."""
+"""The ``optimizer:`` section of a strategy: keep the user's optimizer, or swap it (`aiak.optim.factory`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

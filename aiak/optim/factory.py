@@ -1,10 +1,10 @@
 """Build LAMB / LARS by name, and swap a user's optimizer for one of them (``optimizer:`` in a strategy).
 
-Mapping applied by :func:`swap_optimizer` (the strategy's ``optimizer: {name: lamb|lars, ...}``):
+Mapping applied by `swap_optimizer` (the strategy's ``optimizer: {name: lamb|lars, ...}``):
 
 * Parameter groups: each of the user's groups is kept, in order, and split in two: its weights, and its
   excluded parameters (biases, normalization weights by module type, 1-D tensors) with
-  ``weight_decay=0`` and ``adapt=False`` (see :mod:`aiak.optim.param_groups`). Parameters the user left
+  ``weight_decay=0`` and ``adapt=False`` (see `aiak.optim.param_groups`). Parameters the user left
   out of the optimizer stay out.
 * Carried over per group from the user's optimizer: ``lr``; ``weight_decay`` (for an Adam- or SGD-style
   L2 decay this becomes LAMB's decoupled decay / LARS's decay); ``betas`` into LAMB; ``momentum`` and
@@ -63,7 +63,7 @@ def hyperparameter_problems(name: str, hyperparameters: Mapping[str, Any], prefi
 
     Unknown keys get a "did you mean" and the valid keys; values are checked by type and by the optimizer
     constructor's own range checks, one key at a time. Used at strategy load time (``aiak.strategy.schema``)
-    and again by :func:`create` / :func:`swap_optimizer`, so there is one list of rules.
+    and again by `create` / `swap_optimizer`, so there is one list of rules.
     """
     valid = HYPERPARAMETERS[name]
     problems = []
@@ -94,7 +94,7 @@ def _hyperparameter_problem(name: str, key: str, value: Any) -> Optional[str]:
 
 
 def _validated(name: str, hyperparameters: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
-    """``hyperparameters`` checked by :func:`hyperparameter_problems` (one ValueError listing every problem)."""
+    """``hyperparameters`` checked by `hyperparameter_problems` (one ValueError listing every problem)."""
     problems = hyperparameter_problems(name, hyperparameters, prefix)
     if problems:
         raise ValueError("; ".join(problems))

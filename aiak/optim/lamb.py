@@ -10,14 +10,14 @@ minutes" (ICLR 2020, arXiv:1904.00962), with phi the identity::
 
 The trust ratio is applied to *every* parameter of a group whose ``adapt`` is true, as in the paper.
 apex's ``FusedLAMB`` instead skips it for parameters with zero weight decay; here exclusion is explicit
-(``adapt=False`` per group, see :func:`aiak.optim.param_groups.layerwise_param_groups`). Options:
+(``adapt=False`` per group, see `aiak.optim.param_groups.layerwise_param_groups`). Options:
 ``trust_clip`` caps the ratio, ``max_grad_norm`` rescales all gradients by one global factor before the
 moments (apex's ``max_grad_norm``), ``bias_correction=False`` drops the ``1 - beta^t`` terms.
 
-The class only gathers parameters and state; :func:`lamb` runs the math, in a single-tensor loop or the
-bucketed multi-tensor path of :mod:`aiak.optim._multi_tensor` (the default). There, the moments and
+The class only gathers parameters and state; `lamb` runs the math, in a single-tensor loop or the
+bucketed multi-tensor path of `aiak.optim._multi_tensor` (the default). There, the moments and
 ``u_t`` of a bucket come from one pass of torch's fused Adam kernel (the one ``Adam(fused=True)`` runs,
-on CPU and CUDA; see :func:`_moments_and_update`), the two norms per tensor are taken while the bucket
+on CPU and CUDA; see `_moments_and_update`), the two norms per tensor are taken while the bucket
 is in cache, and one more pass applies the step: 7 x 4 bytes of memory traffic per fp32 parameter, the
 minimum. Moments are fp32 and the update is computed in fp32 for fp16/bf16 parameters.
 """
@@ -166,7 +166,7 @@ def lamb(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[t
          plans: Optional[PlanCache] = None) -> None:
     """One LAMB step over lists of tensors (``steps`` already counts this step). Updates in place.
 
-    ``plans`` (multi-tensor path): a :class:`~aiak.optim._multi_tensor.PlanCache` owned by the caller that
+    ``plans`` (multi-tensor path): a `PlanCache` owned by the caller that
     keeps bucket views and scratch memory between calls; without it they are rebuilt each call.
     """
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
@@ -216,7 +216,7 @@ def _direction(w, m, v, eps_hat, step_size, weight_decay):
 
 
 def _foreach_direction(plan, k, w, m, v, eps_hat, step_size, weight_decay, out=None):
-    """Bucket ``k``'s update as ``(scale, u')`` with ``u = scale * u'`` (:func:`_direction` over lists).
+    """Bucket ``k``'s update as ``(scale, u')`` with ``u = scale * u'`` (`_direction` over lists).
 
     ``u' = w + (step_size / weight_decay) * m / denom`` is one ``addcdiv`` instead of a multiply and an
     ``addcdiv``; the factor ``weight_decay`` is carried as a scalar into the norm and the step. On CPU
@@ -287,7 +287,7 @@ def _moments_and_update(plan, k, w, g, m, v, fused_step, *, beta1, beta2, eps, w
     ``weight_decay * w``. An Adam step with ``lr = -1`` and no decay of its own adds ``r_t`` (the
     bias-corrected ``m_hat / (sqrt(v_hat) + eps)``) to it, which leaves exactly ``u_t = r_t + weight_decay * w``
     and the new moments. It needs each tensor, its gradient and state in one dense layout
-    (:meth:`~aiak.optim._multi_tensor.BucketPlan.fusable`); otherwise, or without ``fused_step``, the
+    (`fusable`); otherwise, or without ``fused_step``, the
     same maths runs as foreach ops (four more passes).
     """
     if fused_step is not None and plan.fusable(k, g):

@@ -11,11 +11,11 @@ Follows Algorithm 1 of You, Gitman and Ginsburg, "Large Batch Training of Convol
 
 The global learning rate multiplies the momentum buffer on the way out, as in ``torch.optim.SGD`` and
 LARC; the paper folds it into ``buf``, which is the same update while ``lr`` is constant. Groups with
-``adapt=False`` (biases, normalization weights; see :mod:`aiak.optim.param_groups`) take plain SGD
+``adapt=False`` (biases, normalization weights; see `aiak.optim.param_groups`) take plain SGD
 momentum steps (``local = 1``).
 
-The class only gathers parameters and state; :func:`lars` runs the math, in a single-tensor loop or the
-bucketed multi-tensor (``torch._foreach_*``) path of :mod:`aiak.optim._multi_tensor` (the default). The
+The class only gathers parameters and state; `lars` runs the math, in a single-tensor loop or the
+bucketed multi-tensor (``torch._foreach_*``) path of `aiak.optim._multi_tensor` (the default). The
 momentum buffer is fp32 and the update is computed in fp32 for fp16/bf16 parameters.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Lars(LayerwiseOptimizer):
         trust_coefficient: the paper's eta. eps: guards the trust-ratio denominator.
         nesterov: Nesterov momentum (needs momentum > 0). clip: LARC clipping ``min(local / lr, 1)``.
         adapt: default of the per-group layer-wise switch.
-        foreach / bucket_elems / fused: as in :class:`aiak.optim.Lamb`.
+        foreach / bucket_elems / fused: as in `aiak.optim.Lamb`.
     """
 
     _fp32_state_keys = ("momentum_buffer",)
@@ -161,7 +161,7 @@ def lars(params: List[torch.Tensor], grads: List[torch.Tensor], momentum_buffers
          bucket_elems: Optional[int] = None, plans: Optional[PlanCache] = None) -> None:
     """One LARS step over lists of tensors; ``momentum_buffers`` (fp32, zero at start) when momentum > 0.
 
-    ``plans``: as in :func:`aiak.optim.lamb.lamb`.
+    ``plans``: as in `aiak.optim.lamb.lamb`.
     """
     kw = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, adapt=adapt,
               ratio=dict(lr=lr, trust_coefficient=trust_coefficient, weight_decay=weight_decay, eps=eps, clip=clip))

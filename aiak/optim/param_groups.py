@@ -4,7 +4,7 @@ Layer-wise trust ratios were designed for weight matrices and convolution kernel
 recipes that made LARS and LAMB work (Goyal et al. 2017 for decay on BN; You et al. 2019 for BERT;
 MLPerf ResNet-50 LARS) leave biases and normalization scales/shifts out of both weight decay and the
 trust ratio. Which parameters those are is decided here **by module type first** (every parameter owned
-by a normalization layer, :func:`aiak.util.norm_layers.is_norm_layer`), then by name (``bias``) and shape (1-D tensors such as
+by a normalization layer, `aiak.util.norm_layers.is_norm_layer`), then by name (``bias``) and shape (1-D tensors such as
 layer-scale gammas), so a model with custom-named norm layers is still handled.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A module computed another way, in place: its class swapped for a subclass with a mixin in front.
 
-Module surgery (fused window attention, :mod:`aiak.ops.surgery`) and fp8 linear layers (:mod:`aiak.amp.fp8`)
+Module surgery (fused window attention, `aiak.ops.surgery`) and fp8 linear layers (`aiak.amp.fp8`)
 change how a module computes without replacing the module: ``module.__class__`` becomes ``<Prefix><Name>``, a
 subclass of the module's own class with the mixin's ``forward`` in front. Everything else stays: the parameters
 (the same ``nn.Parameter`` objects, so an optimizer built before still holds the right tensors), buffers,
@@ -53,12 +53,12 @@ def swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
 
 
 def original_class(module: nn.Module) -> Optional[type]:
-    """The class ``module`` had before :func:`swap_class`; None for a module never swapped."""
+    """The class ``module`` had before `swap_class`; None for a module never swapped."""
     return marked(type(module), "_aiak_original_class")
 
 
 def restore_class(module: nn.Module) -> bool:
-    """Undo :func:`swap_class` on ``module``; returns whether it was swapped."""
+    """Undo `swap_class` on ``module``; returns whether it was swapped."""
     original = original_class(module)
     if original is not None:
         module.__class__ = original

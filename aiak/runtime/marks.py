@@ -2,8 +2,8 @@
 
 ``aiak.optimize()`` changes objects in place rather than wrapping them, so what it must find again later lives on
 the objects themselves: an optimizer's step controller, what was applied to a model, a module kept in fp32. Each
-such attribute is a row of :data:`MARKS` (what it holds, on which objects), and every read and write goes
-through :func:`mark`, :func:`marked` and :func:`unmark`, which refuse a name not declared here. The attribute
+such attribute is a row of `MARKS` (what it holds, on which objects), and every read and write goes
+through `mark`, `marked` and `unmark`, which refuse a name not declared here. The attribute
 names are the ones aiak has always used: a checkpoint, a pickled model or a script may see them.
 """
 from __future__ import annotations

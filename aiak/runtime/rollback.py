@@ -2,9 +2,9 @@
 
 ``optimize()`` changes the user's objects in place (module classes by surgery, parameter dtypes and layouts,
 forward hooks, the optimizer's ``step`` and param groups, the scheduler's class) and a few process-wide
-switches (TF32, cuDNN autotuning, CPU affinity, torch's thread count). A :class:`Snapshot` taken before the
+switches (TF32, cuDNN autotuning, CPU affinity, torch's thread count). A `Snapshot` taken before the
 first change keeps *references* to everything those steps replace (each parameter's tensor, each module's
-attribute dicts, the optimizer's groups); :meth:`Snapshot.restore` puts them back, in place, so that the
+attribute dicts, the optimizer's groups); `Snapshot.restore` puts them back, in place, so that the
 model, optimizer, scheduler and loader are exactly what the caller passed in: same classes, same tensors (so
 the same values, dtypes and layouts), same hooks. Nothing is copied, so a snapshot costs no memory beyond
 keeping the replaced tensors alive until ``optimize()`` returns.
@@ -79,7 +79,7 @@ class _TensorState:
 
 class Snapshot:
     """Everything ``optimize()`` may change in ``objects`` (modules, optimizer, scheduler, loader) and in the
-    process; :meth:`restore` puts it back. Take it before the first change."""
+    process; `restore` puts it back. Take it before the first change."""
 
     def __init__(self, *objects: Any):
         self._objects: List[_ObjectState] = []

@@ -3,11 +3,11 @@
 TF32 runs fp32 matmuls and convolutions on Ampere+ tensor cores with a 10-bit mantissa (NVIDIA,
 "Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020): several times faster, slightly different
 numerics, so it is off in the ``default`` profile. Without CUDA these knobs cannot apply: they warn and
-are skipped (:func:`aiak.util.machine.devices.cuda_capability` says which device they act on).
+are skipped (`aiak.util.machine.devices.cuda_capability` says which device they act on).
 
 A knob that is off writes nothing: the process keeps its own setting (the script's, or PyTorch's default).
-:func:`process_switches` is the one list of the process-wide settings a strategy may change:
-:mod:`aiak.runtime.rollback` puts them back when ``optimize()`` fails, and the trials and the timing engine
+`process_switches` is the one list of the process-wide settings a strategy may change:
+`aiak.runtime.rollback` puts them back when ``optimize()`` fails, and the trials and the timing engine
 write each contender's before its steps, so that every candidate is timed under its own switches.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def read_switches() -> Dict[str, Any]:
 
 
 def write_switches(values: Dict[str, Any]) -> None:
-    """Put back settings read by :func:`read_switches` (only those that differ are written)."""
+    """Put back settings read by `read_switches` (only those that differ are written)."""
     switches = process_switches()
     for name, value in values.items():
         read, write = switches[name]

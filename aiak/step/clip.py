@@ -6,7 +6,7 @@ instead of its average on the last). So aiak patches torch's functions; when the
 given belong to an optimizer aiak patched, the call is handed to that optimizer's step controller
 (``aiak.step.controller.StepController``, the one implementation), which clips the true gradient of the
 real step: the window's average, unscaled (fp16 loss scaling is undone as each gradient lands, see
-:mod:`aiak.amp.scaling.root_scaling`). On a micro-step it clips nothing, and a norm it returns is the norm accumulated
+`aiak.amp.scaling.root_scaling`). On a micro-step it clips nothing, and a norm it returns is the norm accumulated
 so far in the window, in the real step's units (finite, for a loop that logs ``norm.item()`` every
 iteration). Every other call is torch's original function, with the same arguments.
 
@@ -24,14 +24,14 @@ Patched names (torch 2.14, ``torch/nn/utils/clip_grad.py``):
   model's gradients warns once, saying what to call instead.
 
 Clip functions of other libraries that read ``.grad`` themselves are routed the same way where aiak knows them
-(:data:`ELEMENTWISE_CLIPS`: timm's adaptive gradient clipping, Brock et al. 2021, "High-Performance Large-Scale
+(`ELEMENTWISE_CLIPS`: timm's adaptive gradient clipping, Brock et al. 2021, "High-Performance Large-Scale
 Image Recognition Without Normalization", section 3, which timm's ``dispatch_clip_grad(..., mode="agc")`` calls):
 on a real step they run on the real step's gradients, on a micro-step not at all. They are patched in their
 modules when aiak routes (timm imported first, as every timm script does). One bound by name before that, or a
 library aiak does not know, edits the partial sums; the step controller notices a gradient changed in place
 between ``backward()`` and a micro-step's ``step()`` and says so once.
 
-All of these are the ``clip`` patch of :mod:`aiak.runtime.patches`: ``aiak.undo_patches()`` puts torch's and
+All of these are the ``clip`` patch of `aiak.runtime.patches`: ``aiak.undo_patches()`` puts torch's and
 timm's functions back and forgets the step controllers routed to.
 
 Parameters of an aiak optimizer mixed in one call with other parameters that have gradients (or with a
@@ -82,7 +82,7 @@ def route_to(owner) -> None:
 
 
 def call_original(name: str, *args, **kwargs):
-    """torch's original ``name`` (a key of :data:`ORIGINALS`), with routing off for what it calls."""
+    """torch's original ``name`` (a key of `ORIGINALS`), with routing off for what it calls."""
     with _passthrough():
         return ORIGINALS[name](*args, **kwargs)
 

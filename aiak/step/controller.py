@@ -8,9 +8,9 @@ checks and schedulers built earlier keep working). Its ``step()`` then:
    framework's integration calls `StepController.close_window`); under DDP, gradients are
    synchronised only on the last micro-step (``no_sync`` semantics);
 2. on the real step, divides the summed gradients by the window's micro-steps, or by its counted items summed over
-   the ranks (:func:`count_items`, :mod:`aiak.step.window_items`; they are the model's fp32 parameters'
+   the ranks (`count_items`, `aiak.step.window_items`; they are the model's fp32 parameters'
    own gradients under every precision, summed in fp32) and, under fp16 loss scaling, checks them for inf/NaN
-   in the same fused pass (:mod:`aiak.amp.scaling.root_scaling` has already unscaled them during the backward); an
+   in the same fused pass (`aiak.amp.scaling.root_scaling` has already unscaled them during the backward); an
    overflowing step is skipped: weights and optimizer state unchanged, the loss scale reduced;
 3. runs the real optimizer step and clears the gradients.
 
@@ -24,11 +24,11 @@ each parameter, run by autograd right after the next backward accumulated into `
 reducer reads it), adds the kept sum back when the gradient was started anew, and refuses to go on when it was
 zeroed in place. A framework that accumulates gradients itself (Lightning's ``accumulate_grad_batches``,
 Accelerate's and the Trainer's ``gradient_accumulation_steps``) wins over ``grad_accumulation``, with one
-warning (:mod:`aiak.step.stacking`), so the two never multiply. Gradient clipping is implemented here
-once (:meth:`StepController.clip_grad_norm_`, :meth:`StepController.clip_grad_value_`): it clips the true
+warning (`aiak.step.stacking`), so the two never multiply. Gradient clipping is implemented here
+once (`StepController.clip_grad_norm_`, `StepController.clip_grad_value_`): it clips the true
 gradient of the real step and nothing on micro-steps. The user's unchanged
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` / ``clip_grad_value_`` reach it through
-:mod:`aiak.step.clip`; :func:`clip_grad_norm_` / :func:`clip_grad_value_` here take the optimizer.
+`aiak.step.clip`; `clip_grad_norm_` / `clip_grad_value_` here take the optimizer.
 ``state_dict()`` carries the loss-scaler state and the micro-step counter, so a resumed run continues
 bit-identically.
 """
@@ -136,7 +136,7 @@ class StepController:
         self._params_for: Optional[tuple] = None
         self.scaler = scaler
         self.micro_step = 0          # micro-steps taken since the last real step
-        self.stepped = False         # the last step() call updated the weights (see :func:`stepped`)
+        self.stepped = False         # the last step() call updated the weights (see `stepped`)
         self._unsaved_windows = 0    # state_dict() calls taken inside a window (their warning is rate-limited)
         self.step_calls = 0          # step() calls: micro, real and skipped steps
         self.step_events = 0         # real or skipped steps (what a scheduler counts)
@@ -339,14 +339,14 @@ class StepController:
 
     def attach_comm_algorithm(self, algorithm) -> None:
         """The comm algorithm of the DDP model whose steps this controller takes, one that acts at real steps or keeps
-        state across them (:class:`aiak.comm.algorithms.base.CommAlgorithm` with ``steps_with_optimizer``):
+        state across them (`aiak.comm.algorithms.base.CommAlgorithm` with ``steps_with_optimizer``):
         ``at_real_step()`` is called at each real step before the loss scaler's verdict and the update,
         ``after_real_step(updated)`` after the update, or the skip, and its ``state_dict()`` / ``load_state_dict()``
         travel in the optimizer's checkpoint."""
         self.comm_algorithm = algorithm
 
     def attach_comm_state(self, state) -> None:
-        """The state of the DDP communication hook (:class:`aiak.comm.allreduce.hooks.CommState`): what it keeps from
+        """The state of the DDP communication hook (`aiak.comm.allreduce.hooks.CommState`): what it keeps from
         step to step (int8 error-feedback residuals) travels in the optimizer's checkpoint through its ``state_dict()`` /
         ``load_state_dict()``."""
         self.comm_state = state
@@ -393,7 +393,7 @@ class StepController:
         self._set_sync()
 
     def count_items(self, n) -> None:
-        """The coming micro-batch's loss averages over ``n`` items (see :func:`count_items`)."""
+        """The coming micro-batch's loss averages over ``n`` items (see `count_items`)."""
         if self.loader_steps is not None and self.loader_steps.counts:
             raise RuntimeError("aiak.count_items: aiak.optimize(..., count_items=fn) counts each batch of the loader "
                                "it returned already; a second count of the same batch cannot be told apart. Count "
@@ -409,7 +409,7 @@ class StepController:
         root_scaling.set_pending(self, True)
 
     def root_weight(self, scaled: bool):
-        """For :mod:`aiak.amp.scaling.root_scaling`: the pending count as ``(weight, items, reference)``."""
+        """For `aiak.amp.scaling.root_scaling`: the pending count as ``(weight, items, reference)``."""
         return self.items.root_weight(scaled)
 
     # -- the patched methods ------------------------------------------------------------------
@@ -504,7 +504,7 @@ class StepController:
         return self._prepared
 
     def _window_factor(self, micro_steps: int):
-        """What the window's summed gradients are multiplied by (:meth:`WindowItems.factor`): ``1 / micro_steps``,
+        """What the window's summed gradients are multiplied by (`WindowItems.factor`): ``1 / micro_steps``,
         or for a counted window its ranks over its items summed over them."""
         params = self._params_of_groups()
         return self.items.factor(micro_steps, self.comm_state, self.ddp, params[0].device if params else None)
@@ -525,7 +525,7 @@ class StepController:
         return self.micro_step + 1 < self.accumulation and not self._closing
 
     def _step_side(self, tensors) -> List[torch.Tensor]:
-        """``tensors`` (tensors the real step uses, as :meth:`clip_targets` pairs them), or all the optimizer's."""
+        """``tensors`` (tensors the real step uses, as `clip_targets` pairs them), or all the optimizer's."""
         return list(tensors) if tensors is not None else list(self._params_of_groups())
 
     def real_step_grads(self, tensors=None) -> List[torch.Tensor]:
@@ -582,7 +582,7 @@ class StepController:
 
         Call it where plain PyTorch clips, between ``backward()`` and ``step()``, as often as plain PyTorch
         would (every ``step()`` call): on accumulation micro-steps it clips nothing and returns the partial
-        norm (see :meth:`grad_norm`); before a real step it returns the true norm and clips to it. An
+        norm (see `grad_norm`); before a real step it returns the true norm and clips to it. An
         overflow (inf/NaN under loss scaling) returns ``inf`` and is left to ``step()``, which skips.
         """
         tensors = self._step_side(tensors)
@@ -611,7 +611,7 @@ class StepController:
 
     # -- scheduler: advance once per real step -------------------------------------------------
     def attach_scheduler(self, scheduler) -> None:
-        """``scheduler.step()`` does nothing on a micro-step (:mod:`aiak.step.scheduler_steps`)."""
+        """``scheduler.step()`` does nothing on a micro-step (`aiak.step.scheduler_steps`)."""
         scheduler_steps.follow(scheduler, self)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -673,7 +673,7 @@ class StepController:
             self.restore_checkpoint_extras(extra)
 
     def restore_checkpoint_extras(self, extra: Dict[str, Any]) -> None:
-        """Take back what :meth:`checkpoint_extras` returned, after the optimizer's own state was loaded."""
+        """Take back what `checkpoint_extras` returned, after the optimizer's own state was loaded."""
         extra = _this_ranks(extra)
         self.micro_step = int(extra.get("micro_step", 0))
         self.step_events = int(extra.get("step_events", 0))
@@ -798,7 +798,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
     With accumulation the gradients are partial sums until the last micro-step: this clips what the real step
     will use (the window's average)
     and returns its norm (on a micro-step: clips nothing, returns the norm accumulated so far, see
-    :meth:`StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
+    `StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
     """
     controller = marked(optimizer, "_aiak_steps")
     if controller is not None:
@@ -809,7 +809,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
 
 def clip_grad_value_(optimizer: torch.optim.Optimizer, clip_value: float) -> None:
     """``torch.nn.utils.clip_grad_value_`` over ``optimizer``'s parameters that is right under aiak (see
-    :func:`clip_grad_norm_`)."""
+    `clip_grad_norm_`)."""
     controller = marked(optimizer, "_aiak_steps")
     if controller is not None:
         return controller.clip_grad_value_(clip_value)

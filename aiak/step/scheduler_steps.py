@@ -16,7 +16,7 @@ optimizer call in between), a per-epoch scheduler stepped after a whole epoch, a
 one skipped for inf/NaN gradients (plain PyTorch's ``GradScaler`` loop steps the scheduler then too). Schedulers
 of an optimizer aiak does not step pass straight through. A scheduler class defined after the first
 ``optimize()`` with accumulation is not wrapped (classes are defined at import time, before it in every
-script we know of). The wrapped ``step`` methods are the ``schedulers`` patch of :mod:`aiak.runtime.patches`.
+script we know of). The wrapped ``step`` methods are the ``schedulers`` patch of `aiak.runtime.patches`.
 """
 from __future__ import annotations
 

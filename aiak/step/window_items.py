@@ -6,14 +6,14 @@ micro-batch of 5 tokens like one of 500, so the accumulated gradient is not the 
 over all its items is ``sum_i n_i g_i / sum_i n_i`` (``g_i`` the gradient of micro-batch ``i``'s mean, ``n_i`` its
 items): the Hugging Face Trainer's ``num_items_in_batch`` (2024) computes it by dividing loss sums by the window's
 count, fetched ahead. aiak leaves the script's loop as it is, so it weighs each micro-batch as its backward runs
-(:mod:`aiak.amp.scaling.root_scaling` multiplies the root by ``n_i``) and divides at the real step by the window's items,
+(`aiak.amp.scaling.root_scaling` multiplies the root by ``n_i``) and divides at the real step by the window's items,
 summed over the ranks the gradients are averaged over.
 
-:class:`WindowItems` is the bookkeeping of one step controller: the count declared for the coming backward
+`WindowItems` is the bookkeeping of one step controller: the count declared for the coming backward
 (``pending``), the items of the window's backward passes so far (``total``, this rank's: a count joins it at the
 first backward that uses it, so the counts of a script's own accumulation add up), whether the window is
 counted at all (every micro-batch of a window is counted, or none), and the fp16 reference (a power of two fixed
-at the first count, see :func:`aiak.amp.scaling.root_scaling.weigh`). Counts are numbers or 0-dim tensors (a count computed
+at the first count, see `aiak.amp.scaling.root_scaling.weigh`). Counts are numbers or 0-dim tensors (a count computed
 on the device stays there: no host sync per micro-step).
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ class WindowItems:
         self.pending, self.pending_key, self.added = None, None, False
 
     def root_weight(self, scaled: bool):
-        """``(weight, items, reference)`` for :func:`aiak.amp.scaling.root_scaling.weigh`: the pending count, and under an
+        """``(weight, items, reference)`` for `aiak.amp.scaling.root_scaling.weigh`: the pending count, and under an
         fp16 loss scale its ratio to a power of two fixed at the first count (read once from the device). The first
         backward that uses a count adds it to the window's items."""
         n = self.pending

@@ -1,9 +1,9 @@
 """Settings that follow from others and from the run: resolved once, before any phase applies the strategy.
 
 A strategy holds what the user, a profile or the trials chose. A few settings follow from that choice together
-with how many ranks train; :func:`resolve_derived` sets them, and says why, so that the phases of
-:func:`aiak.apply.apply_strategy` apply the strategy as it is and derive nothing, and the decision record shows
-each one with its reason (source ``derived``, :mod:`aiak.tune.decision`). The trials apply their candidates in
+with how many ranks train; `resolve_derived` sets them, and says why, so that the phases of
+`aiak.apply.apply_strategy` apply the strategy as it is and derive nothing, and the decision record shows
+each one with its reason (source ``derived``, `aiak.tune.decision`). The trials apply their candidates in
 one process, where nothing is derived.
 
 The rules, in order (each sees the settings the previous ones derived):

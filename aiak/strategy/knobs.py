@@ -2,19 +2,19 @@
 
 The lists other modules need are read from this table, never kept by hand beside it:
 
-* :func:`model_knobs`: knobs applied once per model, kept by a later ``optimize()`` of another optimizer of
-  the same model (:mod:`aiak.apply`);
-* :func:`neutral_keys`: knobs that cannot change what is computed beyond the float rounding of another kernel or
-  layout, so a candidate changing only these skips the numerics gate (:mod:`aiak.tune.gate`);
-* :func:`training_keys`: knobs that change *what* is trained (the effective batch, the update rule, the data),
-  which every candidate takes from the rules' pick (:mod:`aiak.tune.candidates`);
-* :func:`untimed_keys`: knobs a trial step does not exercise (the loader, DDP, the process's CPU set, the
+* `model_knobs`: knobs applied once per model, kept by a later ``optimize()`` of another optimizer of
+  the same model (`aiak.apply`);
+* `neutral_keys`: knobs that cannot change what is computed beyond the float rounding of another kernel or
+  layout, so a candidate changing only these skips the numerics gate (`aiak.tune.gate`);
+* `training_keys`: knobs that change *what* is trained (the effective batch, the update rule, the data),
+  which every candidate takes from the rules' pick (`aiak.tune.candidates`);
+* `untimed_keys`: knobs a trial step does not exercise (the loader, DDP, the process's CPU set, the
   tuning settings), also the pick's in every candidate;
-* :func:`process_knobs`: the process-wide knobs, which :mod:`aiak.apply` applies from their rows (``apply``), and
-  the settings of :func:`aiak.runtime.switches.process_switches` each writes (``switches``), which the rollback
+* `process_knobs`: the process-wide knobs, which `aiak.apply` applies from their rows (``apply``), and
+  the settings of `aiak.runtime.switches.process_switches` each writes (``switches``), which the rollback
   and the trials put back.
 
-Which phase of applying a strategy applies each knob is the phase table's (:mod:`aiak.strategy.phases`).
+Which phase of applying a strategy applies each knob is the phase table's (`aiak.strategy.phases`).
 A new knob is a field of its section (with its type), its apply function, a row here, its phase's entry and its
 test; ``tests/strategy/test_knobs.py`` fails while a field of the schema has no row, or a process knob writes a
 setting its row does not name, and ``tests/strategy/test_phases.py`` while a row is in no phase.
@@ -129,5 +129,5 @@ def untimed_keys() -> Tuple[str, ...]:
 
 
 def process_knobs() -> Tuple[Knob, ...]:
-    """The process-wide knobs, in the order :mod:`aiak.apply` applies them."""
+    """The process-wide knobs, in the order `aiak.apply` applies them."""
     return tuple(k for k in KNOBS if k.acts_on == PROCESS)

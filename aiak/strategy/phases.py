@@ -1,8 +1,8 @@
-"""The phases of applying a strategy, one row each, in the order :func:`aiak.apply.apply_strategy` runs them: the
+"""The phases of applying a strategy, one row each, in the order `aiak.apply.apply_strategy` runs them: the
 knobs each applies, what it does, and what the rollback puts back if a later phase fails.
 
 The order is the one of applying a strategy (process switches, module surgery on the bare model, the optimizer
-and precision, DDP and its hook, ``torch.compile`` last, the loader). Every knob of :data:`aiak.strategy.knobs.KNOBS`
+and precision, DDP and its hook, ``torch.compile`` last, the loader). Every knob of `aiak.strategy.knobs.KNOBS`
 is applied by exactly one phase, except those that choose the strategy (``acts_on`` selection), which no phase
 reads; ``tests/strategy/test_phases.py`` fails otherwise.
 
@@ -14,7 +14,7 @@ because ``apply.py`` imports ``strategy/``, never the reverse: here each phase i
 each name to its function (``aiak.apply.PHASES``, the same names in the same order).
 
 The phases a later ``optimize()`` of another optimizer of an optimized model runs are read from the knob table's
-``acts_on`` (:func:`per_optimizer`), never listed by hand.
+``acts_on`` (`per_optimizer`), never listed by hand.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def reads(read: str, knob: Knob) -> bool:
 
 
 def knobs_of(phase: Phase) -> Tuple[Knob, ...]:
-    """The rows of :data:`KNOBS` that ``phase`` applies."""
+    """The rows of `KNOBS` that ``phase`` applies."""
     return tuple(k for k in KNOBS if any(reads(r, k) for r in phase.reads))
 
 

@@ -1,17 +1,17 @@
 """Probes: the facts the auto-selector's ``match:`` rules are evaluated against.
 
-:func:`probe` gathers, in one :class:`Probes` record (``to_dict()`` is JSON-ready, for the decision record):
+`probe` gathers, in one `Probes` record (``to_dict()`` is JSON-ready, for the decision record):
 
 * hardware: the model's device, the CUDA device's name / capability / count / memory, this CPU's ISA flags,
   model name and usable cores, and whether bf16 / fp16 run in hardware there;
 * distribution: world size, ranks per node, nodes and backend of the initialized process group;
-* model: parameter counts and how many modules of each kind in :data:`MODULE_KINDS`;
+* model: parameter counts and how many modules of each kind in `MODULE_KINDS`;
 * loader: batch size, workers, pinned memory and whether the samples differ in length;
 * the optimizer's class name.
 
-Probes only observe. Importing this module reads no file and never touches CUDA; :func:`probe` touches CUDA
-only when the model's device is a CUDA device. With an initialized process group, :func:`probe` is a
-collective (the topology is gathered from every rank, :func:`aiak.comm.allreduce.topology.detect_topology`), so every
+Probes only observe. Importing this module reads no file and never touches CUDA; `probe` touches CUDA
+only when the model's device is a CUDA device. With an initialized process group, `probe` is a
+collective (the topology is gathered from every rank, `aiak.comm.allreduce.topology.detect_topology`), so every
 rank calls it, as ``optimize()`` does.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from aiak.util.machine.devices import (CUDA_NATIVE_BF16, CUDA_NATIVE_FP16, cuda_
 from aiak.util.norm_layers import norm_kind
 from aiak.util.rng import preserved
 
-# Module kinds a profile's ``match.modules`` can name; :func:`module_counts` counts each.
+# Module kinds a profile's ``match.modules`` can name; `module_counts` counts each.
 MODULE_KINDS = ("conv2d", "conv3d", "batchnorm", "layernorm", "groupnorm", "linear", "embedding",
                 "multihead_attention", "window_attention", "dropout")
 
@@ -52,7 +52,7 @@ OPTIMIZER_STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam"
 
 @dataclass
 class Probes:
-    """What :func:`probe` found. Hand-built instances describe other machines (tests, ``aiak explain``)."""
+    """What `probe` found. Hand-built instances describe other machines (tests, ``aiak explain``)."""
 
     # hardware
     device: str = "cpu"                             # the model's device type: "cpu" | "cuda"
@@ -76,7 +76,7 @@ class Probes:
     loader: Dict[str, Any] = field(default_factory=lambda: {
         "present": False, "batch_size": None, "num_workers": None, "pin_memory": None, "variable_length": None})
     optimizer: Optional[str] = None
-    fp8_linear_share: float = 0.0                   # :func:`fp8_linear_share`
+    fp8_linear_share: float = 0.0                   # `fp8_linear_share`
     param_bytes: int = 0                            # the parameters' bytes (0: 4 per parameter)
     host_memory_gb: float = 0.0                     # the host's memory, shared by its local ranks on a CPU
     lm_head_logits_bytes: int = 0                   # `lm_head_logits_bytes`
@@ -147,16 +147,16 @@ def _distribution() -> Tuple[int, int, int, Optional[str]]:
 
 # -- model ----------------------------------------------------------------------------------------------------
 def module_counts(model: Optional[nn.Module]) -> Dict[str, int]:
-    """How many modules of each kind in :data:`MODULE_KINDS` ``model`` holds (every kind present as a key).
+    """How many modules of each kind in `MODULE_KINDS` ``model`` holds (every kind present as a key).
 
     * ``window_attention``: Swin window attention, found by the recogniser module surgery uses
-      (:func:`aiak.ops.surgery.is_window_attention`);
+      (`aiak.ops.surgery.is_window_attention`);
     * ``multihead_attention``: ``nn.MultiheadAttention``, or a class named ``*Attention`` (``*SelfAttention``)
       that neither is nor holds window attention;
     * an attention module is counted once: attention modules nested inside it (Hugging Face's
       ``BertAttention`` holding ``BertSelfAttention``, ``SwinAttention`` holding its bias table) are parts of it;
     * ``layernorm``: ``nn.LayerNorm`` and norm layers named ``*LayerNorm*`` (``LayerNorm2d``, ``T5LayerNorm``;
-      :func:`aiak.util.norm_layers.norm_kind`);
+      `aiak.util.norm_layers.norm_kind`);
     * ``batchnorm``: every ``_BatchNorm`` (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``); ``embedding``:
       ``nn.Embedding`` and ``nn.EmbeddingBag``;
     * ``dropout``: dropout modules with ``p > 0`` (``p = 0`` is the identity many models build by default).
@@ -211,7 +211,7 @@ def fp8_linear_share(model: Optional[nn.Module]) -> float:
     ``fp8_linear_share``), estimated from the weights alone, without an input.
 
     A Linear layer uses each weight once per token (2 x in x out FLOPs per token). A convolution uses each weight
-    once per output position, counted as :data:`CONV_POSITIONS`: a lower bound, which makes the share an upper
+    once per output position, counted as `CONV_POSITIONS`: a lower bound, which makes the share an upper
     bound for convolutional nets (torchvision's ResNet-50 comes out near 0, a ViT's patch embedding counts as
     one layer). ``nn.MultiheadAttention``'s input projection, which fp8 cannot reach, counts like a Linear
     layer. Attention's score products have no weights and are left out: per token and layer they add 4 x T x d
@@ -234,7 +234,7 @@ def fp8_linear_share(model: Optional[nn.Module]) -> float:
 
 
 def model_features(model: Optional[nn.Module]) -> Set[str]:
-    """The module kinds present in ``model`` (those :func:`module_counts` finds at least once)."""
+    """The module kinds present in ``model`` (those `module_counts` finds at least once)."""
     return {kind for kind, count in module_counts(model).items() if count}
 
 
@@ -271,9 +271,9 @@ def loader_facts(loader: Any) -> Dict[str, Any]:
 
 
 def variable_length(dataset: Any) -> Optional[bool]:
-    """Whether the first :data:`LENGTH_PROBE_SAMPLES` samples of a map-style dataset differ in length.
+    """Whether the first `LENGTH_PROBE_SAMPLES` samples of a map-style dataset differ in length.
 
-    Lengths follow :func:`aiak.loaders.balanced_loader.sample_lengths` (a declared ``dataset.lengths``, else
+    Lengths follow `aiak.loaders.balanced_loader.sample_lengths` (a declared ``dataset.lengths``, else
     each sample measured); only those first samples are read, never the whole dataset, and the RNG states
     (torch CPU, Python, NumPy) are restored afterwards, so random transforms still draw what they would have
     drawn without aiak. None when unknown: no dataset, an iterable-style one, or unmeasurable samples.

@@ -2,10 +2,10 @@
 
 Built-in profiles live in the top-level ``configs/`` folder of a source checkout and ship inside the wheel as
 the package ``aiak.configs``; both places are searched. User profiles live in the folders of the search path
-(:func:`user_profile_dirs`): those of ``AIAK_PROFILE_PATH`` (``os.pathsep``-separated, in order), then
+(`user_profile_dirs`): those of ``AIAK_PROFILE_PATH`` (``os.pathsep``-separated, in order), then
 ``~/.config/aiak/profiles/``. A name is looked up among the built-ins first, then in those folders in order.
 ``extends: <name or path>`` inherits another profile: the parent is loaded (recursively), then the child's
-keys override it section by section. Nothing here validates a key: :mod:`aiak.strategy.schema` does.
+keys override it section by section. Nothing here validates a key: `aiak.strategy.schema` does.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class ProfileFile:
 
 def profile_files() -> List[ProfileFile]:
     """Every profile the auto-selector evaluates, in its order: the built-ins sorted by name, then each user
-    folder of :func:`user_profile_dirs` in turn, sorted by name."""
+    folder of `user_profile_dirs` in turn, sorted by name."""
     found = [ProfileFile(p.stem, p, True) for p in _yaml_files(profiles_dir())]
     names = {f.name for f in found}
     for folder in user_profile_dirs():
@@ -169,7 +169,7 @@ def replaces_parent_section(key: str, value: Any, old: Any) -> bool:
 
 
 def merge(parent: Mapping[str, Any], child: Mapping[str, Any]) -> Dict[str, Any]:
-    """Child over parent; mapping sections merge key by key (but see :func:`replaces_parent_section`),
+    """Child over parent; mapping sections merge key by key (but see `replaces_parent_section`),
     everything else is replaced."""
     out = dict(parent)
     for key, value in child.items():

@@ -1,6 +1,6 @@
 """``load_strategy`` (name, YAML path or dict -> validated ``Strategy``) and the profiles as the auto-selector
-overlays them (:class:`Profile`: the strategy and which keys its file and ``extends`` chain set). Where profile
-files are and how they are read and merged: :mod:`aiak.strategy.profile_files`.
+overlays them (`Profile`: the strategy and which keys its file and ``extends`` chain set). Where profile
+files are and how they are read and merged: `aiak.strategy.profile_files`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def load_strategy(spec: Union[str, os.PathLike, Mapping[str, Any], Strategy]) ->
     """Built-in or user profile name, YAML path, dict (same shape as the YAML) or ``Strategy`` -> ``Strategy``.
 
     Every mistake (of the file and of the files it extends) is reported at once, in one
-    :class:`StrategyError`, each with its file, key path and suggestion.
+    `StrategyError`, each with its file, key path and suggestion.
     """
     if isinstance(spec, Strategy):
         return spec
@@ -43,7 +43,7 @@ class Profile:
 
 
 def load_profile(file: ProfileFile) -> Profile:
-    """Load and validate one profile file, remembering which keys it sets (see :class:`Profile`)."""
+    """Load and validate one profile file, remembering which keys it sets (see `Profile`)."""
     strategy, chain, data = load_with_chain(file.path)
     default = (profiles_dir() / "default.yaml").resolve()
     sets = frozenset(k for k, src in chain.origins.items() if Path(src).resolve() != default)

@@ -1,6 +1,6 @@
 """The ``match:`` grammar: when a profile takes part in ``strategy="auto"``.
 
-A profile's ``match:`` maps condition keys (the fields of :class:`Match`) to values, and
+A profile's ``match:`` maps condition keys (the fields of `Match`) to values, and
 every condition given must hold: ``modules`` and ``cpu_features`` take a list (all present) or ``{any: [...]}``;
 ``device`` is ``cpu`` or ``cuda``; ``cuda_capability`` is a comparison such as ``">=8.0"`` (false off CUDA);
 ``world_size``, ``nodes`` and ``params`` take an integer or a comparison (``">=2"``, ``"<1e8"``);
@@ -11,9 +11,9 @@ integer or a comparison (`aiak.strategy.probes.lm_head_logits_bytes`);
 null) is no condition, so ``match: {}`` matches everything. README's section "How ``auto`` chooses: the
 ``match:`` grammar" is the user's reference, with the meaning of each module kind.
 
-This module checks the values (each field of :class:`Match` names its parser, which the schema's validation
+This module checks the values (each field of `Match` names its parser, which the schema's validation
 calls, so a bad one is reported with every other problem of the file) and evaluates them against
-:class:`~aiak.strategy.probes.Probes` (:func:`match_profile`).
+`Probes` (`match_profile`).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ class Match:
 
 # -- evaluation ---------------------------------------------------------------------------------------------
 def match_profile(match: Any, probes: Probes) -> Tuple[bool, str]:
-    """``(matches, explanation)`` for a validated :class:`Match` against ``probes``.
+    """``(matches, explanation)`` for a validated `Match` against ``probes``.
 
     The explanation lists each condition with what the probe found (``"device: cpu (found cpu);
     cpu_features any of [avx512_bf16, amx_bf16] (found avx512_bf16)"``) or, when false, the first failing one.

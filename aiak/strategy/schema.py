@@ -1,11 +1,11 @@
 """The strategy schema: the ``Strategy`` composed of the sections its subsystems own, validated on construction.
 
 The key names are a public contract: add keys, never rename them. Each section is a dataclass kept beside the
-code that reads it (``precision:`` in :mod:`aiak.amp.config`, ``optimizer:`` in :mod:`aiak.optim.config`,
-``loader:`` in :mod:`aiak.loaders.config`, ``comm:`` in :mod:`aiak.comm.config`, ``match:`` in
-:mod:`aiak.strategy.rules`); validation is driven by the fields' types and metadata (:mod:`aiak.util.config`), so
+code that reads it (``precision:`` in `aiak.amp.config`, ``optimizer:`` in `aiak.optim.config`,
+``loader:`` in `aiak.loaders.config`, ``comm:`` in `aiak.comm.config`, ``match:`` in
+`aiak.strategy.rules`); validation is driven by the fields' types and metadata (`aiak.util.config`), so
 a new knob is one new field. Every error names the source (file or "<dict>"), the dotted key path and the
-valid choices, and all of them are raised together as a single :class:`StrategyError`.
+valid choices, and all of them are raised together as a single `StrategyError`.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class Strategy:
                   origins: Optional[Mapping[str, str]] = None, combinations: bool = True) -> "Strategy":
         """Build and validate from a plain dict (already merged with any ``extends`` parent).
 
-        Every mistake is collected and raised together as one :class:`StrategyError`. ``origins`` maps a dotted
+        Every mistake is collected and raised together as one `StrategyError`. ``origins`` maps a dotted
         key path to the file that set it (``extends`` chains), so each problem names the right file.
         ``combinations=False`` checks keys and values only (the caller knows part of the strategy is missing).
         """
@@ -126,7 +126,7 @@ class Strategy:
 
 
 def load_with_chain(spec: Union[str, os.PathLike, Mapping[str, Any]]) -> Tuple[Strategy, "Chain", Dict[str, Any]]:
-    """``(strategy, chain, the file's own data)``; raises one :class:`StrategyError` listing every problem."""
+    """``(strategy, chain, the file's own data)``; raises one `StrategyError` listing every problem."""
     if isinstance(spec, Mapping):
         source, path, data = "<dict>", None, dict(spec)
     elif isinstance(spec, (str, os.PathLike)):

@@ -3,9 +3,9 @@
 
 How ``"auto"`` composes (README, "How ``auto`` chooses"):
 
-1. probe the hardware, process group, model, loader and optimizer (:func:`aiak.strategy.probes.probe`);
+1. probe the hardware, process group, model, loader and optimizer (`aiak.strategy.probes.probe`);
 2. start from ``default.yaml`` (plain PyTorch);
-3. evaluate the profiles in order (:func:`aiak.strategy.profiles.profile_files`): the built-in ones sorted by
+3. evaluate the profiles in order (`aiak.strategy.profiles.profile_files`): the built-in ones sorted by
    name, then each folder of ``AIAK_PROFILE_PATH``, then ``~/.config/aiak/profiles/``, each sorted by name.
    A profile without a ``match:`` key is skipped (it is used only by name). Each one whose ``match:`` holds is
    overlaid on the strategy built so far; it contributes only the keys it or its ``extends`` chain sets
@@ -82,7 +82,7 @@ class Selection:
 
 # -- entry points -------------------------------------------------------------------------------------------
 def select(model: Optional[nn.Module], optimizer=None, loader=None, *, device: Any = None) -> Selection:
-    """The auto-selector (rules only, no trials): probe, then :func:`compose`."""
+    """The auto-selector (rules only, no trials): probe, then `compose`."""
     return compose(probe(model, optimizer, loader, device))
 
 
@@ -94,7 +94,7 @@ def select_strategy(model: Optional[nn.Module], optimizer=None, loader=None, *,
 
 
 def resolve_strategy(spec: Any, model=None, optimizer=None, loader=None, *, device: Any = None) -> Selection:
-    """``optimize()``'s first step: ``"auto"`` -> :func:`select`; anything else -> ``load_strategy``, each knob
+    """``optimize()``'s first step: ``"auto"`` -> `select`; anything else -> ``load_strategy``, each knob
     that differs from ``default.yaml`` attributed to the profile (``profile:<name>``, for a profile name) or to
     the user (a path, dict or ``Strategy``)."""
     if isinstance(spec, str) and spec == "auto":
@@ -124,7 +124,7 @@ def compose(probes: Probes) -> Selection:
     """The strategy the profiles' rules compose for ``probes`` (a machine, model and loader, real or described).
 
     Every profile is loaded and validated first; all their problems are raised together as one
-    :class:`StrategyError`, so a broken user profile is reported, never silently left out.
+    `StrategyError`, so a broken user profile is reported, never silently left out.
     """
     profiles, problems = [], []
     for file in profile_files():

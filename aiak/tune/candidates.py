@@ -2,9 +2,9 @@
 
 In order of preference (the order breaks ties within noise, and ``tune.candidates`` keeps the first N):
 
-1. the rules' pick (:func:`aiak.strategy.select.select`);
+1. the rules' pick (`aiak.strategy.select.select`);
 2. its numerics-neutral subset: the pick with every knob that changes numerics set back to plain PyTorch
-   (layouts and loader knobs kept, :data:`aiak.tune.gate.NEUTRAL_KEYS`; the training knobs kept as below);
+   (layouts and loader knobs kept, `aiak.tune.gate.NEUTRAL_KEYS`; the training knobs kept as below);
 3. plain: plain PyTorch compute (the ``default`` profile's precision, layout, kernels) training what the pick
    trains; always timed, since it is also the fp32 reference of the gate and the speed auto must never fall
    below;
@@ -16,18 +16,18 @@ Candidates differ only in how a step computes: knobs whose effect on the numbers
 have none (precision, tf32, channels_last, fused_ops, compile, cudnn_benchmark). Two kinds of knobs are the
 pick's in every candidate, plain included, and the rules set them:
 
-* what changes WHAT is trained (:data:`TRAINING_KEYS`: gradient accumulation, the optimizer and its
+* what changes WHAT is trained (`TRAINING_KEYS`: gradient accumulation, the optimizer and its
   hyper-parameters, which samples form a batch, how the inputs are normalized). The gate compares one
   micro-step's gradients, which these leave alone or change by changing the data, and a speed race would
   always prefer doing less (no accumulation, plain SGD); dropping them would silently train another model;
-* what a trial step does not exercise (:data:`UNTIMED_KEYS`: the loader, DDP communication, process
+* what a trial step does not exercise (`UNTIMED_KEYS`: the loader, DDP communication, process
   affinity, the tuning settings): the trial feeds the borrowed batches itself and runs without DDP, so
   those knobs could not be told apart.
 
 A variant is only proposed where it can run well: fp16 or bf16 only where the device computes it natively
 (``probes.fp16_native`` / ``bf16_native``; emulated half precision runs 7-30x slower on this CPU,
 benchmarks/precision_cpu.py), channels_last only for models with Conv2d, and
-compile only when the tuning budget can pay for compiling (:data:`COMPILE_MIN_BUDGET_S`).
+compile only when the tuning budget can pay for compiling (`COMPILE_MIN_BUDGET_S`).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def differences(strategy: Strategy, base: Strategy) -> Dict[str, Any]:
 
 
 def with_picks_knobs(data: Dict[str, Any], pick: Strategy) -> Dict[str, Any]:
-    """``data`` (a strategy dict) with the pick's :data:`TRAINING_KEYS` and :data:`UNTIMED_KEYS`, which no
+    """``data`` (a strategy dict) with the pick's `TRAINING_KEYS` and `UNTIMED_KEYS`, which no
     trial decides: whole sections where a key names one (``optimizer`` with its hyper-parameters)."""
     picked = pick.to_dict()
     for key in UNTIMED_KEYS + TRAINING_KEYS:

@@ -228,9 +228,9 @@ def _jsonable(value: Any) -> Any:
 def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None, comm: Any = None,
           derived: Sequence[Any] = ()) -> Decision:
     """The record of one ``optimize()``: ``selection`` (the rules), ``applied`` (the Strategy applied, as chosen),
-    ``tuning`` (:class:`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did), ``comm`` (the comm
-    autotuner's :class:`~aiak.comm.allreduce.autotune.CommTuning`, or None), ``derived`` (the settings derived
-    for this run, :class:`aiak.strategy.derived.Derived`: each knob's row says so)."""
+    ``tuning`` (`aiak.tune.trials.Tuning` or None), ``summary`` (what each step did), ``comm`` (the comm
+    autotuner's `CommTuning`, or None), ``derived`` (the settings derived
+    for this run, `aiak.strategy.derived.Derived`: each knob's row says so)."""
     measured = differences(tuning.strategy, selection.strategy) if tuning is not None else {}  # the trials' changes
     trials = [t.to_dict() for t in tuning.trials] if tuning is not None else []
     winner = next((t for t in trials if "chosen" in t["why"]), None)

@@ -7,7 +7,7 @@ compared with plain fp32 PyTorch's ``g``, parameter by parameter name. The candi
 * no parameter lost its gradient (all zeros where fp32's is not: a dropped or detached gradient);
 * its error is within the gradient's own sampling noise: ``|c - g| <= MAX_ERROR_TO_NOISE * noise``, where
   ``noise`` is the norm of the sampling noise of ``g`` as an estimate of the expected gradient
-  (:func:`sampling_noise`). An error below it moves a step less than drawing another batch of the same size
+  (`sampling_noise`). An error below it moves a step less than drawing another batch of the same size
   would, which SGD tolerates by design. A fixed bound on the cosine cannot say this: how far half-precision
   rounding moves a gradient depends on the model and on how much of the gradient is signal, and at random init
   the gradient of a small batch is mostly noise (``|g| ~ noise``): bf16 gave cosines down to 0.90 on
@@ -25,7 +25,7 @@ gradient dropped (lost), an overflowing loss scale (not finite). No error bound 
 with a wide margin: with ``|g| / noise`` at 0.8-1.1, even a wholly wrong gradient is only 1-1.5 noise away,
 so the scale and lost-gradient checks carry the clear cases and the error bound the rest.
 
-Numerics-neutral candidates (layout, prefetching, bucket sizes: :data:`NEUTRAL_KEYS`) skip the gate.
+Numerics-neutral candidates (layout, prefetching, bucket sizes: `NEUTRAL_KEYS`) skip the gate.
 """
 from __future__ import annotations
 
@@ -74,14 +74,14 @@ class GateResult:
     def numbers(self) -> List[float]:
         """This result as numbers whose elementwise maximum over several results is their worst (what a MAX
         all-reduce over ranks gives): not finite, lost, error, the scale above and below 1, the lowest cosine,
-        the largest norm difference. :meth:`from_numbers` reads them back."""
+        the largest norm difference. `from_numbers` reads them back."""
         return [0.0 if self.finite else 1.0, 1.0 if self.lost else 0.0,
                 -1.0 if self.error_to_noise is None else self.error_to_noise,
                 self.scale, -self.scale, -self.cosine, self.norm_diff]
 
     @classmethod
     def from_numbers(cls, numbers: Sequence[float], lost: str = "") -> "GateResult":
-        """The result :meth:`numbers` gave (the worst of several); ``lost``: the name of a lost gradient, if
+        """The result `numbers` gave (the worst of several); ``lost``: the name of a lost gradient, if
         known here."""
         nonfinite, lost_flag, error, high, neg_low, neg_cosine, norm_diff = numbers
         scale = high if high - 1.0 >= 1.0 + neg_low else -neg_low  # whichever is farther from 1
@@ -117,7 +117,7 @@ def sampling_noise(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], size_
 def compare(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor],
             noise: Optional[float] = None) -> GateResult:
     """Gate ``candidate`` gradients against the fp32 ``reference`` (same names), whose sampling noise is ``noise``
-    (:func:`sampling_noise`; None: the error is not judged). See the module docstring."""
+    (`sampling_noise`; None: the error is not judged). See the module docstring."""
     if set(candidate) != set(reference):
         missing = sorted(set(reference) ^ set(candidate))[:3]
         raise ValueError(f"numerics gate: parameters differ between candidate and reference (e.g. {missing})")

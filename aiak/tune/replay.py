@@ -1,13 +1,13 @@
 """The user's first batches, borrowed for the trials and given back: the loop sees every batch exactly once.
 
-The trials (:mod:`aiak.tune.trials`) need real batches before the user's loop starts. They open the loader
+The trials (`aiak.tune.trials`) need real batches before the user's loop starts. They open the loader
 (``iter(loader)``, exactly what the loop's first ``for`` would do), take a few batches, and hand the loader
-on wrapped in a :class:`ReplayLoader`: its first iteration yields the borrowed batches, then continues the
+on wrapped in a `ReplayLoader`: its first iteration yields the borrowed batches, then continues the
 same open iterator. So the first epoch is the epoch the user's own ``for`` would have seen, same order,
 same batches, none twice; later iterations are the loader's own.
 
 That holds only while the batches are still what opening the loader would give at the first iteration.
-The loader's draws depend on the random streams (:class:`RandomStreams`: torch, Python's ``random``, NumPy,
+The loader's draws depend on the random streams (`RandomStreams`: torch, Python's ``random``, NumPy,
 the loader's generators) and on the sampler's epoch, so both are recorded when the batches are borrowed and
 compared with the live ones at the first iteration:
 
@@ -83,7 +83,7 @@ class ReplayLoader:
     """``loader`` with ``batches`` (already drawn from the open iterator ``live``) put back in front, given
     back at the first iteration if the random streams and the epoch still allow it (see the module docstring).
 
-    ``opened`` and ``drawn`` are the :class:`RandomStreams` before the loader was opened and after the batches
+    ``opened`` and ``drawn`` are the `RandomStreams` before the loader was opened and after the batches
     were drawn; ``per_batch_draws``: fetching a batch draws from this process's streams.
     Everything else (``len``, ``dataset``, ``sampler``, ``set_epoch``, ...) is the wrapped loader's.
     """
@@ -134,7 +134,7 @@ def _chain(batches: List[Any], live: Iterator) -> Iterator[Any]:
 
 
 def borrow(loader: Any, count: int, *, cuda: bool = False) -> "tuple[List[Any], ReplayLoader]":
-    """Open ``loader``, take up to ``count`` batches; returns them and the :class:`ReplayLoader` to hand on.
+    """Open ``loader``, take up to ``count`` batches; returns them and the `ReplayLoader` to hand on.
 
     The random streams are left where drawing the batches left them; ``cuda``: CUDA's generators are among
     the streams recorded."""

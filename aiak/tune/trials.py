@@ -2,13 +2,13 @@
 
 How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 
-1. The cache (:mod:`aiak.util.cache`) is asked first, under :func:`decision_key`; a hit runs no trial.
-2. ``tune.steps`` batches are borrowed from the loader (:mod:`aiak.tune.replay`; given back untouched).
-3. Each candidate (:mod:`aiak.tune.candidates`) is applied to its own deep copy of the model and optimizer,
-   through the same :func:`aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
+1. The cache (`aiak.util.cache`) is asked first, under `decision_key`; a hit runs no trial.
+2. ``tune.steps`` batches are borrowed from the loader (`aiak.tune.replay`; given back untouched).
+3. Each candidate (`aiak.tune.candidates`) is applied to its own deep copy of the model and optimizer,
+   through the same `aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
    wrapping, which do not change the step's compute). The user's objects are never touched.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; its
-   gradients go through the numerics gate (:mod:`aiak.tune.gate`) against plain fp32's, their error judged
+   gradients go through the numerics gate (`aiak.tune.gate`) against plain fp32's, their error judged
    against the sampling noise of that gradient. Plain estimates the noise first, from the same weights, only
    when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
    when only one batch was borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a
@@ -18,13 +18,13 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
    creating primitives, cuDNN autotuning): in timm's script a trial's plain step took 3.75 s where the real
    run's took 0.33 s. Timing starts where every series has settled (its last two steps no faster than its
-   best before them, within :data:`SETTLE_TOLERANCE`), or after :data:`WARMUP_MAX_STEPS` steps, or when the
-   budget runs out: those two steps are the first timed samples (:data:`MIN_TIMED_ROUNDS`), so a candidate
+   best before them, within `SETTLE_TOLERANCE`), or after `WARMUP_MAX_STEPS` steps, or when the
+   budget runs out: those two steps are the first timed samples (`MIN_TIMED_ROUNDS`), so a candidate
    that needs no warm-up costs three steps in all.
 6. Timed rounds go on until ``tune.steps`` samples, the budget is spent, or the ranking is clear (each
-   candidate faster than plain in every timed round or slower in every one, beyond :data:`NOISE_FLOOR`, and
-   the fastest ahead of each other one in every round). Default budget: :data:`BUDGET_FRACTION` of
-   :data:`BUDGET_RUN_STEPS` plain steps.
+   candidate faster than plain in every timed round or slower in every one, beyond `NOISE_FLOOR`, and
+   the fastest ahead of each other one in every round). Default budget: `BUDGET_FRACTION` of
+   `BUDGET_RUN_STEPS` plain steps.
    Every step, warm-up included, runs under its candidate's own process switches (TF32, cuDNN autotuning,
    CPU affinity, threads: what applying it set), all written before the step, on or off, so no candidate
    inherits another's, and plain fp32, the gate's reference, none.
@@ -184,7 +184,7 @@ def decision_key(model: nn.Module, optimizer: Any, loader: Any, probes: Any, pro
 # -- one trial step -------------------------------------------------------------------------------
 def trial_loss(output: Any, batch: Any) -> torch.Tensor:
     """The loss the trial step backpropagates (see the module docstring); class scores are read by
-    :func:`aiak.util.nested.logits_of`, the one reading of a model's output."""
+    `aiak.util.nested.logits_of`, the one reading of a model's output."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss.float()
@@ -282,7 +282,7 @@ class _TrialRun:
         return map_tensors(batch, move)
 
     def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
-        """The user's step (:func:`aiak.step.training_step.training_step`) on ``batch``; with ``want_grads``,
+        """The user's step (`aiak.step.training_step.training_step`) on ``batch``; with ``want_grads``,
         the gradients it computed (one micro-step's true gradient: the fp32 parameters' own, unscaled as they
         landed), read between the backward and the optimizer step."""
         grads: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -316,7 +316,7 @@ class _TrialRun:
 
     def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
         """The gradients of one forward and backward on ``batch`` from the current weights, as
-        :func:`aiak.tune.gate.gradients` gives them, the copy left as it was: taken by ``autograd.grad``, so no
+        `aiak.tune.gate.gradients` gives them, the copy left as it was: taken by ``autograd.grad``, so no
         ``.grad`` is written and no gradient hook sees a backward (a step controller counts them to tell a
         script's own accumulation); no optimizer step; buffers (BatchNorm's running statistics) put back."""
         named = [(n, p) for n, p in self.bare.named_parameters() if p.requires_grad]
@@ -494,7 +494,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
 
 
 def _noise_samples(plain: _TrialRun, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
-    """Plain fp32's gradients of samples other than batch 0's, with their counts, for :func:`_sampling_noise`:
+    """Plain fp32's gradients of samples other than batch 0's, with their counts, for `_sampling_noise`:
     batch 1's, or else the two halves of batch 0 (none for a batch of one sample). Another batch is better:
     under BatchNorm a half batch is normalized over fewer samples, which adds noise of its own (MobileNetV3
     at batch 8: its halves made the noise look 5.6x what two batches show)."""
@@ -529,14 +529,14 @@ def _batch_size(batch: Any) -> Optional[int]:
 def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float, status: Optional[StatusLine] = None
                   ) -> None:
     """Rounds of one step per candidate after the gate's, on the one timing engine
-    (:func:`aiak.measure.rounds.alternate`: the order rotating every round, each step under the candidate's own
+    (`aiak.measure.rounds.alternate`: the order rotating every round, each step under the candidate's own
     switches, the slowest rank's seconds, a failure on any rank dropping the candidate on all). Each
     candidate's steps form one series (``warmup_s``, the gate's step first). Timing starts at the round where
-    every series has settled (:func:`_settled`: its last :data:`MIN_TIMED_ROUNDS` steps were no faster than the
-    best before them), or :data:`WARMUP_MAX_STEPS` steps were taken, or the budget ran out; those last steps
+    every series has settled (`_settled`: its last `MIN_TIMED_ROUNDS` steps were no faster than the
+    best before them), or `WARMUP_MAX_STEPS` steps were taken, or the budget ran out; those last steps
     are the first timed samples, so a candidate that needs no warm-up costs the gate's step and two more.
     Rounds go on until ``cfg.steps`` samples, the budget is spent, or the ranking is clear
-    (:func:`_ranking_is_clear`)."""
+    (`_ranking_is_clear`)."""
     runs = [c for c in contenders if not c.failed]
     if not runs:
         return
@@ -603,7 +603,7 @@ class _Stopping:
                                                 or _ranking_is_clear(series, self.timed_from))
 
     def budget(self, series: Dict[str, List[float]]) -> Optional[float]:
-        """``tune.max_seconds``, or by default :data:`BUDGET_FRACTION` of a :data:`BUDGET_RUN_STEPS`-step run at
+        """``tune.max_seconds``, or by default `BUDGET_FRACTION` of a `BUDGET_RUN_STEPS`-step run at
         plain PyTorch's speed (its fastest step so far); None without plain."""
         if self.max_seconds is not None:
             return self.max_seconds
@@ -613,7 +613,7 @@ class _Stopping:
 
 def _ranking_is_clear(series: Dict[str, List[float]], timed_from: int) -> bool:
     """More rounds would not change the decision, so the budget left is not spent: every candidate is faster
-    than plain PyTorch in every timed round or slower in every one, by more than :data:`NOISE_FLOOR`, and the
+    than plain PyTorch in every timed round or slower in every one, by more than `NOISE_FLOOR`, and the
     fastest is faster than each other one in every round."""
     if "plain" not in series:
         return False
@@ -629,8 +629,8 @@ def _ranking_is_clear(series: Dict[str, List[float]], timed_from: int) -> bool:
 
 
 def _settled(seconds: List[float]) -> bool:
-    """Neither of the last :data:`MIN_TIMED_ROUNDS` steps beat the best step before them by more than
-    :data:`SETTLE_TOLERANCE`: the one-time costs are spent. (A machine's timing noise only ever adds time, so
+    """Neither of the last `MIN_TIMED_ROUNDS` steps beat the best step before them by more than
+    `SETTLE_TOLERANCE`: the one-time costs are spent. (A machine's timing noise only ever adds time, so
     two slow steps that agree with each other do not count.)"""
     return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
 

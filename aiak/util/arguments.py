@@ -21,7 +21,7 @@ frozen for its first epochs and unfrozen later is a legitimate script.
 What ``optimize`` returns is fixed: ``(model, optimizer, loader)``, ``None`` in the place of what was not given,
 plus the scheduler when one was, so a script unpacks it the same way whatever it passes. A call unpacked into
 another number of names (``model, optimizer = aiak.optimize(model, optimizer)``) would fail with Python's bare
-"too many values to unpack" after everything was applied; :func:`check_unpacking` reads the calling line's
+"too many values to unpack" after everything was applied; `check_unpacking` reads the calling line's
 unpacking (its ``UNPACK_SEQUENCE`` instruction) first and says what ``optimize`` returns instead.
 """
 from __future__ import annotations

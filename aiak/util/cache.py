@@ -1,9 +1,9 @@
 """The one tuning cache: a JSON file of decisions, shared by the strategy trials and the comm autotuner.
 
-``{key: entry}`` where an entry is a JSON object; the strategy trials (:mod:`aiak.tune.trials`) store the
+``{key: entry}`` where an entry is a JSON object; the strategy trials (`aiak.tune.trials`) store the
 winning strategy under a key of model structure, batch shape, hardware, topology, library versions and
-profiles (:func:`aiak.tune.trials.decision_key`), the comm autotuner its route and bucket size
-(:mod:`aiak.comm.allreduce.autotune`); both keys are made by :meth:`TuneCache.key`. Writes are atomic (temp file +
+profiles (`aiak.tune.trials.decision_key`), the comm autotuner its route and bucket size
+(`aiak.comm.allreduce.autotune`); both keys are made by `TuneCache.key`. Writes are atomic (temp file +
 ``os.replace``), so concurrent writers never leave a torn file; an unreadable file is ignored with a warning and
 rewritten.
 
@@ -31,7 +31,7 @@ def default_cache_path() -> Path:
 
 
 class TuneCache:
-    """A JSON file ``{key: {...}}``; ``path`` defaults to :func:`default_cache_path`."""
+    """A JSON file ``{key: {...}}``; ``path`` defaults to `default_cache_path`."""
 
     def __init__(self, path: Optional[os.PathLike] = None):
         self.path = Path(path) if path is not None else default_cache_path()

@@ -1,7 +1,7 @@
 """Configuration sections as dataclasses, checked by the types of their fields.
 
 Each subsystem owns the section of the strategy it reads (``amp.config.Precision``, ``comm.config.CommConfig``,
-...); :mod:`aiak.strategy.schema` composes them into the ``Strategy``. :func:`build` makes a section from the
+...); `aiak.strategy.schema` composes them into the ``Strategy``. `build` makes a section from the
 YAML's mapping: a field's type hint (``bool``, ``int``, ``float``, ``str``, ``List[...]``, ``Dict[str, Any]``,
 ``Optional[...]``, ``Union[...]``, a nested section) says what is valid, ``metadata["choices"]`` narrows it, and
 ``metadata["parse"]`` hands the value to a parser of its own (the ``match:`` grammar). A section's own
@@ -86,7 +86,7 @@ def _spelled(options: tuple, also: str) -> str:
 
 def check_value(value: Any, hint: Any, metadata: Mapping[str, Any] = MappingProxyType({})) -> Any:
     """``value`` checked against the type ``hint`` and ``metadata["choices"]``; returned normalised (ints given
-    for a float become floats) or :class:`Invalid` raised with what would be valid."""
+    for a float become floats) or `Invalid` raised with what would be valid."""
     options, also = tuple(metadata.get("choices", ())), metadata.get("also", "")
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Union:
@@ -189,7 +189,7 @@ def build(cls: type, data: Any, where: Where, path: str, problems: List[str]) ->
 
 
 def section_problems(section: Any, where: Where, path: str) -> List[str]:
-    """Every problem of a section built in code (not from YAML), found as :func:`build` finds those of a file."""
+    """Every problem of a section built in code (not from YAML), found as `build` finds those of a file."""
     problems: List[str] = []
     build(type(section), dataclasses.asdict(section), where, path, problems)
     return problems

@@ -1,4 +1,4 @@
-"""Whether ranks exist (:func:`process_group_exists`, :func:`world_size`, :func:`is_distributed`: the one place
+"""Whether ranks exist (`process_group_exists`, `world_size`, `is_distributed`: the one place
 aiak asks), and how they agree: the few collectives aiak issues for itself (not for the user's gradients), and
 where their small tensors live. Each collective is the identity outside a process group of more than one rank, so
 single-process code calls them unconditionally; inside one, every rank of ``group`` (torch's default group when

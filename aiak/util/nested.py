@@ -76,7 +76,7 @@ def _copy_dict_dataclass(obj: dict, mapped: dict, fn: Callable[[torch.Tensor], A
 
 
 def iter_tensors(obj: Any):
-    """Yield every tensor inside a nested structure (same traversal as :func:`map_tensors`)."""
+    """Yield every tensor inside a nested structure (same traversal as `map_tensors`)."""
     found = []
     map_tensors(obj, lambda t: found.append(t) or t)
     return iter(found)

@@ -1,6 +1,6 @@
 """One status line on a terminal for work that takes a while (the trials of ``auto``), in the manner of tqdm's bar:
 rewritten in place with ``\\r``, cleared when the work ends, shown only once the work has run
-:data:`SHOW_AFTER_S` seconds, and silent where stderr is not a terminal (a log file, CI) or on ranks other than 0,
+`SHOW_AFTER_S` seconds, and silent where stderr is not a terminal (a log file, CI) or on ranks other than 0,
 so logs never fill with frames."""
 from __future__ import annotations
 

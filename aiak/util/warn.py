@@ -4,12 +4,12 @@
 The warning is attributed to the first frame outside aiak and torch (the user's ``aiak.optimize(...)`` or
 training-loop line: aiak's hooks and patched functions run below torch's ``Module.__call__`` and
 ``clip_grad.py``), however deep it was raised, so Python's warning filters and the printed location refer
-to the user's code. ``warn_once`` says a thing once per process. Inside :func:`quiet` nothing is said and no
+to the user's code. ``warn_once`` says a thing once per process. Inside `quiet` nothing is said and no
 ``warn_once`` key is spent (the strategy trials apply candidates there; only the winner speaks).
 
 Under ``torch.distributed`` (or torchrun's ``RANK`` before the process group exists) only rank 0 speaks:
 every rank makes the same decisions, so N copies of each warning and of the summary (the ``aiak`` logger,
-filtered by :class:`RankZeroFilter`) only bury the one that matters.
+filtered by `RankZeroFilter`) only bury the one that matters.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ if not any(isinstance(f, RankZeroFilter) for f in logging.getLogger("aiak").filt
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel`` for a ``warnings.warn`` called in :func:`warn` that points past aiak's and torch's
+    """The ``stacklevel`` for a ``warnings.warn`` called in `warn` that points past aiak's and torch's
     frames."""
     level, frame = 1, sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
@@ -69,7 +69,7 @@ def warn(message: str, category: type = UserWarning, everywhere: bool = False) -
 
 
 def warn_once(key: str, message: str, category: type = UserWarning) -> bool:
-    """:func:`warn` the first time ``key`` is seen in this process; True if it warned now."""
+    """`warn` the first time ``key`` is seen in this process; True if it warned now."""
     if key in _warned or _quiet_depth or not is_rank_zero():
         return False
     _warned.add(key)

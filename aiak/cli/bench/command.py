@@ -1,4 +1,4 @@
-"""The ``aiak bench`` command itself (see :mod:`aiak.cli.bench` for what it measures and how)."""
+"""The ``aiak bench`` command itself (see `aiak.cli.bench` for what it measures and how)."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,7 @@ def _writable_dir(path: str, create: bool) -> Optional[str]:
 
 def _settle_steps_and_rounds(args) -> None:
     """A default adapts to the value the user gave: ``--steps 6`` alone times 6 rounds of one step, ``--rounds 50``
-    alone 50 steps; only two values given that conflict are an error (:func:`_check_arguments`)."""
+    alone 50 steps; only two values given that conflict are an error (`_check_arguments`)."""
     if args.steps is None:
         args.steps = max(DEFAULT_STEPS, args.rounds or 0)
     if args.rounds is None:

@@ -1,5 +1,5 @@
 """The options of ``aiak bench``, apart from the command (which loads torch): ``aiak --help`` builds every
-subcommand's parser, and stays fast (:mod:`aiak.cli.main`)."""
+subcommand's parser, and stays fast (`aiak.cli.main`)."""
 from __future__ import annotations
 
 from aiak.cli.args import MODEL_HELP, device as device_type, input_shape, whole_number

@@ -147,8 +147,8 @@ class _RandomStream:
 
 
 class Loop:
-    """One contender's training loop, as a user writes it; :meth:`step` is one iteration, drawing random
-    numbers from the contender's own :class:`_RandomStream`.
+    """One contender's training loop, as a user writes it; `step` is one iteration, drawing random
+    numbers from the contender's own `_RandomStream`.
 
     ``catch``: an exception in a step is recorded in ``failure`` (later steps do nothing) instead of raised,
     so that a failing strategy does not end the others' run; the baseline's exceptions are raised.
@@ -243,7 +243,7 @@ def _build(args, warmup: int, steps: int):
 def build_baseline(args, world: World, memory: Memory, warmup: int, steps: int):
     """Plain PyTorch: the SPEC's objects untouched; under torchrun the model in DDP as aiak wraps it (its
     default ``comm`` settings are DDP's own: 25 MB buckets, the built-in allreduce). Returns the entry and the
-    :class:`~aiak.cli.model_spec.ModelSetup` (for its description and batch size)."""
+    `ModelSetup` (for its description and batch size)."""
     from aiak.measure.rounds import Contender
     from aiak.runtime.switches import read_switches
 
@@ -317,7 +317,7 @@ def _safe_name(name: str, taken: set) -> str:
 
 
 def write_traces(entries: List[Entry], directory: str, world: World, say) -> Dict[str, str]:
-    """A ``torch.profiler`` trace of :data:`TRACE_STEPS` steps of each contender still running; every rank
+    """A ``torch.profiler`` trace of `TRACE_STEPS` steps of each contender still running; every rank
     runs the steps (DDP's collectives need them all), rank 0 records and writes them."""
     if world.device.type == "cpu":        # Kineto's start/stop lines and "gpuGetDeviceCount failed": noise here
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")

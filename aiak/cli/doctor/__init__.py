@@ -7,13 +7,13 @@ apex) and the distributed backends: the configuration mistakes that cost users o
 (RDMA bought but GPUDirect RDMA unused, NCCL on the wrong interface, too few workers, pageable memory). Last,
 aiak's own global patches of torch: those installed in this process, and every one aiak may install, and when.
 
-Everything the checks read is one :class:`Machine` snapshot: roots for ``/proc``, ``/sys`` and ``/dev``, the
-environment, a few limits and :class:`TorchFacts`. :meth:`Machine.here` reads the real machine; a test builds
-one over a fake tree. :func:`checks` is a pure function of it, so every check runs on simulated machines.
+Everything the checks read is one `Machine` snapshot: roots for ``/proc``, ``/sys`` and ``/dev``, the
+environment, a few limits and `TorchFacts`. `Machine.here` reads the real machine; a test builds
+one over a fake tree. `checks` is a pure function of it, so every check runs on simulated machines.
 Reading this machine never initialises CUDA without a GPU and never imports triton or DALI into this process:
 DALI and apex are run in subprocesses with a timeout, so a broken install can neither hang nor crash doctor.
 
-Exit code of :func:`run`: 0 when every check passes, 1 when any warns (none fails), 2 when any fails; always 0
+Exit code of `run`: 0 when every check passes, 1 when any warns (none fails), 2 when any fails; always 0
 with ``--exit-zero`` (the container image's default command: a container started with a small ``/dev/shm``
 starts, prints the report and says how to start it properly). ``--json`` keeps the strict code in its
 ``exit_code`` field either way.

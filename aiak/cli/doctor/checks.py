@@ -1,5 +1,5 @@
-"""The checks of ``aiak doctor``: pure functions of a :class:`~aiak.cli.doctor.machine.Machine`, each a
-:class:`Check` (pass, warn or fail, and the fix of every warn and fail)."""
+"""The checks of ``aiak doctor``: pure functions of a `Machine`, each a
+`Check` (pass, warn or fail, and the fix of every warn and fail)."""
 from __future__ import annotations
 
 import math
@@ -706,7 +706,7 @@ def check_backends(m: Machine) -> Check:
 
 
 def check_patches(m: Machine) -> List[Check]:
-    """aiak's global patches of torch (:mod:`aiak.runtime.patches`): a line saying which are installed in this
+    """aiak's global patches of torch (`aiak.runtime.patches`): a line saying which are installed in this
     process (in a fresh ``aiak doctor`` none are), then one per declared patch: installed, with what it replaced,
     or what it would replace and when. They say what aiak does to torch, so they always pass."""
     installed = {p.key: p for p in m.patches}

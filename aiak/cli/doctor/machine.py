@@ -1,6 +1,6 @@
-"""What ``aiak doctor`` reads: one :class:`Machine` snapshot (roots for /proc, /sys and /dev, the environment,
-a few limits, :class:`TorchFacts`, the extras' probes and aiak's global patches installed in this process).
-:meth:`Machine.here` reads this machine; a test builds one over a fake tree."""
+"""What ``aiak doctor`` reads: one `Machine` snapshot (roots for /proc, /sys and /dev, the environment,
+a few limits, `TorchFacts`, the extras' probes and aiak's global patches installed in this process).
+`Machine.here` reads this machine; a test builds one over a fake tree."""
 from __future__ import annotations
 
 import os
@@ -128,7 +128,7 @@ class ExtraFacts:
 
 @dataclass
 class Machine:
-    """Everything the checks read; :meth:`here` reads the real one, tests build one over a fake tree."""
+    """Everything the checks read; `here` reads the real one, tests build one over a fake tree."""
 
     proc: Path                      # normally /proc (cpuinfo, modules, driver/nvidia/version)
     sys: Path                       # normally /sys (class/net, class/infiniband, module, fs/cgroup)

@@ -1,10 +1,10 @@
-"""What is synchronised: ``comm.algorithm``, one class of :class:`~aiak.comm.algorithms.base.CommAlgorithm` per
+"""What is synchronised: ``comm.algorithm``, one class of `CommAlgorithm` per
 file, registered here by name.
 
 Validation (the choices of ``comm.algorithm``, the settings each cannot run with), ``aiak explain`` (what each
-trades) and DDP's wrapping read :data:`REGISTRY`; nothing else names the algorithms. A new one is its file (the
+trades) and DDP's wrapping read `REGISTRY`; nothing else names the algorithms. A new one is its file (the
 class, and the dataclass of its settings section if it has one), its line below, and that section's field in
-:class:`~aiak.comm.config.CommConfig` (its YAML key; ``tests/comm/test_algorithm_registry.py`` fails while one is
+`CommConfig` (its YAML key; ``tests/comm/test_algorithm_registry.py`` fails while one is
 missing).
 """
 from typing import Dict, Type

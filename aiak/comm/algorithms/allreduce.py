@@ -1,7 +1,7 @@
 """``comm.algorithm: allreduce``: every step's gradients averaged across all ranks, DDP's arithmetic.
 
 How the average travels (flat or hierarchical, compressed, over several connections, CPU-Reduce, chosen by the
-comm autotuner) is :mod:`aiak.comm.allreduce`; with none of that asked for, DDP's built-in C++ allreduce is the
+comm autotuner) is `aiak.comm.allreduce`; with none of that asked for, DDP's built-in C++ allreduce is the
 fastest flat fp32 path and no hook is registered.
 """
 from __future__ import annotations

@@ -1,23 +1,23 @@
 """The interface of a communication algorithm: what ``comm.algorithm`` names.
 
-An algorithm decides *what* the ranks of one DDP model synchronise, and when; :mod:`aiak.comm.allreduce` is how
+An algorithm decides *what* the ranks of one DDP model synchronise, and when; `aiak.comm.allreduce` is how
 averaged gradients travel. Each algorithm is one class of this interface in its own file, registered by name in
-:data:`aiak.comm.algorithms.REGISTRY`; validation (``comm.algorithm``'s choices and the settings it cannot run
-with), ``aiak explain`` (what it trades) and DDP's wrapping (:func:`aiak.comm.wrap_distributed`) read the class,
+`aiak.comm.algorithms.REGISTRY`; validation (``comm.algorithm``'s choices and the settings it cannot run
+with), ``aiak explain`` (what it trades) and DDP's wrapping (`aiak.comm.wrap_distributed`) read the class,
 so nothing outside the registry and the algorithm's file lists or branches on the names (the shape of torch's
 ``DDPCommHookType`` and Composer's algorithm registry).
 
 Its life, in order:
 
-1. **Before anything is built** (class methods): :meth:`problems` (settings it cannot run with, every one at once,
-   when the strategy is validated), :meth:`runs_here` (what runs on this topology: local SGD on one node is
-   allreduce; what cannot run here is refused with the reason), :meth:`bucket_mb` (DDP's bucket size).
-2. **Built** with the DDP model and its :class:`~aiak.comm.allreduce.hooks.CommState` (:meth:`from_settings`).
-3. **At a gradient bucket**: the hook :meth:`bucket_hook` returns, registered on DDP (``None``: DDP's own).
-4. **At a real optimizer step** (the step controller calls them when :attr:`steps_with_optimizer`):
-   :meth:`at_real_step` before the update, :meth:`after_real_step` after it.
-5. **In a checkpoint and at resume**: :meth:`state_dict` travels in the optimizer's ``state_dict()`` (the step
-   controller's extras); :meth:`load_state_dict` takes it back and refuses another algorithm's.
+1. **Before anything is built** (class methods): `problems` (settings it cannot run with, every one at once,
+   when the strategy is validated), `runs_here` (what runs on this topology: local SGD on one node is
+   allreduce; what cannot run here is refused with the reason), `bucket_mb` (DDP's bucket size).
+2. **Built** with the DDP model and its `CommState` (`from_settings`).
+3. **At a gradient bucket**: the hook `bucket_hook` returns, registered on DDP (``None``: DDP's own).
+4. **At a real optimizer step** (the step controller calls them when `steps_with_optimizer`):
+   `at_real_step` before the update, `after_real_step` after it.
+5. **In a checkpoint and at resume**: `state_dict` travels in the optimizer's ``state_dict()`` (the step
+   controller's extras); `load_state_dict` takes it back and refuses another algorithm's.
 """
 from __future__ import annotations
 
@@ -110,5 +110,5 @@ class CommAlgorithm:
         return self.name
 
     def describe_with_transport(self) -> str:
-        """:meth:`describe`, and how its averages travel where aiak's allreduce path carries them."""
+        """`describe`, and how its averages travel where aiak's allreduce path carries them."""
         return self.describe()

@@ -14,11 +14,11 @@ weights) with its own optimizer:
   even number of ranks.
 
 The exchange is issued from a forward pre-hook (the first training forward after a real step) on the comm
-worker thread of :mod:`aiak.comm.allreduce.hooks`, over a process group of its own (DDP's own collectives on the main
+worker thread of `aiak.comm.allreduce.hooks`, over a process group of its own (DDP's own collectives on the main
 thread never interleave with it), so it runs while the forward and backward compute; the step controller waits
-for it at the real step (:meth:`Decentralized.at_real_step`) and copies the average into the parameters before
+for it at the real step (`Decentralized.at_real_step`) and copies the average into the parameters before
 the optimizer's update. A step skipped for inf/NaN gradients still takes the average (every rank exchanged).
-The gradient hook does nothing (:attr:`aiak.comm.allreduce.hooks.CommState.scope` ``rank``); buffers (BatchNorm
+The gradient hook does nothing (`aiak.comm.allreduce.hooks.CommState.scope` ``rank``); buffers (BatchNorm
 statistics) and optimizer state stay local, as in Bagua, and DDP's broadcast of buffers is off. Bagua's
 asynchronous variant is not built (it hung and raced there, and assumes endless data).
 """

@@ -5,13 +5,13 @@ then local steps with periodic averaging), in the hierarchical form of torch's `
 per-node subgroup plus ``PeriodicModelAverager``:
 
 - for ``warmup_steps`` real steps the communication hook averages every bucket over all ranks, as ``allreduce``;
-- then the hook averages gradients inside each node only (:attr:`aiak.comm.allreduce.hooks.CommState.scope` ``node``;
+- then the hook averages gradients inside each node only (`aiak.comm.allreduce.hooks.CommState.scope` ``node``;
   with one rank per node nothing is sent at all), so the ranks of a node stay identical while nodes drift apart;
 - after the real step of index ``s`` (counted from 0), for ``s >= warmup_steps`` and ``(s - warmup_steps)`` a
-  multiple of ``period``, the weights are averaged across nodes: the step controller calls :meth:`after_real_step`,
+  multiple of ``period``, the weights are averaged across nodes: the step controller calls `after_real_step`,
   which averages one flat float32 buffer of the trainable parameters **and the floating buffers** (BatchNorm's
   running statistics, which torch's averager leaves as each rank has them) through the same hook machinery
-  (:func:`aiak.comm.allreduce.hooks.average`), so the hierarchical algorithm, several connections and fp16/bf16
+  (`aiak.comm.allreduce.hooks.average`), so the hierarchical algorithm, several connections and fp16/bf16
   transport apply to it.
 
 With fp16/bf16 transport the first average sends float32 values and every later one sends the change since the

@@ -14,11 +14,11 @@ What aiak changes around torch's arithmetic:
   matrices), then the Ps, then the Qs, each after the last. The uncompressed tensors need nothing from the Ps, so
   here they travel in one buffer with them: two round trips a bucket.
 - **hierarchical sums.** On a run of several nodes of several ranks each (``comm.hierarchical``: ``auto`` or
-  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (:func:`aiak.comm.allreduce.hooks.sum_now`): inside
+  ``true``) each sum is aiak's hierarchical allreduce, uncompressed (`aiak.comm.allreduce.hooks.sum_now`): inside
   the node, then one rank per node across, then inside again; on a far link two messages cross it per sum instead of
   the 2(n-1) of a flat ring over n ranks. The sums are the same up to the order of addition (float rounding).
 - **on aiak's comm worker.** Each bucket's work (factors, sums, decompression) is one job of the comm worker
-  (:func:`aiak.comm.allreduce.hooks.run_in_worker`): jobs run one after another, so every rank issues the collectives in
+  (`aiak.comm.allreduce.hooks.run_in_worker`): jobs run one after another, so every rank issues the collectives in
   one order (torch's hook, with several buckets in flight, issued them in different orders on different ranks:
   gloo "Received data size doesn't match expected size", measured on a 25M-parameter MLP on 4 ranks), while the
   backward goes on producing the next buckets.
@@ -29,21 +29,21 @@ What aiak changes around torch's arithmetic:
 - **a non-finite bucket leaves the state as it was.** torch's hook has no inf/NaN guard: one fp16 overflow puts
   NaN into the bucket's residual and its warm-started Q, and every later step of that bucket is NaN. Here the
   residual, P and Q of a bucket are kept before the bucket runs; the averaged bucket's finiteness is checked
-  (:class:`~aiak.comm.allreduce.compression.FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and
+  (`FiniteFlag`, read at the bucket's next call, so CUDA never waits for it) and
   a non-finite result puts them back, as aiak's int8 error feedback does (the loss scaler skips that step).
 - **residuals in the gradients' own units.** aiak's loss scaling is undone before a gradient reaches
-  its ``.grad`` (:mod:`aiak.amp.scaling.root_scaling`), so the hook sees unscaled gradients and a residual means the same after
+  its ``.grad`` (`aiak.amp.scaling.root_scaling`), so the hook sees unscaled gradients and a residual means the same after
   the loss scale changes.
 - **residuals tied to their bucket's layout.** DDP rebuilds its buckets after the first step, in the order the
   gradients became ready (hence a warm-up of at least 2 steps: the state is tied to the rebuilt buckets). Each
   bucket's layout (which parameters, in which order) is recorded at every step; a bucket whose layout changed
   starts afresh (a new residual and a new random Q) instead of adding one parameter's residual to another's
   gradient. ``powersgd.bucket_mb: auto`` (the default) puts every gradient in one bucket: two round trips a step
-  (:class:`~aiak.comm.config.PowerSGDConfig`).
+  (`PowerSGDConfig`).
 - **checkpoints.** The state (step count, residuals, P and Q, the random generator, the layouts) travels in the
   optimizer's ``state_dict()`` (the step controller's extras). A resumed run's DDP starts from its initial buckets
   again (one bucket of every parameter, in another order); its first step runs the recorded buckets
-  (:class:`~aiak.comm.allreduce.buckets.BucketRecord`), so the resumed run continues bit for bit.
+  (`BucketRecord`), so the resumed run continues bit for bit.
 """
 import functools
 from dataclasses import dataclass, field
@@ -94,7 +94,7 @@ class PowerSGDConfig:
 
 class PowerSGD(CommAlgorithm):
     """The communication state of one DDP model: torch's ``PowerSGDState`` plus the guard and the layouts; its
-    sums go through ``comm`` (the model's :class:`~aiak.comm.allreduce.hooks.CommState`: topology and worker)."""
+    sums go through ``comm`` (the model's `CommState`: topology and worker)."""
 
     name = "powersgd"
     trades = ("gradients sent as rank-r factors with error feedback after warm-up: traffic cut to "
@@ -135,7 +135,7 @@ class PowerSGD(CommAlgorithm):
     @classmethod
     def bucket_mb(cls, model: torch.nn.Module, comm: Any) -> float:
         """``comm.powersgd.bucket_mb`` in MB, or for ``auto`` one bucket larger than every gradient together
-        (:class:`PowerSGDConfig`)."""
+        (`PowerSGDConfig`)."""
         setting = comm.powersgd.bucket_mb
         if setting != "auto":
             return float(setting)
@@ -322,6 +322,6 @@ def _views(memory: torch.Tensor, shapes: List[Tuple[int, int]]) -> List[torch.Te
 
 
 def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook: :meth:`PowerSGD.hook` (DDP takes a state and a function)."""
+    """DDP hook: `PowerSGD.hook` (DDP takes a state and a function)."""
     # (annotations are real objects here, no ``from __future__ import annotations``: DDP checks them)
     return state.hook(bucket)

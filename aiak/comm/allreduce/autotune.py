@@ -3,7 +3,7 @@
 Follows ACSpeed (tuning bucket size and allreduce algorithm during warm-up, cached per model, size and
 cluster). Two perf modes:
 
-* ``comm``: before DDP is built, time :func:`aiak.comm.allreduce.hooks.average` on buffers shaped like the model's
+* ``comm``: before DDP is built, time `aiak.comm.allreduce.hooks.average` on buffers shaped like the model's
   real gradient buckets (parameters in reverse order, as DDP fills them), for each algorithm
   (flat/hierarchical x none/fp16/bf16[/int8]) at the configured bucket size, then each bucket size with the
   best algorithm. Communication only; nothing of the user's step runs.
@@ -13,13 +13,13 @@ cluster). Two perf modes:
 
 Each rank measures; timings are max-reduced (a step is as slow as the slowest rank), rank 0 picks the
 fastest and broadcasts it, so every rank runs the same algorithm. The tuner's own tensors (timings, the
-choice, the cache broadcast) live on :func:`group_device`: CPU for gloo, the current CUDA device for NCCL,
-which has no CPU path. Step times come from a :class:`StepClock`: CUDA events on the stream, not host time.
-Results are cached in the one tuning cache (:mod:`aiak.util.cache`, shared with the strategy trials), keyed
-by every input of the decision (:class:`TuneInputs`: model signature, world and local size, device type, torch
+choice, the cache broadcast) live on `group_device`: CPU for gloo, the current CUDA device for NCCL,
+which has no CPU path. Step times come from a `StepClock`: CUDA events on the stream, not host time.
+Results are cached in the one tuning cache (`aiak.util.cache`, shared with the strategy trials), keyed
+by every input of the decision (`TuneInputs`: model signature, world and local size, device type, torch
 version, perf mode, and the settings that change the candidates or how they are measured: int8 allowed,
 hierarchical allowed and available, bucket sizes tried, timed runs, int8 block, intra-node compression,
-pipeline chunk). A cached choice is applied only if the run's own settings allow it (:func:`cached_choice`):
+pipeline chunk). A cached choice is applied only if the run's own settings allow it (`cached_choice`):
 an entry written by another version, or edited, that picks int8 or hierarchical where the run forbids it is
 tuned again, never applied.
 """
@@ -58,12 +58,12 @@ class CommChoice:
 
     @property
     def route(self) -> Tuple[bool, str, int, bool]:
-        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`CommState.set_route` takes
+        """``(hierarchical, compression, connections, cpu_reduce)``, as `CommState.set_route` takes
         them."""
         return self.hierarchical, self.compression, self.connections, self.cpu_reduce
 
     def entry(self, **extra: Any) -> Dict[str, Any]:
-        """The cache entry of this choice (:mod:`aiak.util.cache`), with ``extra`` beside it."""
+        """The cache entry of this choice (`aiak.util.cache`), with ``extra`` beside it."""
         return {**asdict(self), **extra}
 
     def describe(self) -> str:
@@ -103,7 +103,7 @@ class CommTuning:
         return asdict(self)
 
     def lines(self) -> List[str]:
-        """The record's rows for :meth:`aiak.tune.decision.Decision.render`."""
+        """The record's rows for `aiak.tune.decision.Decision.render`."""
         if self.cache_hit:
             return [f"comm autotune ({self.mode} mode): cached choice {self.chosen} (from {self.cache}; nothing "
                     "measured now)"]
@@ -125,8 +125,8 @@ def model_signature(model: torch.nn.Module) -> str:
 
 def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_type: str, perf_mode: str,
               **settings: Any) -> str:
-    """``comm|model|world=|local=|device=|torch=|<settings, by name>|mode=`` (:meth:`TuneCache.key`);
-    :meth:`TuneInputs.key` passes every decision input as ``settings``."""
+    """``comm|model|world=|local=|device=|torch=|<settings, by name>|mode=`` (`TuneCache.key`);
+    `TuneInputs.key` passes every decision input as ``settings``."""
     fields = {"world": world_size, "local": local_size, "device": device_type, "torch": torch.__version__}
     fields.update((name, settings[name]) for name in sorted(settings))
     fields["mode"] = perf_mode
@@ -137,8 +137,8 @@ def cache_key(model: torch.nn.Module, world_size: int, local_size: int, device_t
 class TuneInputs:
     """Every input of one tuning decision besides the model: the candidates, and how they are measured.
 
-    The cache key is made of all of them (:meth:`key`), and a cached choice is applied only where they allow it
-    (:meth:`refusal`): a run must never inherit a choice it could not have made itself. (A key without the int8
+    The cache key is made of all of them (`key`), and a cached choice is applied only where they allow it
+    (`refusal`): a run must never inherit a choice it could not have made itself. (A key without the int8
     switch let a run with ``comm.tune_int8: false`` take int8 from an entry written when int8 was allowed.)
     """
 
@@ -161,7 +161,7 @@ class TuneInputs:
     @classmethod
     def of(cls, opts: Any, world_size: int, local_size: int, device_type: str, groups: bool,
            connections: Sequence[int] = (1,), link: str = "", cpu_reduce: bool = False) -> "TuneInputs":
-        """The inputs of a run with the ``comm:`` settings ``opts`` (a :class:`~aiak.comm.config.CommConfig`),
+        """The inputs of a run with the ``comm:`` settings ``opts`` (a `CommConfig`),
         trying ``connections`` (the ones set up for it).
 
         Comm mode tries the configured bucket size, 5 and 50 MB; step mode keeps the configured one (DDP fixes
@@ -211,7 +211,7 @@ class TuneInputs:
 
 # -- the cache, read on rank 0 ----------------------------------------------------------------
 def read_choice(cache: TuneCache, key: str) -> Optional[CommChoice]:
-    """The :class:`CommChoice` cached under ``key``, or None (absent, or malformed: said once)."""
+    """The `CommChoice` cached under ``key``, or None (absent, or malformed: said once)."""
     entry = cache.get_entry(key)
     try:
         return CommChoice(bool(entry["hierarchical"]), str(entry["compression"]), float(entry["bucket_mb"]),
@@ -292,9 +292,9 @@ def _averaging(state: CommState, algorithm: tuple, buffers: List[torch.Tensor], 
 def _time_in_rounds(state: CommState, model: torch.nn.Module, candidates: List[CommChoice], repeats: int, device,
                     group) -> List[List[float]]:
     """The slowest rank's seconds of every round, per candidate, the candidates alternating in rounds on the one timing engine
-    (:func:`aiak.measure.rounds.alternate`: a warm-up each, then ``repeats`` rounds in rotating order), so that a
+    (`aiak.measure.rounds.alternate`: a warm-up each, then ``repeats`` rounds in rotating order), so that a
     slow minute of a shared link costs every candidate alike. Each candidate averages buffers of its bucket
-    size's DDP buckets (:func:`gradient_bucket_sizes`) with its algorithm."""
+    size's DDP buckets (`gradient_bucket_sizes`) with its algorithm."""
     device = torch.device(device) if device is not None else group_device(group)
     contenders = [Contender(c.describe(), _averaging(state, c.route, [torch.randn(n, device=device) for n in
                                                                           gradient_bucket_sizes(model, c.bucket_mb)],
@@ -343,9 +343,9 @@ class StepTuner:
     """Times whole training steps under each algorithm; attached to ``CommState.tuner`` by the DDP wrapper.
 
     Every candidate runs one warm-up step, then ``steps`` rounds follow, each running every candidate for one
-    synchronizing step in an order rotated from round to round (alternation, as :mod:`aiak.measure.rounds`
+    synchronizing step in an order rotated from round to round (alternation, as `aiak.measure.rounds`
     does: drift of the machine or the link costs every candidate alike). A step is timed from one bucket-0 hook
-    call to the next, which covers its communication, the next forward and backward, on the :class:`StepClock`
+    call to the next, which covers its communication, the next forward and backward, on the `StepClock`
     of the gradients' device (CUDA: stream time between events, not host time).
     """
 

@@ -4,10 +4,10 @@ DDP packs a bucket's gradients back to back. It builds its buckets once in param
 parameter of a dtype, unless ``find_unused_parameters``) and rebuilds them after the first iteration in the order
 the gradients became ready. State a hook keeps per bucket from step to step (aiak's int8 error-feedback residuals,
 PowerSGD's residuals and factors) holds values of particular parameters at particular offsets: it belongs to the
-bucket's *layout* (:func:`bucket_layout`), not to its index.
+bucket's *layout* (`bucket_layout`), not to its index.
 
 A resumed run's DDP starts from its initial buckets again, so the buckets of its first step are not those the saved
-state was computed on. :class:`BucketRecord` remembers the layout of every bucket a hook ran, travels in the
+state was computed on. `BucketRecord` remembers the layout of every bucket a hook ran, travels in the
 checkpoint, and on the first step after a checkpoint was loaded cuts each bucket into the recorded buckets it holds:
 each is gathered into a buffer of its own in its recorded order and run as the saved run ran it (same offsets, so
 the same values on the wire and the same residuals added to them), and the results are written back into the
@@ -30,7 +30,7 @@ class ParameterNumbers:
 
     A parameter keeps its number for its lifetime; the numbers depend neither on ``id`` (reused once a tensor is
     freed) nor on storage addresses (which move with ``.to()``). Number a model's parameters in module order first
-    (:meth:`number`) and a layout means the same in a resumed run. Parameters are held weakly: a state never keeps a
+    (`number`) and a layout means the same in a resumed run. Parameters are held weakly: a state never keeps a
     model alive.
     """
 
@@ -92,7 +92,7 @@ RunOne = Callable[[Any, Layout], torch.futures.Future]  # (a bucket or a Recorde
 class BucketRecord:
     """The layout of each bucket a hook has run, by bucket index, and the replay of a resumed run's first step.
 
-    A hook hands every bucket to :meth:`run` with its layout and a ``run_one(bucket, layout)`` that averages one
+    A hook hands every bucket to `run` with its layout and a ``run_one(bucket, layout)`` that averages one
     bucket (and keeps its state under ``bucket.index()``). ``forget(index)`` is called when bucket ``index`` now holds
     another layout than the state kept under that index was computed on.
     """

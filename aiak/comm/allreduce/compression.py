@@ -5,7 +5,7 @@ System Relaxations", VLDB 2022): each block of ``block`` values is sent as uint8
 ``min`` and ``scale`` (two float32), so traffic is ~4x lower than float32. Packing codes and headers into
 one uint8 tensor keeps it to a single collective per stage.
 
-Quantization error is not lost: :class:`ErrorFeedback` keeps a per-bucket residual that is added back
+Quantization error is not lost: `ErrorFeedback` keeps a per-bucket residual that is added back
 before the next compression (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback
 Fixes SignSGD"), so SGD with compressed gradients converges like float32. A residual belongs to the
 parameters its values came from: it is dropped when its bucket's layout changes.
@@ -28,7 +28,7 @@ def check_compression(name: str, argument: str = "compression") -> str:
 
 
 def int8_packed_bytes(numel: int, block: int) -> int:
-    """Bytes of :func:`quantize_int8` output for ``numel`` values (``numel`` a multiple of ``block``)."""
+    """Bytes of `quantize_int8` output for ``numel`` values (``numel`` a multiple of ``block``)."""
     return numel + (numel // block) * INT8_HEADER_BYTES
 
 
@@ -61,7 +61,7 @@ def _header(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def dequantize_int8(packed: torch.Tensor, numel: int, block: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Inverse of :func:`quantize_int8` (float32 result, written into ``out`` when given)."""
+    """Inverse of `quantize_int8` (float32 result, written into ``out`` when given)."""
     header = _header(packed, numel)
     codes = packed[:numel].view(-1, block)
     if out is None:
@@ -74,7 +74,7 @@ def dequantize_int8(packed: torch.Tensor, numel: int, block: int, out: Optional[
 
 def dequantize_int8_chunks(packed: torch.Tensor, chunk: int, block: int,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Decode a concatenation of :func:`quantize_int8` outputs of ``chunk`` values each."""
+    """Decode a concatenation of `quantize_int8` outputs of ``chunk`` values each."""
     nbytes = int8_packed_bytes(chunk, block)
     parts = packed.numel() // nbytes
     if out is None:
@@ -85,7 +85,7 @@ def dequantize_int8_chunks(packed: torch.Tensor, chunk: int, block: int,
 
 
 def quantize_int8_chunks(x: torch.Tensor, parts: int, block: int) -> torch.Tensor:
-    """:func:`quantize_int8` of each of ``parts`` equal chunks of ``x``, concatenated (chunk i at i*bytes)."""
+    """`quantize_int8` of each of ``parts`` equal chunks of ``x``, concatenated (chunk i at i*bytes)."""
     return torch.cat([quantize_int8(c, block) for c in x.chunk(parts)])
 
 
@@ -152,7 +152,7 @@ class ErrorFeedback:
 
     Keys are ``(bucket index, stage)``. A residual holds the error of particular parameters at particular offsets,
     so it is kept only while its bucket's ``layout`` (which parameters, in which order, with which shapes: see
-    :func:`aiak.comm.allreduce.buckets.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
+    `aiak.comm.allreduce.buckets.bucket_layout`) and shape stay the same. DDP rebuilds its buckets after the first
     iteration, in the order the gradients became ready: a bucket of the same size may then hold other parameters
     at each offset, and a residual matched by shape alone was added to them (measured: 13% gradient error against
     0.7% for a fresh quantisation). A residual whose layout changed is dropped, not misapplied.
@@ -162,11 +162,11 @@ class ErrorFeedback:
     only if the bucket came out finite. A bucket holding inf/NaN (an fp16 overflow: the loss scaler will skip the step)
     leaves the residuals as they were: they still carry real, not yet transmitted gradient, which a reset would
     throw away, while storing ``(x + r) - decoded`` would put NaN into every later bucket. The verdict is read at
-    the next :meth:`add` of the key (a step later), so on CUDA it never stalls the comm stream.
+    the next `add` of the key (a step later), so on CUDA it never stalls the comm stream.
 
     Cost: no extra pass over memory in the finite case (``x + r`` is written to a second buffer instead of over
     ``r``, and the buffers swap roles); the price is memory, two float32 buffers per key instead of one. The
-    finiteness check is one reduction over the allreduce's result (:class:`FiniteFlag`).
+    finiteness check is one reduction over the allreduce's result (`FiniteFlag`).
     """
 
     __slots__ = ("enabled", "_slots")
@@ -177,7 +177,7 @@ class ErrorFeedback:
 
     def add(self, key: Hashable, x: torch.Tensor, layout: Optional[Hashable] = None) -> torch.Tensor:
         """``x`` plus the residual for ``key``, as float32 in a buffer of its own (``x`` and the residual are
-        left alone). Pass the result, once compressed, to :meth:`update`.
+        left alone). Pass the result, once compressed, to `update`.
 
         ``layout`` names what ``x`` holds (any hashable; ``None`` for buffers that are not gradient buckets):
         the residual is used only if it was computed on the same layout and shape, else it is dropped."""
@@ -194,8 +194,8 @@ class ErrorFeedback:
         return out.copy_(x)
 
     def update(self, key: Hashable, sent: torch.Tensor, decoded: torch.Tensor) -> None:
-        """``sent - decoded`` (computed in ``sent``, the tensor :meth:`add` returned) becomes the candidate
-        residual of ``key``; it replaces the residual only once :meth:`commit` says the allreduce was finite."""
+        """``sent - decoded`` (computed in ``sent``, the tensor `add` returned) becomes the candidate
+        residual of ``key``; it replaces the residual only once `commit` says the allreduce was finite."""
         if self.enabled:
             slot = self._slots[key]
             slot.candidate, slot.finite = sent.sub_(decoded), None
@@ -209,7 +209,7 @@ class ErrorFeedback:
                 self._slots[key].finite = finite
 
     def residuals(self) -> Dict[Hashable, torch.Tensor]:
-        """Copies of the residuals the next :meth:`add` would use, by key (tests and debugging; call it with no
+        """Copies of the residuals the next `add` would use, by key (tests and debugging; call it with no
         bucket in flight)."""
         return {key: value for key, (_, value) in self.state_dict().items()}
 
@@ -217,7 +217,7 @@ class ErrorFeedback:
         self._slots.clear()
 
     def state_dict(self) -> Dict[Hashable, Tuple[Optional[Hashable], torch.Tensor]]:
-        """``{key: (layout, residual)}``: the residuals the next :meth:`add` would use (for a checkpoint; call it
+        """``{key: (layout, residual)}``: the residuals the next `add` would use (for a checkpoint; call it
         with no bucket in flight)."""
         out = {}
         for key, slot in self._slots.items():

@@ -8,10 +8,10 @@ several streams) +83% communication; NCCL's own socket transport opens one socke
 gloo opens one *context* (its own TCP connections to every peer) per device of a process group, and gives
 each collective the context ``tag % devices`` (the tag counts the group's collectives): ``k`` collectives issued
 together on a group of ``k`` devices travel on ``k`` different connections. torch builds a gloo group with one
-device per entry of ``GLOO_SOCKET_IFNAME`` for the whole process; :func:`group_with_connections` builds one
-group with ``k`` devices, through a backend registered under :data:`BACKEND` (the same ``ProcessGroupGloo``,
+device per entry of ``GLOO_SOCKET_IFNAME`` for the whole process; `group_with_connections` builds one
+group with ``k`` devices, through a backend registered under `BACKEND` (the same ``ProcessGroupGloo``,
 with ``k`` devices and ``2k`` worker threads, so the ``k`` collectives also run at once). The comm hook splits
-each cross-node stage into ``k`` pieces issued together (:mod:`aiak.comm.allreduce.hooks`).
+each cross-node stage into ``k`` pieces issued together (`aiak.comm.allreduce.hooks`).
 
 NCCL is configured by environment variables read when its communicator is created; ``aiak doctor`` checks them.
 """
@@ -63,14 +63,14 @@ def group_with_connections(ranks: Sequence[int], k: int):
 
 
 def connections_available(group=None) -> bool:
-    """Whether :func:`group_with_connections` applies: the default group runs gloo (CPU tensors). On NCCL the
+    """Whether `group_with_connections` applies: the default group runs gloo (CPU tensors). On NCCL the
     number of sockets is NCCL's (``NCCL_SOCKET_NTHREADS`` x ``NCCL_NSOCKS_PERTHREAD``)."""
     return dist.get_backend(group) == "gloo"
 
 
 def connection_counts(setting: Any, autotune: bool, crosses_nodes: bool, available: bool) -> Tuple[int, ...]:
     """The numbers of connections a run sets up, the one it starts with first: ``comm.connections`` N -> (N,);
-    ``auto`` -> :data:`AUTO_CANDIDATES` when the autotuner measures them, else (1,). (1,) where connections do
+    ``auto`` -> `AUTO_CANDIDATES` when the autotuner measures them, else (1,). (1,) where connections do
     not apply (no stage crosses nodes, or the backend is not gloo)."""
     if not (crosses_nodes and available):
         return (1,)
@@ -80,7 +80,7 @@ def connection_counts(setting: Any, autotune: bool, crosses_nodes: bool, availab
 
 
 def wide_groups(topology, process_group, counts: Sequence[int], flat: bool, inter: bool) -> Dict[Tuple[str, int], Any]:
-    """The groups :class:`aiak.comm.allreduce.hooks.CommState` crosses nodes on with ``k`` > 1 connections, keyed
+    """The groups `aiak.comm.allreduce.hooks.CommState` crosses nodes on with ``k`` > 1 connections, keyed
     ``("flat", k)`` (the ranks of ``process_group``) and ``("inter", k)`` (this rank's inter-node group: local
     rank ``i`` of every node). Collective: every rank creates every group, in the same order."""
     wide: Dict[Tuple[str, int], Any] = {}

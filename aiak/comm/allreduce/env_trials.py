@@ -3,11 +3,11 @@
 NCCL caches each of its parameters at the first read (``NCCL_PARAM`` keeps a static per variable, NVIDIA/nccl
 ``src/include/param.h``), so ``NCCL_SOCKET_NTHREADS`` / ``NCCL_NSOCKS_PERTHREAD`` (``src/transport/net_socket.cc``)
 cannot be varied inside the training process; gloo reads ``GLOO_SOCKET_IFNAME`` when a group is created (one
-device, and so one set of connections, per interface it lists: ``lo`` vs ``lo,lo``). :func:`time_env_candidates`
-therefore starts, on every rank, one child (a fresh Python running :func:`_child_main`) per candidate environment. The
+device, and so one set of connections, per interface it lists: ``lo`` vs ``lo,lo``). `time_env_candidates`
+therefore starts, on every rank, one child (a fresh Python running `_child_main`) per candidate environment. The
 children of a candidate form their own process group through a TCPStore that rank 0 serves, check one sum, and
 time one allreduce per gradient bucket each round. The parents run the rounds on the one timing engine,
-:func:`aiak.measure.rounds.alternate` (each candidate a contender whose step is one round of its children, timed by
+`aiak.measure.rounds.alternate` (each candidate a contender whose step is one round of its children, timed by
 the children): every candidate warms up, then each round runs every live candidate once, one at a time (they
 never share the link), the order rotating from round to round; a round's figure is the slowest rank's. A
 candidate that fails on any rank (its child errs, dies or hangs) is dropped on every rank, with that rank's
@@ -94,7 +94,7 @@ def time_env_candidates(candidates: Sequence[Mapping[str, Optional[str]]], bucke
     follow one warm-up round. Every wait for a child is bounded by ``timeout_s``.
 
     Collective over torch's default process group: every rank calls it at the same point, and gets the same
-    list, one :class:`EnvTrial` per candidate in order. Without a group of more than one rank it still works,
+    list, one `EnvTrial` per candidate in order. Without a group of more than one rank it still works,
     with children of world size 1 (they time the local path only)."""
     if not candidates or not bucket_numels or min(bucket_numels) < 1 or rounds < 1:
         raise ValueError(f"need candidates, positive bucket sizes and rounds >= 1; got {len(candidates)} "
@@ -147,7 +147,7 @@ def _start(env: Mapping[str, Optional[str]], args: dict, store: dist.Store) -> _
 
 def _one_round(child: _Child, rank: int, timeout_s: float) -> float:
     """One round of a candidate (a contender's step): rank 0 says go, each rank waits for its own child's seconds.
-    Raises :class:`TrialFailed` when the child, or a peer's, failed."""
+    Raises `TrialFailed` when the child, or a peer's, failed."""
     r = child.rounds
     if rank == 0:
         child.store.set(f"go/{r}", "1")
@@ -185,7 +185,7 @@ def _wait(child: _Child, r: int, rank: int, timeout_s: float):
 
 
 def _report_failure(store: dist.Store, rank: int, why: str) -> None:
-    """``why`` under ``error/{rank}``, then one more on the candidate's :data:`FAILED` count, which every
+    """``why`` under ``error/{rank}``, then one more on the candidate's `FAILED` count, which every
     parent of the candidate watches (one key to poll, whatever the world size)."""
     store.set(f"error/{rank}", why)
     store.add(FAILED, 1)

@@ -1,7 +1,7 @@
 """DDP communication hooks: flat or hierarchical allreduce, optionally compressed.
 
 Contract (torch/distributed/algorithms/ddp_comm_hooks): ``hook(state, bucket) -> Future[Tensor]``.
-One hook, :func:`comm_hook`, reads its algorithm from :class:`CommState` at every bucket, so the
+One hook, `comm_hook`, reads its algorithm from `CommState` at every bucket, so the
 autotuner can switch algorithms between steps on the same DDP object (a DDP accepts one hook only).
 
 How a bucket is processed. The hook divides the bucket by the world size and hands it to the state's worker,
@@ -27,14 +27,14 @@ node's reduce-scatter and allgather stay on NCCL.
 Compression wraps the inter-node step only by default (``compress_intra=False``): that is where the
 bandwidth is scarce. int8 is Bagua's ByteGrad: reduce-scatter in compressed form (all-to-all of
 quantized chunks), decompress and sum, compress the summed chunk, allgather; both quantizations keep an
-error-feedback residual per bucket and chunk (:class:`~aiak.comm.allreduce.compression.ErrorFeedback`); a bucket that
+error-feedback residual per bucket and chunk (`ErrorFeedback`); a bucket that
 comes out non-finite (an fp16 overflow, which the loss scaler skips) leaves them as they were. The residuals
-are tied to the bucket's layout (:func:`bucket_layout`: which parameters, in which order), so when DDP rebuilds
+are tied to the bucket's layout (`bucket_layout`: which parameters, in which order), so when DDP rebuilds
 its buckets after the first iteration they are dropped rather than added to other parameters.
 
 Averaging matches DDP's default: divide by the world size before communicating (also keeps fp16 from
 overflowing). Collectives are looked up in ``torch.distributed`` at call time, so the deadlock guard
-(:mod:`aiak.comm.diagnostics.deadlock`), which replaces them there, sees every one.
+(`aiak.comm.diagnostics.deadlock`), which replaces them there, sees every one.
 """
 import contextlib
 import functools
@@ -54,7 +54,7 @@ from aiak.util.threads_at_exit import stop_at_exit
 from aiak.util.warn import warn
 
 Future = torch.futures.Future
-SCOPES = ("world", "node", "rank")  # over which ranks :func:`average` averages (:attr:`CommState.scope`)
+SCOPES = ("world", "node", "rank")  # over which ranks `average` averages (`CommState.scope`)
 IDLE_EXIT_S = 5.0  # a worker thread without work for this long exits; the next bucket starts a new one
 EXIT_JOIN_S = 10.0  # at interpreter exit, how long to wait for a job in flight (a hung peer must not hang exit)
 _STOP = object()  # put in a worker's queue at interpreter exit
@@ -65,7 +65,7 @@ class _Issued:
     """A collective in flight. ``wait()`` waits for it, then runs ``then`` (local work on its output).
 
     Issued inside the comm worker's job for a bucket, it is numbered by that state's
-    :class:`~aiak.comm.diagnostics.stall.StallWatch` (the job's, in :data:`_job`), which is told while the worker waits
+    `StallWatch` (the job's, in `_job`), which is told while the worker waits
     in it: a wait past ``comm.stall_warn_s`` is reported with the ranks that have not reached it."""
 
     __slots__ = ("work", "then", "watch", "where")
@@ -98,7 +98,7 @@ def _dist(name: str, deprecated: str) -> Callable:
 
 def _allreduce(x: torch.Tensor, group, wire: torch.dtype, stage: str = "allreduce") -> _Issued:
     """Sum of ``x`` over ``group``, into ``x``, sent as ``wire`` (a sum past fp16's range is made again: see
-    :func:`_overflowed`)."""
+    `_overflowed`)."""
     if x.dtype == wire:
         return _Issued(dist.all_reduce(x, group=group, async_op=True), stage=stage, group=group)
     sent = x.to(wire)
@@ -113,7 +113,7 @@ def _overflowed(sent: torch.Tensor, source: torch.Tensor) -> bool:
     becomes inf in the cast (or in the sum), and inf, then NaN, in every weight or buffer it reaches. Every rank holds
     the same sum, so every rank gets the same answer here and makes the same sum again in ``source``'s own dtype: no
     collective is added while values fit, and one (that sum again) when they do not. The check is one reduction over
-    the fp16 sum (:class:`~aiak.comm.allreduce.compression.FiniteFlag`); on CUDA the worker waits for it. A non-finite
+    the fp16 sum (`FiniteFlag`); on CUDA the worker waits for it. A non-finite
     value the model produced itself (an fp16 overflow the loss scaler will skip) is summed again too, and stays
     non-finite."""
     return sent.dtype is torch.float16 and source.dtype is not torch.float16 and not bool(FiniteFlag(sent))
@@ -174,8 +174,8 @@ def _pieces(x: torch.Tensor, k: int) -> List[torch.Tensor]:
 
 
 def _allreduce_over(x: torch.Tensor, group, wire: torch.dtype, connections: int, stage: str):
-    """:func:`_allreduce` of ``x`` cut into one piece per connection, all issued at once (on a group of
-    ``connections`` gloo contexts each piece travels on its own TCP connection: :mod:`aiak.comm.allreduce.connections`)."""
+    """`_allreduce` of ``x`` cut into one piece per connection, all issued at once (on a group of
+    ``connections`` gloo contexts each piece travels on its own TCP connection: `aiak.comm.allreduce.connections`)."""
     if connections == 1:
         return _allreduce(x, group, wire, stage)
     return _Together([_allreduce(piece, group, wire, f"{stage}, piece {i} of {connections}")
@@ -185,11 +185,11 @@ def _allreduce_over(x: torch.Tensor, group, wire: torch.dtype, connections: int,
 class _Int8Allreduce:
     """ByteGrad sum of a 1-D ``x`` over ``group``, in place, in three steps a pipeline can interleave.
 
-    :meth:`exchange`: add the residual, quantize ``size`` chunks, all-to-all (the reduce-scatter, compressed);
-    :meth:`share`: decode and sum the chunks this rank received, add the residual, re-quantize, allgather;
-    :meth:`finish`: decode the gathered chunks into ``x``.
+    `exchange`: add the residual, quantize ``size`` chunks, all-to-all (the reduce-scatter, compressed);
+    `share`: decode and sum the chunks this rank received, add the residual, re-quantize, allgather;
+    `finish`: decode the gathered chunks into ``x``.
     Each step after the first needs the previous step's collective waited. The caller commits the residuals of
-    :attr:`keys` once the whole bucket is known finite (or not): a non-finite bucket keeps the old residuals.
+    `keys` once the whole bucket is known finite (or not): a non-finite bucket keeps the old residuals.
     """
 
     __slots__ = ("x", "group", "size", "block", "feedback", "keys", "layout", "n", "chunk", "received", "gathered",
@@ -200,7 +200,7 @@ class _Int8Allreduce:
         self.x, self.group, self.feedback, self.block, self.stage = x, group, feedback, block, stage
         self.size = dist.get_world_size(group)
         self.keys = ((key, "local"), (key, "shard"))
-        self.layout = layout  # what ``x`` holds (:func:`bucket_layout`); the residuals are kept per layout
+        self.layout = layout  # what ``x`` holds (`bucket_layout`); the residuals are kept per layout
 
     def exchange(self) -> _Issued:
         padded, self.n = pad_to_multiple(self.x, self.size * self.block)
@@ -230,8 +230,8 @@ class _Int8Allreduce:
 
 
 class _Int8Over:
-    """:class:`_Int8Allreduce` of ``x`` cut into one piece per connection, each step issued for all pieces at
-    once; with one connection it is exactly one :class:`_Int8Allreduce` under ``key``."""
+    """`_Int8Allreduce` of ``x`` cut into one piece per connection, each step issued for all pieces at
+    once; with one connection it is exactly one `_Int8Allreduce` under ``key``."""
 
     __slots__ = ("parts", "keys")
 
@@ -256,11 +256,11 @@ class _Int8Over:
 
 # -- state -------------------------------------------------------------------------------------------
 class CommState:
-    """What :func:`comm_hook` does, switchable between steps.
+    """What `comm_hook` does, switchable between steps.
 
     Args:
         process_group: the flat group (DDP's; ``None`` = world).
-        groups: intra/inter groups from :func:`aiak.comm.allreduce.topology.build_groups`; ``None`` = flat only.
+        groups: intra/inter groups from `aiak.comm.allreduce.topology.build_groups`; ``None`` = flat only.
         hierarchical: run the two-level algorithm (needs ``groups``).
         compression: ``none | fp16 | bf16 | int8``.
         compress_intra: also compress the intra-node reduce-scatter/allgather (fp16/bf16 only).
@@ -268,9 +268,9 @@ class CommState:
         pipeline_mb: chunk size of the hierarchical pipeline (float32 MB); ``0`` = one chunk per bucket.
         error_feedback: keep int8 residuals (turning it off is for experiments only).
         stall_warn_s: a collective waiting this long names the ranks that have not reached it
-            (:mod:`aiak.comm.diagnostics.stall`); 0 = off.
+            (`aiak.comm.diagnostics.stall`); 0 = off.
         wide: groups whose collectives spread over several TCP connections per peer
-            (:func:`aiak.comm.allreduce.connections.group_with_connections`), keyed ``("flat" | "inter", connections)``:
+            (`aiak.comm.allreduce.connections.group_with_connections`), keyed ``("flat" | "inter", connections)``:
             copies of ``process_group`` and of ``groups.inter``.
         connections: how many connections the cross-node stage uses (1: the plain groups).
         host_inter: a gloo group of this rank's inter-node ranks (``groups.inter_ranks``), for CPU-Reduce: the
@@ -280,8 +280,8 @@ class CommState:
 
     ``scope`` says over which ranks the hook averages a bucket: ``world`` (every rank, with the algorithm above),
     ``node`` (this rank's node only: an allreduce in ``groups.intra``, nothing at all with one rank per node; local
-    SGD between its averages, :mod:`aiak.comm.algorithms.local_sgd`) or ``rank`` (no communication: each rank keeps its
-    own gradient; decentralized SGD, :mod:`aiak.comm.algorithms.decentralized`).
+    SGD between its averages, `aiak.comm.algorithms.local_sgd`) or ``rank`` (no communication: each rank keeps its
+    own gradient; decentralized SGD, `aiak.comm.algorithms.decentralized`).
     """
 
     __slots__ = ("process_group", "world_size", "groups", "hierarchical", "compression", "compress_intra",
@@ -327,7 +327,7 @@ class CommState:
 
     def sum_items(self, x: torch.Tensor) -> None:
         """Sum the small ``x`` in place, exactly (its own dtype, one plain allreduce), over the ranks of ``scope``,
-        and wait for it: the step controller's counted items of a window (:mod:`aiak.step.window_items`). It runs
+        and wait for it: the step controller's counted items of a window (`aiak.step.window_items`). It runs
         on the hook's worker, after the buckets queued there, under the stall watch."""
         if self.scope_size() == 1:
             return
@@ -363,7 +363,7 @@ class CommState:
 
     @property
     def route(self) -> Tuple[bool, str, int, bool]:
-        """``(hierarchical, compression, connections, cpu_reduce)``, as :meth:`set_route` takes them."""
+        """``(hierarchical, compression, connections, cpu_reduce)``, as `set_route` takes them."""
         return self.hierarchical, self.compression, self.connections, self.cpu_reduce
 
     def cross_group(self, kind: str, connections: int):
@@ -380,7 +380,7 @@ class CommState:
     def state_dict(self) -> Dict[str, object]:
         """What the hook carries from one step to the next, for a checkpoint (call it with no bucket in flight):
         this rank's int8 error-feedback residuals with the layout of the bucket each belongs to
-        (:class:`~aiak.comm.allreduce.buckets.BucketRecord`), and what they were computed under (rank, algorithm, ranks,
+        (`BucketRecord`), and what they were computed under (rank, algorithm, ranks,
         block and chunk sizes). Everything else in the state is settings or is rebuilt the same way."""
         # ("algorithm": the route, under the key checkpoints have always had)
         return {"rank": dist.get_rank(), "algorithm": self.route, "world_size": self.world_size,
@@ -389,7 +389,7 @@ class CommState:
                 "residuals": self.feedback.state_dict()}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        """Take back :meth:`state_dict`'s residuals, to be added on the next steps as the saved run would have:
+        """Take back `state_dict`'s residuals, to be added on the next steps as the saved run would have:
         the first step after this runs the recorded buckets. Residuals of another rank (a checkpoint saved by one
         rank and loaded by all) or of another algorithm or topology mean nothing here: they are dropped, saying
         why, and the next steps quantize afresh."""
@@ -429,7 +429,7 @@ def another_ranks(state: Dict[str, object], what: str) -> bool:
 
 
 def describe_route(hierarchical: bool, compression: str, connections: int = 1, cpu_reduce: bool = False) -> str:
-    """``hierarchical (CPU-Reduce)+fp16, 4 connections``: a route as :meth:`CommState.set_route` takes it."""
+    """``hierarchical (CPU-Reduce)+fp16, 4 connections``: a route as `CommState.set_route` takes it."""
     algo = ("hierarchical (CPU-Reduce)" if cpu_reduce else "hierarchical") if hierarchical else "flat"
     algo = algo if compression == "none" else f"{algo}+{compression}"
     return algo if connections == 1 else f"{algo}, {connections} connections"
@@ -497,7 +497,7 @@ class _Hierarchical:
     """Intra-node reduce-scatter -> inter-node allreduce of this rank's shard -> intra-node allgather, chunk by chunk.
 
     Each stage is a method taking a chunk: it waits for what the previous stage issued for that chunk, works on
-    the result and issues the chunk's next collective. :meth:`run` is the software pipeline.
+    the result and issues the chunk's next collective. `run` is the software pipeline.
     """
 
     def __init__(self, state: CommState, compression: str, connections: int, cpu_reduce: bool, x: torch.Tensor, key,
@@ -688,12 +688,12 @@ def _run_job(state: CommState, work: Callable[[torch.Tensor], None], tensor: tor
 
 
 def flat_copy(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """``tensors`` back to back in one new float32 vector (weights to average, :func:`copy_into` puts them back)."""
+    """``tensors`` back to back in one new float32 vector (weights to average, `copy_into` puts them back)."""
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
 
 def copy_into(tensors: List[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy ``flat`` (from :func:`flat_copy`) into ``tensors``, in place (their storage and ``.data`` stay theirs)."""
+    """Copy ``flat`` (from `flat_copy`) into ``tensors``, in place (their storage and ``.data`` stay theirs)."""
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -722,15 +722,15 @@ def run_in_worker(state: CommState, tensor: torch.Tensor, work: Callable[[torch.
 
 
 def wait_watched(work, stage: str, group=None) -> None:
-    """Wait for ``work`` (a collective a job of :func:`run_in_worker` issued itself, with ``async_op=True``) under
+    """Wait for ``work`` (a collective a job of `run_in_worker` issued itself, with ``async_op=True``) under
     the stall watch, as the collectives of this module are waited."""
     _Issued(work, stage=stage, group=group).wait()
 
 
 def sum_now(state: CommState, x: torch.Tensor) -> None:
     """Sum the 1-D ``x`` in place over every rank, uncompressed, with ``state``'s topology (the hierarchical or the
-    flat algorithm, one connection), waiting for the result: for a job of :func:`run_in_worker` that computes
-    between its collectives (PowerSGD's factors, :mod:`aiak.comm.algorithms.powersgd`)."""
+    flat algorithm, one connection), waiting for the result: for a job of `run_in_worker` that computes
+    between its collectives (PowerSGD's factors, `aiak.comm.algorithms.powersgd`)."""
     if state.hierarchical:
         _Hierarchical(state, "none", 1, False, x, key=None, layout=None).run()
     else:
@@ -740,13 +740,13 @@ def sum_now(state: CommState, x: torch.Tensor) -> None:
 # -- the hook ----------------------------------------------------------------------------------------
 def average(state: CommState, tensor: torch.Tensor, key=0, layout: Optional[Hashable] = None,
             scope: str = "world", step: Optional[int] = None) -> Future:
-    """Average a 1-D tensor in place across the ranks of ``scope`` (:data:`SCOPES`; ``world`` with ``state``'s
+    """Average a 1-D tensor in place across the ranks of ``scope`` (`SCOPES`; ``world`` with ``state``'s
     algorithm); resolves to ``tensor``. ``step``: the step the stall watch names (by default ``state.iteration``, the
     synchronised backward passes so far: the step in progress).
 
-    Returns at once; the state's worker does the work. Used by :func:`comm_hook` and, outside DDP, by
+    Returns at once; the state's worker does the work. Used by `comm_hook` and, outside DDP, by
     benchmarks and the comm-mode tuner. Every rank must average the same tensors in the same order.
-    ``key`` names the tensor's int8 residuals; ``layout`` says what it holds (:func:`bucket_layout`): a residual
+    ``key`` names the tensor's int8 residuals; ``layout`` says what it holds (`bucket_layout`): a residual
     computed on another layout under the same key is dropped.
     """
     ranks = state.world_size if scope == "world" else state.local_size if scope == "node" else 1

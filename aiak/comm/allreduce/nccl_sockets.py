@@ -6,10 +6,10 @@ itself only on AWS's and GCP's NICs), and one TCP stream often cannot fill a clo
 from several streams, Bagua-net (an NCCL plugin with several) +83% communication. NCCL reads the two variables
 once per process, at its first connection over the network (its parameters are cached at the first read), which
 happens before aiak runs: so nothing inside the training process can vary or apply them. With ``comm.autotune``
-and ``comm.connections: auto`` on an NCCL job across nodes whose environment leaves both unset, :func:`advise`
-times :data:`CANDIDATES` in child processes (:func:`aiak.comm.allreduce.env_trials.time_env_candidates`) on the model's
+and ``comm.connections: auto`` on an NCCL job across nodes whose environment leaves both unset, `advise`
+times `CANDIDATES` in child processes (`aiak.comm.allreduce.env_trials.time_env_candidates`) on the model's
 bucket sizes, keeps more sockets only when they are at least
-:data:`~aiak.comm.allreduce.autotune.CONNECTIONS_MARGIN` faster, puts every figure in the decision record, caches the
+`CONNECTIONS_MARGIN` faster, puts every figure in the decision record, caches the
 pick per link and bucket sizes, and warns with what to export before the next launch. Set in the environment,
 they are the user's choice: nothing is measured.
 """

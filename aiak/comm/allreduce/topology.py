@@ -11,7 +11,7 @@ Following the two-level scheme of "hierarchical allreduce" (Swin training over 2
 
 ``new_group`` is a collective over the whole world, so every rank creates every group in the same order
 (intra groups by node, then inter groups by local index), whether or not it belongs to it.
-Nodes of different sizes cannot be paired shard by shard: :func:`build_groups` returns ``None`` and the
+Nodes of different sizes cannot be paired shard by shard: `build_groups` returns ``None`` and the
 caller falls back to flat allreduce with a warning.
 """
 from __future__ import annotations

@@ -1,3 +1,3 @@
 """Watching communication go wrong: a collective that waits too long names the ranks that have not reached it
-(:mod:`.stall`), and the debug mode that compares the ranks' collectives and raises instead of hanging
-(:mod:`.deadlock`)."""
+(`stall`), and the debug mode that compares the ranks' collectives and raises instead of hanging
+(`deadlock`)."""

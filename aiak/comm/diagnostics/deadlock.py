@@ -7,14 +7,14 @@ namespace (user code and aiak's hooks) is fingerprinted as ``(op, shapes, dtype)
 Before it runs, each rank posts ``#n -> fingerprint`` to the process group's key-value store and waits
 (up to ``timeout_s``) for the other members of that group:
 
-* a member posted a different fingerprint: every member raises :class:`CollectiveMismatchError` naming
+* a member posted a different fingerprint: every member raises `CollectiveMismatchError` naming
   collective ``#n`` and what each rank called;
 * a member did not post within the timeout: the waiting ranks raise naming the missing ranks, and leave
   an abort note in the store so the late rank raises too when it gets there;
 * all agree, but a synchronous collective does not complete within the timeout: it raises.
 
 Cost: a few store round trips per collective, so it is a debugging tool, off by default. The wrapped collectives
-are the ``deadlock-guard`` patch of :mod:`aiak.runtime.patches`: disabling the guard undoes it (and so does
+are the ``deadlock-guard`` patch of `aiak.runtime.patches`: disabling the guard undoes it (and so does
 ``aiak.undo_patches()``).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class DeadlockGuard:
             patches.undo("deadlock-guard")
 
     def _disabled(self) -> None:
-        """torch.distributed's collectives were put back (by :meth:`disable` or ``aiak.undo_patches()``)."""
+        """torch.distributed's collectives were put back (by `disable` or ``aiak.undo_patches()``)."""
         global _ACTIVE
         self._enabled = False
         if _ACTIVE is self:

@@ -10,14 +10,14 @@ silent hang. Here:
   buckets, algorithm and chunks, in the same order) and remembers where it is (collective number, step,
   bucket, stage, group) and which collective it waits in, since when. That is all the worker does: two
   assignments per collective, its ``wait()`` stays torch's own.
-- A small watcher thread, every :attr:`StallWatch.publish_s` seconds, writes the position to the process
+- A small watcher thread, every `StallWatch.publish_s` seconds, writes the position to the process
   group's store when it changed (no collective, nothing on the step's path), and when the worker has waited
   ``comm.stall_warn_s`` seconds in one collective, reads its group's positions from the store and warns which
   ranks have not reached it and where each was last seen (one waiting rank per collective, the first to claim
   it with ``store.add``). Which collective each rank waits in is published too, so a rank that has not reached
   it because it waits in an earlier one is followed to the ranks it waits for: the warning names the rank
   actually late. The collective is not touched: the worker keeps waiting. The process group's own
-  timeout and the debug deadlock guard (:mod:`aiak.comm.diagnostics.deadlock`) are unchanged.
+  timeout and the debug deadlock guard (`aiak.comm.diagnostics.deadlock`) are unchanged.
 
 On CPU (gloo) the comm worker blocks in ``wait()``, so every collective is watched. On CUDA buckets the watch
 stays out of the way: NCCL's ``wait()`` only orders the comm stream, and a ``wait(timeout)`` would block the
@@ -90,7 +90,7 @@ class StallWatch:
         self.step, self.bucket = step, bucket
 
     def issued(self, stage: str, group) -> Tuple:
-        """A collective was issued on ``group``; returns where (to hand to :meth:`waiting_in`)."""
+        """A collective was issued on ``group``; returns where (to hand to `waiting_in`)."""
         self.seq += 1
         self.at_now = (self.seq, self.step, self.bucket, stage, group)
         if self._thread is None:
@@ -112,7 +112,7 @@ class StallWatch:
         return ranks
 
     def look(self) -> None:
-        """Publish a changed position; report a wait that has lasted :attr:`warn_s`."""
+        """Publish a changed position; report a wait that has lasted `warn_s`."""
         at_now = self.at_now
         if at_now is not None and at_now is not self._published:
             seq, step, bucket, stage, _ = at_now
@@ -207,7 +207,7 @@ class StallWatch:
 
 def _watch(ref: "weakref.ref[StallWatch]") -> None:
     """Look every ``publish_s`` while the watch lives; exit when it is gone, stopped, or idle (no collective for
-    :data:`IDLE_EXIT_S` and none waited in)."""
+    `IDLE_EXIT_S` and none waited in)."""
     last, idle_since = None, time.monotonic()
     while True:
         watch = ref()

@@ -1,2 +1,2 @@
-"""Facts of this machine and this install: the CPU's features and cores (:mod:`.cpu`), the devices and where a
-model computes (:mod:`.devices`), the versions of installed packages (:mod:`.versions`)."""
+"""Facts of this machine and this install: the CPU's features and cores (`cpu`), the devices and where a
+model computes (`devices`), the versions of installed packages (`versions`)."""

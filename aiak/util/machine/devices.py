@@ -1,5 +1,5 @@
 """Devices: the one a model runs on, and what a CUDA device computes in hardware (its capability). Reading them
-touches CUDA only for a CUDA device; nothing is read at import. The CPU's facts: :mod:`aiak.util.machine.cpu`.
+touches CUDA only for a CUDA device; nothing is read at import. The CPU's facts: `aiak.util.machine.cpu`.
 """
 from __future__ import annotations
 
