@@ -418,6 +418,7 @@ def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController],
     if controller is not None:
         controller.sees_epoch_ends = True
     count = count_items if callable(count_items) else None
+    unpinned = loaders.pinning_skipped(loader, s.loader, dev)
     loader = loaders.wrap_loader(loader, s.loader, dev, channels_last=s.channels_last, accumulation=accumulation,
                                  follower=controller.follow_loader(counts=count is not None)
                                  if controller is not None else None, count=count)
@@ -426,8 +427,11 @@ def _wrap_loader(s: Strategy, loader, dev, controller: Optional[StepController],
     inner = loader.loader if isinstance(loader, loaders.WindowLoader) else loader
     signals = [what for what, on in (("windows closed at each epoch's end", accumulation > 1),
                                      ("items counted per batch", count is not None)) if on]
-    summary.add("loader", compact(s.loader, ("prefetch", "pin_memory", "balanced")),
-                type(inner).__name__ + (f"; {', '.join(signals)}" if signals else ""))
+    applied = compact(s.loader, ("prefetch", "pin_memory", "balanced"))
+    if unpinned is not None:  # its own line first: the decision record reads a knob's effect from it
+        summary.add("loader.pin_memory", True, f"skipped ({unpinned})")
+        applied["pin_memory"] = False
+    summary.add("loader", applied, type(inner).__name__ + (f"; {', '.join(signals)}" if signals else ""))
     return loader
 
 

@@ -18,7 +18,8 @@ from aiak.loaders.window_loader import WindowLoader, check_epochs_alike
 from aiak.util.warn import warn
 
 __all__ = ["PrefetchLoader", "dali_loader", "DaliLoader", "BalancedBatchSampler", "PadCollate", "tokens_per_rank",
-           "BalancedDataLoader", "balance_loader", "sample_lengths", "WindowLoader", "wrap_loader"]
+           "BalancedDataLoader", "balance_loader", "sample_lengths", "WindowLoader", "wrap_loader",
+           "pinning_skipped"]
 
 logger = logging.getLogger("aiak")
 
@@ -36,7 +37,8 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
     * A ``PrefetchLoader`` the script built itself is kept as it was configured (its device, depth and
       normalization: ``mean``/``std`` turn uint8 images into the inputs the model was written for), whatever
       ``prefetch`` says; never stacked. ``balanced`` rebuilds the loader inside it.
-    * ``pin_memory`` only matters with a CUDA device; elsewhere a warning says it is skipped.
+    * ``pin_memory`` only matters with a CUDA device; elsewhere a warning says it is skipped
+      (`pinning_skipped` says why, for the decision record too).
     * ``follower`` (the step controller's `aiak.step.loader_steps.LoaderSteps`), under accumulation or with
       ``count``: the result is wrapped last in a `WindowLoader` that tells it each batch it hands out (with
       ``count(batch)``) and, under accumulation, the epoch's length (checked alike on every rank first), so that
@@ -49,6 +51,9 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
     if loader is None:
         return None
     device = torch.device(device) if device is not None else torch.device("cpu")
+    why = pinning_skipped(loader, cfg, device)
+    if why is not None:
+        warn(f"aiak loader.pin_memory: skipped ({why})")
     if isinstance(loader, PrefetchLoader):
         loader = _keep_scripts_prefetcher(loader, cfg)
     else:
@@ -60,12 +65,26 @@ def wrap_loader(loader: Any, cfg: Any, device: Any, *, channels_last: bool = Fal
     return WindowLoader(loader, follower, count)
 
 
+def pinning_skipped(loader: Any, cfg: Any, device: Any) -> Optional[str]:
+    """Why ``loader.pin_memory: true`` pins nothing for ``loader`` on ``device``, or None where it pins (or was not
+    asked for): pinned host memory only speeds up copies to a CUDA device, and a script's own `PrefetchLoader` is
+    kept as it was configured."""
+    if not cfg.pin_memory or loader is None:
+        return None
+    if isinstance(loader, PrefetchLoader):
+        if loader.pin_memory and loader.device.type == "cuda":
+            return None
+        return "the script's PrefetchLoader is kept as it was configured, and it does not pin"
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return f"no CUDA device: the device is {device}, and pinning only speeds up copies to CUDA"
+    return None
+
+
 def _wrap(loader: Any, cfg: Any, device: torch.device, channels_last: bool) -> Any:
     """``balanced``, ``pin_memory`` and ``prefetch`` applied to a loader that is not a ``PrefetchLoader``."""
     if cfg.balanced:
         loader = balance_loader(loader, max_tokens=getattr(cfg, "max_tokens", None))
-    if cfg.pin_memory and device.type != "cuda":
-        warn(f"aiak loader.pin_memory: skipped, the device is {device} (pinning only speeds up copies to CUDA)")
     mean, std = getattr(cfg, "mean", None), getattr(cfg, "std", None)
     if cfg.prefetch > 0:
         loader = PrefetchLoader(loader, device, depth=cfg.prefetch, pin_memory=cfg.pin_memory,

@@ -59,6 +59,28 @@ def test_pin_memory_without_cuda_warns_and_is_skipped(said):
     assert [b.tolist() for b in wrapped] == [[0.0, 1.0], [2.0, 3.0]]
 
 
+def test_the_decision_does_not_claim_pinning_that_was_skipped(said):
+    """On a machine without CUDA, ``loader.pin_memory: true`` is skipped with a warning; the decision record (its
+    applied lines and the headline on stderr) says it was skipped too, instead of ``pin_memory=true``."""
+    import aiak
+
+    if torch.cuda.is_available():
+        pytest.skip("pinning applies on this machine")
+    model = torch.nn.Linear(1, 1)
+    loader = DataLoader(torch.arange(4.0).unsqueeze(1), batch_size=2)
+    with said:
+        _, _, wrapped = aiak.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                                      strategy={"loader": {"prefetch": 1, "pin_memory": True}})
+    assert "pin_memory: skipped" in said.text and isinstance(wrapped, PrefetchLoader)
+    decision = aiak.last_decision()
+    assert decision.effect("loader.pin_memory").startswith("skipped (no CUDA device")
+    headline = decision.headline().splitlines()[0]
+    assert "loader.pin_memory=true" not in headline and "skipped: loader.pin_memory (no CUDA device" in headline
+    applied = decision.render(full=True).split("applied:")[1]
+    assert "pin_memory" in applied and "skipped (no CUDA device" in applied
+    assert ["loader", "{prefetch: 1, pin_memory: false, balanced: false}"] in [e[:2] for e in decision.effects]
+
+
 def test_balanced_rebuilds_the_dataloader_keeping_its_settings():
     dataset = Sentences()
     collate = PadCollate()
