@@ -3,9 +3,10 @@ snapshot (all or nothing), records the decision and says what was applied; ``exp
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
@@ -25,39 +26,61 @@ from aiak.util import warn
 from aiak.util.arguments import check_arguments, check_unpacking, refuse_replaced_parameters
 from aiak.util.machine.devices import model_device
 
+if TYPE_CHECKING:
+    import torch
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler
+
 logger = logging.getLogger("aiak")
 
 
-def optimize(model: nn.Module, optimizer=None, loader=None, *, strategy: Any = "auto", scheduler=None,
-             device: Any = None, count_items: Any = None):
-    """Apply a strategy to a training setup; returns ``(model, optimizer, loader)`` (+ ``scheduler`` if given), each
-    ``None`` where it was not given, so a script always unpacks three names (four with a scheduler); a line that
-    unpacks another number is told so before anything is applied.
+def optimize(model: nn.Module, optimizer: Optional[Optimizer] = None, loader: Optional[Iterable] = None, *,
+             strategy: Union[str, os.PathLike, Mapping[str, Any], Strategy] = "auto",
+             scheduler: Optional[LRScheduler] = None, device: Union[str, torch.device, None] = None,
+             count_items: Union[None, bool, Callable[[Any], Any]] = None) -> Tuple[Any, ...]:
+    """Apply a strategy to a training setup, and return the same objects, patched in place or wrapped.
 
-    The same objects come back, patched in place or wrapped; the training loop stays
-    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``strategy`` is ``"auto"``, a built-in
-    profile name, a YAML path, a dict or an `aiak.Strategy`. ``device`` moves the model there first
-    (default: where its parameters already are).
+    The training loop stays as it was (``loss.backward(); optimizer.step(); optimizer.zero_grad()``): what a strategy
+    changes is reached through the objects the script already holds. With ``tune`` on (the default for ``"auto"``),
+    candidate strategies are first timed on copies of the model and optimizer and on the loader's first batches, which
+    the returned loader then yields first; [aiak.last_decision][aiak.api.last_decision] says what was chosen and why.
 
-    With ``tune`` on (the default for ``"auto"``), candidate strategies are first timed on copies of the
-    model and optimizer and on the loader's first batches, which the returned loader then yields first
-    (`aiak.tune.trials`); ``aiak.last_decision()`` says what was chosen and why.
+    All or nothing: the arguments (their order, an optimizer or a scheduler of another model) and the strategy are
+    validated before anything is touched, and if a later step fails, the model, optimizer, scheduler and loader are
+    put back exactly as they were (`aiak.runtime.rollback`) before the error propagates. A framework's optimizer
+    wrapper (Accelerate's `AcceleratedOptimizer`, Lightning's `LightningOptimizer`) is seen through: the optimizer
+    inside is the one patched, and the wrapper comes back.
 
-    All or nothing: the arguments (`aiak.util.arguments`: their order, an optimizer or a scheduler of
-    another model) and the strategy are validated before anything is touched, and if a later step fails, the
-    model, optimizer, scheduler and loader are put back exactly as they were (`aiak.runtime.rollback`) before
-    the error propagates.
+    Args:
+        model: the model to train (a `torch.nn.Module`, or a DDP or FSDP2 model the script built).
+        optimizer: the model's optimizer, or a framework's wrapper of it; None to optimize the model alone.
+        loader: any re-iterable of batches (a `DataLoader`, a DALI iterator, a list); None to leave loading alone.
+        strategy: `"auto"` (rules, then trials), a built-in profile name (`aiak profiles` lists them), a YAML path,
+            a dict of the YAML's shape or an [aiak.Strategy][aiak.strategy.schema.Strategy].
+        scheduler: a learning-rate scheduler built on `optimizer`; under `grad_accumulation` it advances once per
+            real step.
+        device: where to move the model first (default: where its parameters already are).
+        count_items: a function of a batch returning the items its loss averages over (a causal language model's
+            `lambda b: (b["labels"][:, 1:] != -100).sum()`, a masked one's `lambda b: (b["labels"] != -100).sum()`),
+            called by the returned loader for each batch; or `True` when the script calls
+            [aiak.count_items][aiak.step.controller.count_items] itself. Accumulation windows (and, under DDP, the
+            ranks' gradients) are then averaged by items: the big batch's gradient for mean-over-items losses.
 
-    A framework's optimizer wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
-    seen through: the optimizer inside is the one patched, and the wrapper comes back
-    (`aiak.step.wrappers`).
+    Returns:
+        `(model, optimizer, loader)`, plus `scheduler` when one was given: the same objects, patched in place or
+            wrapped, each None where it was not given, so a script always unpacks three names (four with a
+            scheduler).
 
-    ``count_items``: a function of a batch returning the items its loss averages over (a causal language model's
-    loss averages over the labels shifted by one: ``lambda b: (b["labels"][:, 1:] != -100).sum()``; a masked
-    language model's over the labels as they are: ``lambda b: (b["labels"] != -100).sum()``), called by the
-    returned loader for each batch, or ``True`` when the script calls
-    `aiak.count_items` itself: accumulation windows (and, under DDP, the ranks' gradients) are then averaged
-    by items, the big batch's gradient for mean-over-items losses (`aiak.step.window_items`).
+    Raises:
+        StrategyError: the strategy is bad: an unknown profile, a YAML file that cannot be read, an unknown key, a
+            wrong type or value, an impossible combination (every mistake at once, each naming its file and key
+            path; a `ValueError`).
+        TypeError: the arguments are in the wrong order or of the wrong kind (the first is not a model, the second
+            not an optimizer), `count_items` is neither a function nor True, or the calling line unpacks the result
+            into another number of names than `optimize` returns.
+        ValueError: the optimizer holds none of the model's parameters, the scheduler was built on another
+            optimizer, `count_items` lacks the optimizer (or, as a function, the loader) it weighs, or a second call
+            for a model optimized before asks for other model-level knobs.
     """
     check_unpacking(scheduler is not None)
     _check_count_items(count_items, optimizer, loader)
@@ -149,12 +172,29 @@ def _say_what_was_applied(decision) -> None:
         print(decision.headline(), file=sys.stderr, flush=True)
 
 
-def explain(model, optimizer=None, loader=None, *, strategy: Any = "auto", tune: bool = False, device: Any = None
-            ) -> "decisions.Decision":
-    """What ``strategy`` would apply to these objects, knob by knob, and why.
+def explain(model: Optional[nn.Module], optimizer: Optional[Optimizer] = None, loader: Optional[Iterable] = None, *,
+            strategy: Union[str, os.PathLike, Mapping[str, Any], Strategy] = "auto", tune: bool = False,
+            device: Union[str, torch.device, None] = None) -> "decisions.Decision":
+    """What `strategy` would apply to these objects, knob by knob, and why.
 
-    ``tune=False``: the rules' pick only; nothing is measured and the objects are not changed.
-    ``tune=True``: ``optimize()`` runs on the objects (trials included) and its record is returned.
+    The record [aiak.optimize][aiak.api.optimize] would make, without applying anything: the way to read a choice
+    before training with it (`aiak explain` prints it for a model spec).
+
+    Args:
+        model: the model (None: the rules judge the machine alone).
+        optimizer: its optimizer, or None.
+        loader: its loader, or None.
+        strategy: as [aiak.optimize][aiak.api.optimize]'s.
+        tune: False: the rules' pick only; nothing is measured and the objects are not changed. True:
+            [aiak.optimize][aiak.api.optimize] runs on the objects (trials included) and its record is returned.
+        device: as [aiak.optimize][aiak.api.optimize]'s.
+
+    Returns:
+        The decision record: every knob with its value, source and reason (`.render()` is the table,
+            `.to_dict()` is JSON-ready).
+
+    Raises:
+        StrategyError: the strategy is bad (as [aiak.optimize][aiak.api.optimize] raises it).
     """
     if tune:
         optimize(model, optimizer, loader, strategy=strategy, device=device)
@@ -179,6 +219,12 @@ def _planned(strategy, model) -> Optional[Summary]:
 
 
 def last_decision() -> Optional["decisions.Decision"]:
-    """The record of the most recent ``optimize()``: strategy, knobs with source and reason, trials
-    (`aiak.tune.decision`); ``.to_dict()`` is JSON-ready."""
+    """The record of the most recent [aiak.optimize][aiak.api.optimize] in this process.
+
+    What a script (or a test outside aiak) reads to know what was applied and why, without parsing the log.
+
+    Returns:
+        The decision record (strategy, every knob with its source and reason, the trials; `.to_dict()` is
+            JSON-ready, `.render()` the table), or None before the first `optimize()`.
+    """
     return decisions.last_decision()

@@ -1,11 +1,15 @@
 """The documentation: README stays short and points into docs/, the API reference names every public name, and
-the site builds with ``mkdocs build --strict`` where MkDocs is installed (the docs extra; CI installs it)."""
+the site builds with ``mkdocs build --strict`` where MkDocs is installed (the docs extra; CI installs it); the code a
+newcomer pastes from README and the quickstart runs as it stands."""
+import html
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -56,12 +60,99 @@ def test_the_api_reference_documents_every_public_name():
         assert public is documented, (name, target)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
-                    reason="MkDocs is not installed (pip install -e '.[docs]')")
-def test_the_site_builds_strictly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once for the tests that read it (``mkdocs build --strict``: a warning fails it)."""
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("MkDocs is not installed (pip install -e '.[docs]')")
+    out_dir = tmp_path_factory.mktemp("site")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out_dir)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
     assert out.returncode == 0, out.stderr[-3000:]
-    api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
+    return out_dir
+
+
+def test_the_site_builds_strictly(site):
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
     assert "Apply a strategy to a training setup" in api   # the docstrings are in
+
+
+def _text(markup: str) -> str:
+    """What a reader sees of some HTML: the tags dropped, the entities decoded."""
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))
+
+
+def test_no_sphinx_role_is_printed_on_the_site(site):
+    """A Sphinx role (``:class:`x```) is Markdown's plain text: the site would print it as it stands."""
+    printed = {str(page.relative_to(site)): sorted(set(re.findall(r":(?:class|func|mod|meth|attr|data):`?",
+                                                                  _text(page.read_text(encoding="utf-8")))))
+               for page in site.rglob("*.html")}
+    assert not {page: roles for page, roles in printed.items() if roles}
+
+
+def _api_entries():
+    """``[(heading, target)]`` of docs/api.md, in its order."""
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    return [(heading, target) for target, heading in
+            re.findall(r"^::: (\S+)\n    options:\n      heading: (\S+)", text, re.M)]
+
+
+def _documented(target: str):
+    module, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ModuleNotFoundError, AttributeError):
+        return importlib.import_module(target)
+
+
+def _section(api_html: str, target: str) -> str:
+    """The HTML of one object of the API reference, from its heading to the next object's."""
+    start = api_html.rindex("<", 0, api_html.index(f'id="{target}"'))
+    end = api_html.find('<div class="doc doc-object doc-', start)
+    return api_html[start:end if end > 0 else len(api_html)]
+
+
+def _parameters(obj) -> list:
+    return [name for name, p in inspect.signature(obj).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def test_every_function_and_class_of_the_api_reference_shows_its_signature_and_parameters(site):
+    """Each function and class of docs/api.md: its signature (``name(param, ...)``, every parameter in order) in
+    the block under its heading, and every parameter in its "Parameters" section (the docstring's ``Args:``)."""
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    checked = 0
+    for heading, target in _api_entries():
+        obj = _documented(target)
+        if inspect.ismodule(obj):
+            continue
+        section = _section(api, target)
+        signature = re.search(r'<div class="doc-signature[^"]*">(.*?)</div>', section, re.S)
+        assert signature, f"{heading}: no signature"
+        shown = _text(signature.group(1)).strip()
+        params = _parameters(obj)
+        assert shown.startswith(f"{target.rsplit('.', 1)[-1]}("), (heading, shown)
+        found = [re.search(rf"(?<![\w.]){p}(?=\s*[:=,)])", shown) for p in params]
+        assert all(found), (heading, params, shown)
+        positions = [f.start() for f in found]
+        assert positions == sorted(positions), (heading, params, shown)
+        if params:
+            table = re.search(r"Parameters:(.*?)</table>", section, re.S)
+            assert table, f"{heading}: no Parameters section"
+            described = _text(table.group(1))
+            assert not [p for p in params if p not in described], (heading, params, described[:500])
+        checked += 1
+    assert checked >= 20, checked
+
+
+def test_optimize_documents_its_returns_and_raises_and_links_strategy(site):
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    section = _section(api, "aiak.api.optimize")
+    text = _text(section)
+    for title in ("Parameters:", "Returns:", "Raises:"):
+        assert title in text, title
+    raises = _text(re.search(r"Raises:(.*?)</table>", section, re.S).group(1))
+    for error in ("StrategyError", "TypeError", "ValueError"):
+        assert error in raises, (error, raises)
+    assert re.search(r'<a [^>]*href="[^"]*#aiak\.strategy\.schema\.Strategy"', section), "no link to aiak.Strategy"

@@ -6,8 +6,8 @@
   its registry by name (allreduce, local SGD, decentralized SGD, PowerSGD);
 - `aiak.comm.diagnostics`: watching communication go wrong (the stall watch, the deadlock guard).
 
-``optimize()`` calls `wrap_distributed` (step 5); the other names are for users who assemble the pieces
-themselves. Importing this package touches neither CUDA nor a process group.
+[aiak.optimize][aiak.api.optimize] calls `wrap_distributed` (step 5); the other names are for users who assemble
+the pieces themselves. Importing this package touches neither CUDA nor a process group.
 """
 from aiak.comm.allreduce.autotune import CommChoice, StepTuner, cache_key, model_signature, read_choice, tune_comm
 from aiak.comm.allreduce.compression import ErrorFeedback, dequantize_int8, quantize_int8

@@ -57,34 +57,44 @@ def _order_settings(follow: Sampler, num_samples: int) -> Tuple[bool, Optional[i
 class BalancedBatchSampler(Sampler[List[int]]):
     """Batch sampler giving every rank, at every step, a batch of near-equal token count.
 
+    With variable-length data (text, speech), ranks that draw batches of unequal padded length wait at every
+    allreduce for the longest: sorting by length and dealing batches of equal token budget to the ranks removes the
+    wait. The number of steps depends only on the lengths and the limits, never on the order, so ranks that draw
+    different orders still agree on it (a rank with more steps would wait forever at the allreduce). Standalone, use
+    as `DataLoader(dataset, batch_sampler=sampler, collate_fn=PadCollate())` and call `sampler.set_epoch(epoch)`
+    every epoch (`PrefetchLoader.set_epoch` forwards it).
+
     Args:
         lengths: length (tokens) of every sample of the dataset.
-        batch_size: samples per rank per step (fixed batch size). Give this or ``max_tokens`` (or both: then
-            a batch holds at most ``batch_size`` samples and at most ``max_tokens`` padded tokens).
-        max_tokens: budget of padded tokens (``samples * longest``) per rank per step.
-        num_replicas, rank: default to the followed ``DistributedSampler``, else the initialized process group,
-            else a single process.
-        shuffle: shuffle ties and the order of steps (deterministically from ``seed`` and ``epoch``); default True.
+        batch_size: samples per rank per step (fixed batch size). Give this or `max_tokens` (or both: then
+            a batch holds at most `batch_size` samples and at most `max_tokens` padded tokens).
+        max_tokens: budget of padded tokens (`samples * longest`) per rank per step.
+        num_replicas: the number of ranks; defaults to the followed `DistributedSampler`'s, else the initialized
+            process group's, else 1.
+        rank: this process's rank, defaulting alike (else 0).
+        shuffle: shuffle ties and the order of steps (deterministically from `seed` and `epoch`); default True.
         seed: same on every rank; default 0.
         drop_last: drop the last step when it cannot give every rank a full share; otherwise it is completed
-            with samples from the start of the plan (as ``DistributedSampler`` pads), so no sample is lost.
-        follow: the sampler a ``DataLoader`` had before balancing (`aiak.loaders.balance_loader` passes
-            it), so that every epoch is shuffled as that sampler would have shuffled it. ``shuffle`` and ``seed``
+            with samples from the start of the plan (as `DistributedSampler` pads), so no sample is lost.
+        follow: the sampler a `DataLoader` had before balancing (`aiak.loaders.balance_loader` passes
+            it), so that every epoch is shuffled as that sampler would have shuffled it. `shuffle` and `seed`
             then come from it (leave them unset):
 
-            * ``DistributedSampler``: its ``shuffle`` and ``seed``; the epoch is its ``epoch``, read when an
-              epoch starts, and `set_epoch` here calls its ``set_epoch``, so both always agree.
-            * ``RandomSampler``: every epoch iterates it once, so its generator (or torch's global RNG) is
-              consumed exactly as a plain ``DataLoader`` would consume it, and that permutation breaks the ties;
-              the steps are shuffled by a generator seeded from a digest of it. No ``set_epoch`` is needed. On
+            * `DistributedSampler`: its `shuffle` and `seed`; the epoch is its `epoch`, read when an
+              epoch starts, and `set_epoch` here calls its `set_epoch`, so both always agree.
+            * `RandomSampler`: every epoch iterates it once, so its generator (or torch's global RNG) is
+              consumed exactly as a plain `DataLoader` would consume it, and that permutation breaks the ties;
+              the steps are shuffled by a generator seeded from a digest of it. No `set_epoch` is needed. On
               several ranks the order must be common, so it comes from seed 0 and an epoch counted per
-              ``iter()`` instead (still a new shuffle every epoch).
-            * ``SequentialSampler``: no shuffling; the same batches every epoch.
+              `iter()` instead (still a new shuffle every epoch).
+            * `SequentialSampler`: no shuffling; the same batches every epoch.
 
-    The number of steps depends only on the lengths and the limits, never on the order, so ranks that draw
-    different orders still agree on it (a rank with more steps would wait forever at the allreduce).
-    Standalone, use as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=PadCollate())`` and call
-    ``sampler.set_epoch(epoch)`` every epoch (``PrefetchLoader.set_epoch`` forwards it).
+    Raises:
+        ValueError: `lengths` is not a non-empty 1-D sequence of non-negative integers, neither `batch_size` nor
+            `max_tokens` is given (or one is not a positive integer), `max_tokens` is below the longest sample,
+            `rank` is outside `[0, num_replicas)`, `shuffle`/`seed` are given with `follow`, or `follow` draws with
+            replacement.
+        TypeError: `follow` is not a `DistributedSampler`, `RandomSampler` or `SequentialSampler`.
     """
 
     def __init__(self, lengths: Sequence[int], batch_size: Optional[int] = None, *, max_tokens: Optional[int] = None,

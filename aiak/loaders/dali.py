@@ -105,7 +105,10 @@ def dali_loader(root: str, batch_size: int, *, train: bool = True, size: int = 2
                 scale: Tuple[float, float] = (0.08, 1.0), ratio: Tuple[float, float] = (3 / 4, 4 / 3),
                 resize_ratio: float = 256 / 224, drop_last: Optional[bool] = None,
                 prefetch_queue_depth: int = 2) -> DaliLoader:
-    """Build a DALI pipeline over ``root/<class>/<image>.jpg`` and return it as an iterable of torch batches.
+    """Build a DALI pipeline over `root/<class>/<image>.jpg` and return it as an iterable of torch batches.
+
+    JPEG decoding and augmentation on the GPU (nvJPEG) keep the CPU from being the bottleneck of an image model's
+    training; the result is iterated like a `DataLoader` of `(images, labels)`. NVIDIA DALI is imported only here.
 
     Args:
         root: folder with one subfolder per class (labels are the sorted subfolder indices).
@@ -113,13 +116,29 @@ def dali_loader(root: str, batch_size: int, *, train: bool = True, size: int = 2
         train: random-resized crop + flip (True) or resize + center crop (False).
         size: output height and width.
         device_id: GPU to decode and augment on; None decodes on the CPU and returns CPU tensors.
-        rank, world_size: shard of the data this process reads (default: the process group, else 0 of 1).
-            Shards are disjoint and cover the dataset every epoch.
-        seed: must be the same on every rank (it shuffles the file list); augmentations use ``seed + rank``.
-        mean, std: per-channel normalization in [0, 1] units.
+        num_threads: CPU threads of the pipeline.
+        rank: the shard of the data this process reads (default: the process group's rank, else 0). Shards are
+            disjoint and cover the dataset every epoch.
+        world_size: the number of shards (default: the process group's size, else 1).
+        seed: must be the same on every rank (it shuffles the file list); augmentations use `seed + rank`.
+        mean: per-channel mean in [0, 1] units, subtracted after decoding.
+        std: per-channel standard deviation in [0, 1] units.
         layout: "NCHW" or "NHWC" output.
+        scale: the random-resized crop's range of area fractions (training).
+        ratio: the random-resized crop's range of aspect ratios (training).
+        resize_ratio: evaluation resizes the shorter side to `size * resize_ratio`, then crops the center.
         drop_last: drop the last partial batch (default: True for training, False for eval). Every rank gets
             the same number of batches either way (shards are padded to equal size).
+        prefetch_queue_depth: batches DALI prepares ahead.
+
+    Returns:
+        An iterable of `(images, labels)` torch batches with `len()` (batches per epoch) and `set_epoch()`.
+
+    Raises:
+        ImportError: NVIDIA DALI is not installed (`pip install 'aiak[dali]'`).
+        FileNotFoundError: `root` is not a folder.
+        ValueError: an unknown `layout`, a `batch_size` that is not a positive integer, `mean`/`std` without 3
+            values, or a `rank` outside `[0, world_size)`.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"dali_loader: layout must be one of {list(LAYOUTS)}, got {layout!r}")

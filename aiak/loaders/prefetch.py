@@ -323,25 +323,33 @@ _OWN = frozenset({"loader", "device", "depth", "pin_memory", "join_timeout", "_m
 
 
 class PrefetchLoader:
-    """Wrap any iterable of batches so that the next ``depth`` batches load, and move to ``device``, in the background.
+    """Wrap any iterable of batches so that the next `depth` batches load, and move to `device`, in the background.
+
+    The training step then never waits for the loader's next batch or its host-to-device copy (a side CUDA stream
+    on a GPU, a thread everywhere), as timm's `PrefetchLoader` does. `len()`, `.sampler`, `.dataset`, `.batch_size`,
+    `set_epoch()` and other attributes pass through to `loader`, for writes too (`loader.mixup_enabled = False`
+    reaches a loader that has `mixup_enabled`). Every `iter()` starts a fresh epoch (and stops the previous epoch's
+    thread); leaving an epoch early stops its thread at once; an exception raised while loading is re-raised in the
+    training loop.
 
     Args:
-        loader: a ``DataLoader``, a DALI iterator, a list or any re-iterable of batches. Batches may be tensors or
-            nested tuples/lists/dicts/namedtuples/dataclasses of tensors, or objects with ``.to()`` (and optionally
-            ``.pin_memory()``).
+        loader: a `DataLoader`, a DALI iterator, a list or any re-iterable of batches. Batches may be tensors or
+            nested tuples/lists/dicts/namedtuples/dataclasses of tensors, or objects with `.to()` (and optionally
+            `.pin_memory()`).
         device: target device (default: the current CUDA device if CUDA is available, else CPU).
         depth: batches kept ready (>= 1). The thread prepares one more while the queue is full.
         pin_memory: pin host tensors before the copy (CUDA only; a no-op elsewhere).
-        mean, std: optional per-channel normalization in [0, 1] units, applied on the device to 4-D NCHW tensors
-            with ``len(mean)`` channels; uint8 inputs are divided by 255 first and come out as ``dtype``.
-        channels_last: return 4-D image tensors in ``torch.channels_last`` memory format.
+        mean: optional per-channel mean in [0, 1] units, subtracted on the device from 4-D NCHW tensors with
+            `len(mean)` channels; uint8 inputs are divided by 255 first and come out as `dtype`.
+        std: the per-channel standard deviation that goes with `mean`.
+        channels_last: return 4-D image tensors in `torch.channels_last` memory format.
         dtype: floating dtype of normalized images.
-        join_timeout: seconds ``break`` waits for the thread to stop (a loader stuck in ``next()`` is left to
+        join_timeout: seconds `break` waits for the thread to stop (a loader stuck in `next()` is left to
             finish its current batch as a daemon thread; it never blocks the training loop longer).
 
-    ``len()``, ``.sampler``, ``.dataset``, ``.batch_size``, ``set_epoch()`` and other attributes pass through
-    to ``loader``, for writes too (``loader.mixup_enabled = False`` reaches a loader that has ``mixup_enabled``). Every ``iter()`` starts a fresh epoch (and stops the previous epoch's thread); leaving an
-    epoch early stops its thread at once; an exception raised while loading is re-raised in the training loop.
+    Raises:
+        TypeError: `loader` is not an iterable of batches.
+        ValueError: `depth` is not an integer >= 1.
     """
 
     def __init__(self, loader: Iterable, device: Union[str, torch.device, None] = None, depth: int = 2, *,

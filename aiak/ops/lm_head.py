@@ -312,10 +312,22 @@ class _Plan:
 
 
 def replace_lm_heads(model: nn.Module, implementation: str = "auto") -> int:
-    """Fuse the loss of every causal LM in ``model`` (the model itself or models inside it); returns how many.
+    """Fuse the loss of every language model in `model` with its head, in place, so that no logits are kept.
 
-    A module that looks like a language model but cannot be fused exactly is left alone with one warning naming
-    why (`lm_head_problem`)."""
+    What `fused_ops: [linear_cross_entropy]` does to a Hugging Face causal or masked LM: its loss is computed from
+    the hidden states a slice of tokens at a time
+    ([aiak.ops.linear_cross_entropy][aiak.ops.linear_cross_entropy.linear_cross_entropy]), with the same loss and
+    gradients, and only the classes change (parameters and `state_dict` keys stay). A module that looks like a
+    language model but cannot be fused exactly is left alone with one warning naming why (`lm_head_problem`).
+
+    Args:
+        model: the model itself or a module holding language models.
+        implementation: the loss's implementation, as `linear_cross_entropy`'s (`"auto"`, `"chunked"`, `"torch"`,
+            `"plain"`).
+
+    Returns:
+        How many language models were fused now.
+    """
     fused, skipped, inside = 0, [], []
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") or prefix == "" for prefix in inside):
@@ -345,7 +357,15 @@ def replace_lm_heads(model: nn.Module, implementation: str = "auto") -> int:
 
 
 def restore_lm_heads(model: nn.Module) -> int:
-    """Undo `replace_lm_heads` in place; returns how many models were restored."""
+    """Undo [aiak.ops.replace_lm_heads][aiak.ops.lm_head.replace_lm_heads] in place: the models compute their logits
+    again.
+
+    Args:
+        model: a model fused by `replace_lm_heads` (or a module holding such models).
+
+    Returns:
+        How many language models were restored.
+    """
     restored: List[nn.Module] = [m for m in model.modules() if isinstance(m, FusedCausalLM)]
     for module in restored:
         plan = module.__dict__.pop("_aiak_fused_head", None)

@@ -132,13 +132,24 @@ def _check_bare(model: nn.Module, what: str) -> None:
 
 
 def replace_window_attention(model: nn.Module) -> int:
-    """Swap every known Swin window-attention module in ``model`` for its fused form; returns how many.
+    """Swap every known Swin window-attention module in `model` for its fused form, in place.
 
-    Recognised: Hugging Face transformers ``SwinAttention`` (5.x) and ``SwinSelfAttention`` (4.x), timm
-    and the original Swin-Transformer ``WindowAttention`` (by structure: ``qkv``, ``relative_position_bias_table``,
-    ``relative_position_index``, ``proj``), torchvision ``ShiftedWindowAttention``. SwinV2 cosine
-    attention and unknown look-alikes are left alone with a warning naming them. Already fused modules
-    are not counted again.
+    What `fused_ops: [window_attention]` does: each module keeps its parameters, buffers and `state_dict` keys and
+    only its class changes, so [aiak.ops.window_attention][aiak.ops.window_attention.window_attention] computes the
+    attention. Recognised: Hugging Face transformers `SwinAttention` (5.x) and `SwinSelfAttention` (4.x), timm and
+    the original Swin-Transformer `WindowAttention` (by structure: `qkv`, `relative_position_bias_table`,
+    `relative_position_index`, `proj`), torchvision `ShiftedWindowAttention`. SwinV2 cosine attention and unknown
+    look-alikes are left alone with a warning naming them.
+
+    Args:
+        model: the bare model (before DDP or `torch.compile`).
+
+    Returns:
+        How many modules were swapped now (modules fused before are not counted again).
+
+    Raises:
+        TypeError: `model` is not a `torch.nn.Module`, or is already wrapped in DDP / DataParallel or compiled
+            (surgery runs on the bare model first).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"replace_window_attention: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -280,23 +280,39 @@ class TritonWindowAttention(torch.autograd.Function):
         return dq, dk, dv, dbias, None, None
 
 
-def window_attention(q, k, v, bias=None, mask=None, scale=None, *, backend: str = "auto"):
-    """Swin window attention ``softmax(q k^T * scale + bias + mask) v``.
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     mask: Optional[torch.Tensor] = None, scale: Optional[float] = None, *,
+                     backend: str = "auto") -> torch.Tensor:
+    """Swin window attention `softmax(q k^T * scale + bias + mask) v`, fused.
+
+    Swin's attention over many small windows is launch-bound in eager PyTorch (a matmul, an add, a softmax and a
+    matmul per block); one kernel (Triton on CUDA, one SDPA call elsewhere) computes it without materialising the
+    attention matrix in memory.
 
     Args:
-        q, k, v: ``[B*nW, H, N, D]`` (N = window area, e.g. 49; any strides with a unit last stride
+        q: the queries, `[B*nW, H, N, D]` (N = window area, e.g. 49; any strides with a unit last stride
             are fine for the Triton path). fp32, fp16 or bf16 (fp64 on the torch path).
-        bias: ``[H, N, N]`` relative position bias shared by all windows, or None. Differentiable:
+        k: the keys, shaped and typed as `q`.
+        v: the values, shaped and typed as `q`.
+        bias: `[H, N, N]` relative position bias shared by all windows, or None. Differentiable:
             its gradient is summed over windows.
-        mask: ``[nW, N, N]`` additive shift mask, or None; window ``i`` of the batch uses ``mask[i % nW]``.
-        scale: defaults to ``D ** -0.5``.
-        backend: ``"auto"`` (Triton on CUDA when it supports the shapes, else torch), ``"triton"``
-            (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (one SDPA call). With either of the
-            first two, a shape whose kernel cannot launch on the device (``OutOfResources``) takes the
+        mask: `[nW, N, N]` additive shift mask, or None; window `i` of the batch uses `mask[i % nW]`.
+        scale: defaults to `D ** -0.5`.
+        backend: `"auto"` (Triton on CUDA when it supports the shapes, else torch), `"triton"`
+            (CUDA, or CPU under `TRITON_INTERPRET=1`), `"torch"` (one SDPA call). With either of the
+            first two, a shape whose kernel cannot launch on the device (`OutOfResources`) takes the
             torch path instead, with one warning (see the module docstring).
+
     Returns:
-        ``[B*nW, H, N, D]`` in q's dtype. The Triton path lays it out as ``[B*nW, N, H, D]`` (a transposed
-        view) so the usual ``out.transpose(1, 2).reshape(B*nW, N, C)`` that follows is free.
+        `[B*nW, H, N, D]` in q's dtype. The Triton path lays it out as `[B*nW, N, H, D]` (a transposed
+            view) so the usual `out.transpose(1, 2).reshape(B*nW, N, C)` that follows is free.
+
+    Raises:
+        ValueError: an unknown `backend`, shapes that do not fit together (q, k, v not 4-D or not alike, a bias
+            other than `[H, N, N]`, a mask other than `[nW, N, N]` or one that requires grad, a batch that is not a
+            multiple of the mask's windows), tensors on different devices, a scale that is not finite, or
+            `backend="triton"` for inputs its kernels cannot run.
+        TypeError: an unsupported dtype, q, k, v of different dtypes, or a mask that is not floating.
     """
     if backend not in BACKENDS:
         raise ValueError(f"window_attention: backend={backend!r}; valid choices: {BACKENDS}")

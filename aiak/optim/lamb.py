@@ -39,21 +39,31 @@ __all__ = ["Lamb", "lamb"]
 class Lamb(LayerwiseOptimizer):
     """LAMB (You et al. 2019), exact to the paper's Algorithm 2.
 
+    Adam's update scaled per tensor by the trust ratio `||w|| / ||u||`, so that a large batch's learning rate does
+    not blow up layers with small weights ("Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
+    arXiv:1904.00962). A `torch.optim.Optimizer`: it gathers parameters and state, and the functional `lamb` runs
+    the math.
+
     Args:
-        params: parameters or parameter groups. A group may set ``adapt=False`` to take plain Adam steps
+        params: parameters or parameter groups. A group may set `adapt=False` to take plain Adam steps
             (trust ratio 1), which is how biases and normalization weights are usually excluded.
-        lr: learning rate; default 1e-3, timm's (timm 1.0.31 ``timm/optim/lamb.py``: ``lr: float = 1e-3``).
-            betas: moment decay rates. eps: added to ``sqrt(v_hat)``.
+        lr: learning rate; default 1e-3, timm's (timm 1.0.31 `timm/optim/lamb.py`: `lr: float = 1e-3`).
+        betas: the decay rates of the first and second moments.
+        eps: added to `sqrt(v_hat)`.
         weight_decay: decoupled weight decay, added to the update before the trust ratio.
-        bias_correction: divide the moments by ``1 - beta^t`` (the paper does).
+        bias_correction: divide the moments by `1 - beta^t` (the paper does).
         adapt: default of the per-group trust-ratio switch.
         trust_clip: if set, the trust ratio is capped at this value.
-        max_grad_norm: if set, all gradients are scaled by ``min(1, max_grad_norm / ||g||_global)`` first.
+        max_grad_norm: if set, all gradients are scaled by `min(1, max_grad_norm / ||g||_global)` first.
         foreach: multi-tensor path (default) or the per-tensor loop.
-        bucket_elems: elements per multi-tensor bucket; ``None`` picks a cache-sized bucket on CPU and one
-            bucket on GPU, ``0`` forces one bucket.
-        fused: accepted for API parity; no apex or Triton LAMB kernel ships in this build, so ``True`` warns
+        bucket_elems: elements per multi-tensor bucket; `None` picks a cache-sized bucket on CPU and one
+            bucket on GPU, `0` forces one bucket.
+        fused: accepted for API parity; no apex or Triton LAMB kernel ships in this build, so `True` warns
             and the default multi-tensor path runs (which already uses torch's fused Adam kernel).
+
+    Raises:
+        ValueError: a hyper-parameter out of its range (`lr`, `eps`, `weight_decay` < 0, `betas` not a pair in
+            [0, 1), `trust_clip` or `max_grad_norm` <= 0, a bad `bucket_elems`), naming it and the valid interval.
     """
 
     _fp32_state_keys = ("exp_avg", "exp_avg_sq")

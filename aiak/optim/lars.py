@@ -35,16 +35,30 @@ __all__ = ["Lars", "lars"]
 class Lars(LayerwiseOptimizer):
     """LARS (You et al. 2017), with LARC clipping and Nesterov momentum as options.
 
+    SGD with momentum whose step is scaled per tensor by `trust_coefficient * ||w|| / ||g||`, so that very large
+    batches train convolutional networks at a large learning rate ("Large Batch Training of Convolutional
+    Networks", arXiv:1708.03888). A `torch.optim.Optimizer`: it gathers parameters and state, and the functional
+    `lars` runs the math.
+
     Args:
-        params: parameters or parameter groups; a group may set ``adapt=False`` for plain SGD momentum.
-        lr: global learning rate; default 1.0, timm's (timm 1.0.31 ``timm/optim/lars.py``: ``lr=1.0``; with the
-            trust coefficient 0.001 the layer-wise step is ``0.001 * ||w||``-sized).
-            momentum: heavy-ball momentum (0 disables the buffer).
+        params: parameters or parameter groups; a group may set `adapt=False` for plain SGD momentum.
+        lr: global learning rate; default 1.0, timm's (timm 1.0.31 `timm/optim/lars.py`: `lr=1.0`; with the
+            trust coefficient 0.001 the layer-wise step is `0.001 * ||w||`-sized).
+        momentum: heavy-ball momentum (0 disables the buffer).
         weight_decay: L2 decay added to the gradient (and to the trust-ratio denominator).
-        trust_coefficient: the paper's eta. eps: guards the trust-ratio denominator.
-        nesterov: Nesterov momentum (needs momentum > 0). clip: LARC clipping ``min(local / lr, 1)``.
+        trust_coefficient: the paper's eta.
+        eps: guards the trust-ratio denominator.
+        nesterov: Nesterov momentum (needs momentum > 0).
+        clip: LARC clipping `min(local / lr, 1)`.
         adapt: default of the per-group layer-wise switch.
-        foreach / bucket_elems / fused: as in `aiak.optim.Lamb`.
+        foreach: multi-tensor path (default) or the per-tensor loop.
+        bucket_elems: elements per multi-tensor bucket, as in [aiak.optim.Lamb][aiak.optim.lamb.Lamb].
+        fused: accepted for API parity, as in [aiak.optim.Lamb][aiak.optim.lamb.Lamb].
+
+    Raises:
+        ValueError: a hyper-parameter out of its range (`lr`, `weight_decay`, `eps` < 0, `momentum` outside
+            [0, 1), `trust_coefficient` <= 0, `nesterov` without momentum, a bad `bucket_elems`), naming it and the
+            valid interval.
     """
 
     _fp32_state_keys = ("momentum_buffer",)

@@ -211,13 +211,17 @@ def undo(key: Optional[str] = None) -> None:
 
 
 def patches() -> List[Patch]:
-    """The global patches aiak installed in this process, in the order they were installed (none until the
-    first ``aiak.optimize()`` needs one).
+    """The global patches of torch aiak installed in this process, in the order they were installed.
 
-    Each is a `Patch`: its ``key`` (``"backward-root"``, ``"fp16-steps"``, ``"grad-scaler"``, ``"clip"``, ``"schedulers"``,
-    ``"ddp-constructor"``, ``"deadlock-guard"``), the dotted ``targets`` it replaced, ``why``, and the module that
-    holds the replacements (``owner``); ``str()`` of one is a line saying all that. Every patch aiak may install,
-    with when, is `DECLARED` (``aiak doctor`` lists them).
+    To reach a script's unchanged lines (its clip call, its scheduler, its `loss.backward()`), aiak replaces a few of
+    torch's functions for the whole process, each on first need; this says which, so nothing is hidden. Every patch
+    aiak may install, with when, is `DECLARED` (`aiak doctor` lists them).
+
+    Returns:
+        One `Patch` per installed patch (none until the first `aiak.optimize()` needs one): its `key`
+            (`"backward-root"`, `"fp16-steps"`, `"grad-scaler"`, `"clip"`, `"schedulers"`, `"ddp-constructor"`,
+            `"deadlock-guard"`), the dotted `targets` it replaced, `why`, and the module that holds the
+            replacements (`owner`); `str()` of one is a line saying all that.
     """
     with _lock:
         return [Patch(key, tuple(r.target if isinstance(r, _Hook) else _dotted(r.holder, r.attribute)
@@ -226,13 +230,14 @@ def patches() -> List[Patch]:
 
 
 def undo_patches() -> None:
-    """Undo every global patch aiak installed in this process (for tests and notebooks).
+    """Undo every global patch aiak installed in this process, putting torch's own functions back.
 
-    torch's own functions are back: objects ``aiak.optimize()`` returned before this run with them, so a
-    ``clip_grad_norm_`` call on their parameters is no longer routed to the real step (it clips a micro-step's
-    partial sum under accumulation), their schedulers are no longer gated (they advance on every
-    ``scheduler.step()``), and fp16 models' losses are no longer loss-scaled at the backward pass. The next
-    ``aiak.optimize()`` installs what it needs again. ``aiak.patches()`` says what is installed.
+    For tests and notebooks that want plain torch again. Objects `aiak.optimize()` returned before then run with
+    torch's functions: a `clip_grad_norm_` call on their parameters is no longer routed to the real step (it clips a
+    micro-step's partial sum under accumulation), their schedulers are no longer gated (they advance on every
+    `scheduler.step()`), and fp16 models' losses are no longer loss-scaled at the backward pass. The next
+    `aiak.optimize()` installs what it needs again; [aiak.patches][aiak.runtime.patches.patches] says what is
+    installed.
     """
     undo()
 

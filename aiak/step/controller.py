@@ -38,7 +38,7 @@ import io
 import logging
 import types
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -745,40 +745,58 @@ def controller_of(optimizer) -> Optional[StepController]:
     return marked(optimizer, "_aiak_steps") or marked(inner, "_aiak_steps")
 
 
-def stepped(optimizer) -> bool:
-    """Whether the last ``optimizer.step()`` updated the weights: False after an accumulation micro-step and after
-    a step skipped for inf/NaN gradients. A script that counts its own loop's iterations (an EMA updated every N
-    iterations, a log every N steps) counts real steps with it::
+def stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the last `optimizer.step()` updated the weights.
 
-        optimizer.step()
-        if aiak.stepped(optimizer):
-            ema.update_parameters(model)
+    Under `grad_accumulation` a loop's iterations are micro-steps, and an fp16 step with inf/NaN gradients is
+    skipped: a script that counts its own iterations (an EMA updated every N iterations, a log every N steps)
+    counts real steps with it:
 
-    An optimizer aiak did not patch steps on every call: always True.
+    ```python
+    optimizer.step()
+    if aiak.stepped(optimizer):
+        ema.update_parameters(model)
+    ```
+
+    Args:
+        optimizer: an optimizer [aiak.optimize][aiak.api.optimize] returned (or a framework's wrapper of it); any
+            other optimizer steps on every call.
+
+    Returns:
+        False after an accumulation micro-step and after a step skipped for inf/NaN gradients; True otherwise
+            (always True for an optimizer aiak did not patch).
     """
     controller = controller_of(optimizer)
     return controller.stepped if controller is not None and controller.active() else True
 
 
-def count_items(optimizer, n) -> None:
-    """Say, before a micro-batch's backward, that its loss is a mean over ``n`` items (tokens, samples): a number or
-    a one-element tensor left on its device: what the loss divides by, ``(labels[:, 1:] != -100).sum()`` for a causal
-    language model (its loss averages over the labels shifted by one), ``(labels != -100).sum()`` for a masked one.
+def count_items(optimizer: torch.optim.Optimizer, n: Union[int, float, torch.Tensor]) -> None:
+    """Say, before a micro-batch's backward, that its loss is a mean over `n` items (tokens, samples).
 
     A window whose micro-batches are all counted is averaged by items: the real step's gradient is
-    ``sum_i n_i g_i / sum_i n_i``, with the items summed over the ranks the gradients are averaged over, which for
+    `sum_i n_i g_i / sum_i n_i`, with the items summed over the ranks the gradients are averaged over, which for
     mean losses is the gradient of the big batch's mean over all its items (what the Hugging Face Trainer's
-    ``num_items_in_batch`` gives), not the mean of the micro-batches' means. Every micro-batch of a window is
-    counted, or none; under DDP every rank counts (the items are summed at each real step). Each call counts the
-    backward that follows it: the counts of several backward passes before one ``step()`` (a script's own
-    accumulation under ``no_sync``) add up, and a second call before the same backward is an error (which count is
-    that backward's?). ``aiak.optimize(..., count_items=fn)`` counts each batch of the loader it returns for the
-    backward of the step that trains it (then calling this function too is an error: the batch would be counted
-    twice).
+    `num_items_in_batch` gives), not the mean of the micro-batches' means. Every micro-batch of a window is counted,
+    or none; under DDP every rank counts (the items are summed at each real step). Each call counts the backward that
+    follows it: the counts of several backward passes before one `step()` (a script's own accumulation under
+    `no_sync`) add up. `aiak.optimize(..., count_items=fn)` counts each batch of the loader it returns for the
+    backward of the step that trains it, so the script then does not call this function.
 
-    On an optimizer aiak gave no step controller (no accumulation, no fp16 loss scale) a single process has nothing
-    to weigh (a window of one micro-batch is its own mean); on several ranks it raises: pass ``count_items=True`` (or a
-    function of the batch) to ``aiak.optimize``.
+    Args:
+        optimizer: the optimizer [aiak.optimize][aiak.api.optimize] returned. One aiak gave no step controller (no
+            accumulation, no fp16 loss scale) has nothing to weigh in a single process (a window of one
+            micro-batch is its own mean).
+        n: what the loss divides by, a number or a one-element tensor left on its device:
+            `(labels[:, 1:] != -100).sum()` for a causal language model (its loss averages over the labels shifted
+            by one), `(labels != -100).sum()` for a masked one.
+
+    Raises:
+        TypeError: `n` is neither a number nor a tensor.
+        ValueError: `n` is a tensor of more than one element, or not a finite count >= 0.
+        RuntimeError: a second count before the same backward (which count is that backward's?), a count while
+            `optimize(..., count_items=fn)` counts the batches (the batch would be counted twice), or, on several
+            ranks, an optimizer aiak gave no step controller: pass `count_items=True` (or a function of the batch)
+            to `aiak.optimize`.
     """
     controller = controller_of(optimizer)
     if controller is not None and controller.active():
@@ -793,12 +811,20 @@ def count_items(optimizer, n) -> None:
 
 
 def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over ``optimizer``'s parameters that is right under aiak.
+    """`torch.nn.utils.clip_grad_norm_` over `optimizer`'s parameters, right under accumulation and loss scaling.
 
-    With accumulation the gradients are partial sums until the last micro-step: this clips what the real step
-    will use (the window's average)
-    and returns its norm (on a micro-step: clips nothing, returns the norm accumulated so far, see
-    `StepController.grad_norm`). On an optimizer aiak did not patch it is the plain clip.
+    With accumulation the gradients are partial sums until the last micro-step: this clips what the real step will
+    use (the window's average, unscaled). A script's own `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`
+    is routed here already; this is the same by optimizer.
+
+    Args:
+        optimizer: the optimizer whose parameters' gradients are clipped; on one aiak did not patch, the plain clip.
+        max_norm: the largest total norm the gradients keep.
+        norm_type: the norm's order (2.0: Euclidean; `inf`: the largest absolute value).
+
+    Returns:
+        The total norm of the gradients before clipping; on an accumulation micro-step nothing is clipped and the
+            norm accumulated so far is returned.
     """
     controller = marked(optimizer, "_aiak_steps")
     if controller is not None:
@@ -808,8 +834,15 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type
 
 
 def clip_grad_value_(optimizer: torch.optim.Optimizer, clip_value: float) -> None:
-    """``torch.nn.utils.clip_grad_value_`` over ``optimizer``'s parameters that is right under aiak (see
-    `clip_grad_norm_`)."""
+    """`torch.nn.utils.clip_grad_value_` over `optimizer`'s parameters, right under accumulation and loss scaling.
+
+    As [aiak.clip_grad_norm_][aiak.step.controller.clip_grad_norm_]: under accumulation it clips the real step's
+    gradient (the window's average, unscaled), and nothing on a micro-step.
+
+    Args:
+        optimizer: the optimizer whose parameters' gradients are clipped; on one aiak did not patch, the plain clip.
+        clip_value: each gradient element is clipped to `[-clip_value, clip_value]`.
+    """
     controller = marked(optimizer, "_aiak_steps")
     if controller is not None:
         return controller.clip_grad_value_(clip_value)

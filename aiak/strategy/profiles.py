@@ -17,10 +17,22 @@ __all__ = ["load_strategy", "Profile", "load_profile", "ProfileFile", "profile_f
 
 
 def load_strategy(spec: Union[str, os.PathLike, Mapping[str, Any], Strategy]) -> Strategy:
-    """Built-in or user profile name, YAML path, dict (same shape as the YAML) or ``Strategy`` -> ``Strategy``.
+    """Load and validate a strategy from a profile's name, a YAML file or a dict.
 
-    Every mistake (of the file and of the files it extends) is reported at once, in one
-    `StrategyError`, each with its file, key path and suggestion.
+    The one way every spelling of a strategy becomes a [aiak.Strategy][aiak.strategy.schema.Strategy], so each is
+    validated alike: every mistake of the file and of the files it extends is reported at once, each with its file,
+    key path and suggestion.
+
+    Args:
+        spec: a built-in or user profile name (`aiak profiles` lists them), a YAML path, a dict of the YAML's shape,
+            or a `Strategy` (returned as it is).
+
+    Returns:
+        The validated strategy.
+
+    Raises:
+        StrategyError: an unknown profile or missing file, a file that is not YAML of a mapping, an `extends:`
+            cycle, or any unknown key, wrong value or impossible combination (all of them in one error).
     """
     if isinstance(spec, Strategy):
         return spec

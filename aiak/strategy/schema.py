@@ -58,7 +58,33 @@ class TuneConfig:
 
 @dataclass
 class Strategy:
-    """A validated strategy: what ``aiak.optimize`` applies, knob by knob."""
+    """A strategy: what [aiak.optimize][aiak.api.optimize] applies, knob by knob, one section per subsystem.
+
+    One object with every knob, so that a profile, a dict and the auto-selector's pick are compared, cached, logged
+    and applied alike. Build it with [from_dict][aiak.strategy.schema.Strategy.from_dict],
+    [from_yaml][aiak.strategy.schema.Strategy.from_yaml] or [aiak.load_strategy][aiak.strategy.profiles.load_strategy],
+    which validate every key; the constructor itself checks nothing. The keys, their choices and the built-in
+    profiles are described on the strategy page of these docs.
+
+    Args:
+        name: the profile's name (a YAML file's stem by default).
+        extends: the profile this one inherits and overrides (`default` for a fresh one).
+        description: one line saying what the profile is for.
+        match: when the auto-selector applies the profile (module kinds, device, CUDA capability, CPU features).
+        tf32: TF32 matmuls and convolutions (CUDA compute capability 8.0+).
+        cudnn_benchmark: cuDNN autotuning per input shape.
+        channels_last: NHWC memory format for the model and the loader's 4-D images.
+        compile: `torch.compile` the model, last.
+        precision: mixed precision: `level` O0/O1/O2, `dtype` fp16/bf16, `loss_scale`, `keep_fp32`, `fp8`.
+        grad_accumulation: micro-batches per optimizer step (1: none).
+        optimizer: `keep` the script's optimizer, or swap it for LAMB/LARS with their hyper-parameters.
+        loader: prefetching depth, pinned memory, length-balanced batches.
+        fused_ops: module surgery: `window_attention`, `linear_cross_entropy`.
+        comm: distributed training: the engine (DDP or FSDP2), the allreduce's route, compression and buckets,
+            the communication algorithm.
+        cpu_affinity: pin each rank's threads to its cores.
+        tune: time candidate strategies on the first batches and keep the fastest that trains the same model.
+    """
 
     name: str = "custom"
     extends: Optional[str] = None
@@ -81,11 +107,22 @@ class Strategy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>",
                   origins: Optional[Mapping[str, str]] = None, combinations: bool = True) -> "Strategy":
-        """Build and validate from a plain dict (already merged with any ``extends`` parent).
+        """Build and validate a strategy from a plain dict of the YAML's shape.
 
-        Every mistake is collected and raised together as one `StrategyError`. ``origins`` maps a dotted
-        key path to the file that set it (``extends`` chains), so each problem names the right file.
-        ``combinations=False`` checks keys and values only (the caller knows part of the strategy is missing).
+        Every mistake is collected and raised together, so one run shows them all.
+
+        Args:
+            data: the strategy's keys, already merged with any `extends` parent.
+            source: where `data` came from, named in each problem (a file, or `<dict>`).
+            origins: a dotted key path to the file that set it (`extends` chains), so each problem names the
+                right file.
+            combinations: False checks keys and values only (the caller knows part of the strategy is missing).
+
+        Returns:
+            The validated strategy.
+
+        Raises:
+            StrategyError: every unknown key, wrong type or value and impossible combination, at once.
         """
         problems: List[str] = []
         where = Where(source, origins or {})
@@ -98,11 +135,26 @@ class Strategy:
 
     @classmethod
     def from_yaml(cls, path: str) -> "Strategy":
-        """Load a YAML file (following ``extends:``) and validate it."""
+        """Load a strategy from a YAML file, following its `extends:` chain, and validate it.
+
+        Args:
+            path: the YAML file, or the name of a built-in or user profile.
+
+        Returns:
+            The validated strategy.
+
+        Raises:
+            StrategyError: the file cannot be found or read, is not YAML of a mapping, or holds mistakes (all of
+                them at once, of the file and of the files it extends).
+        """
         return load_with_chain(path)[0]
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain dict in the YAML shape (``optimizer`` hyper-parameters flattened beside ``name``)."""
+        """The strategy as a plain dict of the YAML's shape: what logs, caches and the decision record hold.
+
+        Returns:
+            Every key, sections as nested dicts (`optimizer`'s hyper-parameters flattened beside its `name`).
+        """
         out = dataclasses.asdict(self)
         opt = out["optimizer"]
         out["optimizer"] = {"name": opt["name"], **opt["hyperparameters"]}
@@ -120,6 +172,11 @@ class Strategy:
                 for problem in getattr(self, key)._combinations(where, key + ".")]
 
     def to_yaml(self) -> str:
+        """The strategy as YAML text: a profile file that loads back to the same strategy.
+
+        Returns:
+            [to_dict][aiak.strategy.schema.Strategy.to_dict]'s keys in YAML, in the schema's order.
+        """
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from torch import nn
 
@@ -39,6 +39,10 @@ from aiak.strategy import key_paths
 from aiak.strategy.key_paths import get_leaf, put_leaf
 from aiak.strategy.sharded import refusals, sharded_by, what_auto_leaves_out
 from aiak.util.warn import warn_once
+
+if TYPE_CHECKING:
+    import torch
+    from torch.optim import Optimizer
 
 __all__ = ["Knob", "Selection", "select", "compose", "select_strategy", "resolve_strategy", "model_features",
            "leaves"]
@@ -86,9 +90,26 @@ def select(model: Optional[nn.Module], optimizer=None, loader=None, *, device: A
     return compose(probe(model, optimizer, loader, device))
 
 
-def select_strategy(model: Optional[nn.Module], optimizer=None, loader=None, *,
-                    device: Any = None) -> Tuple[Strategy, Reasons]:
-    """The auto-selector's rules (no trials): ``(Strategy, reasons)``, reasons naming the rule behind each knob."""
+def select_strategy(model: Optional[nn.Module], optimizer: Optional[Optimizer] = None,
+                    loader: Optional[Iterable] = None, *,
+                    device: Union[str, torch.device, None] = None) -> Tuple[Strategy, Reasons]:
+    """The strategy the auto-selector's rules pick for these objects on this machine, without trials.
+
+    What `strategy="auto"` starts from before it measures anything: the profiles whose `match:` rules fit the
+    model, the loader and the machine, overlaid in order. Nothing is measured and the objects are not changed.
+
+    Args:
+        model: the model (None: the rules judge the machine alone).
+        optimizer: its optimizer, or None.
+        loader: its loader, or None (the rules read its batches' shapes).
+        device: where the model will train (default: where its parameters are).
+
+    Returns:
+        `(strategy, reasons)`: the composed strategy, and for each knob the rule (profile) that set it.
+
+    Raises:
+        StrategyError: a profile (built-in or the user's) is broken; every problem of every profile at once.
+    """
     selection = select(model, optimizer, loader, device=device)
     return selection.strategy, selection.reasons
 

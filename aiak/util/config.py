@@ -21,8 +21,18 @@ from aiak.util.text import did_you_mean, yaml_text
 
 
 class StrategyError(ValueError):
-    """Bad strategy input. ``problems`` lists every mistake found, each naming its source (file or
-    ``<dict>``), the dotted key path and what would be valid; the message shows them all."""
+    """Bad strategy input: every mistake found, raised at once.
+
+    One error listing every mistake saves a run per mistake; each names its source (a file, or `<dict>`), the dotted
+    key path and what would be valid (with "did you mean"). A `ValueError`, so code that catches bad values catches
+    it too.
+
+    Args:
+        problems: one problem, or the list of them; the message shows them all.
+
+    Attributes:
+        problems: the list of problems, one string each.
+    """
 
     def __init__(self, problems: Union[str, List[str]]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
