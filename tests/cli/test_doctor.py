@@ -1,7 +1,6 @@
 """``aiak doctor``: every check over simulated machines (a fake /proc, /sys and /dev under tmp_path, a fake
 environment and fake TorchFacts), the exit codes and JSON of ``run()``, and the real command on this machine."""
 import argparse
-import dataclasses
 import json
 import re
 import subprocess
@@ -29,7 +28,7 @@ ETH = {"lo": ("unknown", None, "0x9"), "eth0": ("up", 25000, "0x1003")}
 def fake_machine(tmp_path, *, cpu_flags="fpu sse2 avx2 avx512f avx512_bf16", cpu_model="Test CPU", driver=None,
                  dev_nodes=0, torch=None, ifaces=ETH, rdma=None, modules=None, sys_modules=None, environ=None,
                  shm=8 * GIB, memlock=None, cpus=8, extras=None, cgroup_v2=None, cgroup_v1=None, python="3.11.7",
-                 errors=None):
+                 errors=None, loadavg=0.5):
     """A Machine over a fake tree: every argument writes the files the real machine would have."""
     proc, sysfs, dev = tmp_path / "proc", tmp_path / "sys", tmp_path / "dev"
     for root in (proc, sysfs, dev):
@@ -76,7 +75,7 @@ def fake_machine(tmp_path, *, cpu_flags="fpu sse2 avx2 avx512f avx512_bf16", cpu
     all_extras.update(extras or {})
     return Machine(proc=proc, sys=sysfs, dev=dev, environ=dict(environ or {}), shm_bytes=shm, memlock_bytes=memlock,
                    cpus=cpus, torch=TorchFacts(**(torch or CPU_TORCH)), extras=all_extras, platform="linux",
-                   python=python, errors=dict(errors or {}))
+                   python=python, errors=dict(errors or {}), loadavg=loadavg)
 
 
 def gpu_machine(tmp_path, torch=None, **kw):
@@ -500,20 +499,26 @@ def test_distributed_backends(tmp_path):
     assert c.status == "warn"
 
 
-# -- aiak's global patches of torch ---------------------------------------------------------------------------
-def test_patches_say_which_are_installed_and_what_aiak_may_replace_and_when(tmp_path):
+# -- aiak's global patches of torch: information, not checks ---------------------------------------------------
+def test_patches_are_information_one_short_line_each_with_the_whole_story_under_verbose(tmp_path):
     fresh = fake_machine(tmp_path)
-    c = find(fresh, "patches")
-    assert c.status == "pass" and c.detail.startswith("none installed in this process") and "aiak.patches()" in c.detail
+    assert not [c for c in doctor.checks(fresh) if "patch" in c.name]   # not pass checks
+    rows = doctor.patch_rows(fresh.patches)
+    assert [r["key"] for r in rows] == list(DECLARED) and not any(r["installed"] for r in rows)
+    lines = doctor.render_patches(rows)
+    assert len(lines) == 1 + len(DECLARED) and all(len(line) <= 160 for line in lines), lines
     for key, row in DECLARED.items():
-        c = find(fresh, f"patch {key}")
-        assert c.status == "pass" and c.detail.startswith(f"not installed; replaces {row.replaces} {row.when}")
+        line = next(line for line in lines if line.split()[0] == key)
+        assert line.endswith(f"not installed; aiak installs it {row.when}") and row.why not in line
+    verbose = "\n".join(doctor.render_patches(rows, verbose=True))
+    assert all(" ".join(row.why.split()[:6]) in " ".join(verbose.split()) for row in DECLARED.values())
+    assert all(len(line) <= 120 for line in verbose.splitlines() if line.startswith(" " * 6))
     clip = Patch("clip", ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_value_"), DECLARED["clip"].why,
                  "aiak.step.clip")
-    optimized = dataclasses.replace(fresh, patches=[clip])
-    assert find(optimized, "patches").detail.startswith("1 installed in this process (clip)")
-    c = find(optimized, "patch clip")
-    assert c.status == "pass" and c.detail.startswith("installed: torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip")
+    rows = doctor.patch_rows([clip])
+    assert rows[list(DECLARED).index("clip")]["installed"]
+    line = next(line for line in doctor.render_patches(rows) if line.split()[0] == "clip")
+    assert "installed in this process: torch.nn.utils.clip_grad_norm_ and 1 more" in line
 
 
 def test_doctor_in_a_process_aiak_optimized_in_lists_the_patches_installed_there():
@@ -524,11 +529,54 @@ def test_doctor_in_a_process_aiak_optimized_in_lists_the_patches_installed_there
             "sys.exit(aiak.cli.doctor.main(['--json', '--no-probes', '--num-workers', '1']))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
     assert out.returncode in (0, 1, 2) and "Traceback" not in out.stderr, out.stderr
-    by_name = {c["name"]: c for c in json.loads(out.stdout.strip().splitlines()[-1])["checks"]}
-    assert "installed in this process (" in by_name["patches"]["detail"]
-    assert by_name["patch clip"]["detail"].startswith("installed: torch.nn.utils.clip_grad_norm_")
-    assert by_name["patch schedulers"]["detail"].startswith("installed: torch.optim.lr_scheduler.LRScheduler.step")
-    assert by_name["patch ddp-constructor"]["detail"].startswith("not installed")   # one process: no DDP
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    by_key = {p["key"]: p for p in report["patches"]}
+    assert by_key["clip"]["installed"] and by_key["clip"]["replaces"].startswith("torch.nn.utils.clip_grad_norm_")
+    assert by_key["schedulers"]["replaces"].startswith("torch.optim.lr_scheduler.LRScheduler.step")
+    assert not by_key["ddp-constructor"]["installed"]   # one process: no DDP
+    assert not [c for c in report["checks"] if "patch" in c["name"]]
+
+
+# -- the load: other work on the cores distorts every timing ---------------------------------------------------
+@pytest.mark.parametrize("load, cores, status", [
+    (0.2, 2, "pass"), (2.0, 2, "pass"), (2.1, 2, "warn"), (5.0, 2, "warn"), (15.0, 2, "warn"),
+    (8.0, 16, "pass"), (9.5, 16, "warn"), (1.4, 1, "pass"), (1.6, 1, "warn"),
+])
+def test_the_load_warns_when_other_work_holds_more_than_half_the_usable_cores(load, cores, status):
+    """Doctor's own process counts 1 in the load; above half the usable cores' worth of other work, training's
+    threads get under 2/3 of the CPU, by an amount that comes and goes."""
+    c = doctor.load_check(load, cores)
+    assert c.status == status and c.name == "load", c
+    assert f"{load:.1f}" in c.detail and f"{cores} usable core" in c.detail
+    if status == "warn":
+        assert "distorted" in c.detail and "aiak's trials" in c.detail and "idle machine" in c.fix
+        assert len(f"  warn  {c.name:<19} {c.detail}") <= 200 and len(c.fix) <= 190
+
+
+def test_the_load_check_reads_the_machines_load_and_usable_cores(tmp_path):
+    assert find(fake_machine(tmp_path / "a", loadavg=6.0, cpus=2), "load").status == "warn"
+    assert find(fake_machine(tmp_path / "b", loadavg=6.0, cpus=32), "load").status == "pass"
+    assert find(fake_machine(tmp_path / "c", loadavg=None), "load").detail.startswith("n/a")
+    assert doctor.load_check(6.0, 2).detail == find(fake_machine(tmp_path / "d", loadavg=6.0, cpus=2), "load").detail
+
+
+def test_the_doctor_command_in_process_has_short_check_lines_and_no_patch_checks(capsys):
+    from aiak.cli.main import main
+
+    code = main(["doctor", "--no-probes"])
+    out = capsys.readouterr().out
+    statuses, _ = parse_report(out)
+    assert code == (2 if "fail" in statuses else 1 if "warn" in statuses else 0)
+    lines = out.splitlines()
+    checks = [line for line in lines if STATUS_LINE.match(line) or FIX_LINE.match(line)]
+    assert checks and all(len(line) <= 200 for line in checks), max(checks, key=len)
+    assert not [line for line in checks if re.match(r"^  pass  patch", line)], out
+    assert any(line.split()[1:2] == ["load"] for line in checks), out
+    section = lines[lines.index(doctor.PATCHES_TITLE):-1]
+    assert len(section) == 1 + len(DECLARED) and all(len(line) <= 200 for line in section), section
+    main(["doctor", "--no-probes", "--verbose"])
+    verbose = " ".join(capsys.readouterr().out.split())
+    assert " ".join(DECLARED["clip"].why.split()) in verbose
 
 
 def test_a_check_whose_input_is_unreadable_becomes_a_warning(tmp_path):
@@ -559,8 +607,10 @@ def parse_report(out: str):
     """(statuses in order, summary counts); asserts every line is the title, a status, a fix or the summary."""
     lines = out.rstrip("\n").splitlines()
     assert lines[0] == doctor.TITLE
+    patches = lines.index(doctor.PATCHES_TITLE)  # information, after the checks: one line per patch
+    assert all(re.match(r"^  [\w-]+ +(not )?installed", line) for line in lines[patches + 1:-1]), lines[patches:]
     statuses, previous = [], None
-    for line in lines[1:-1]:
+    for line in lines[1:patches]:
         if STATUS_LINE.match(line):
             statuses.append(line.split()[0])
             previous = statuses[-1]
@@ -620,7 +670,7 @@ def test_exit_zero_from_the_command_line():
 def test_json_is_one_object_with_every_field(tmp_path, capsys):
     code = doctor.run(args(json=True, num_workers=0), machine=gpu_machine(tmp_path, shm=32 * MIB))
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"checks", "summary", "exit_code"} and report["exit_code"] == code == 2
+    assert set(report) == {"checks", "summary", "exit_code", "patches"} and report["exit_code"] == code == 2
     assert all(set(c) == {"name", "status", "detail", "fix"} for c in report["checks"])
     statuses = [c["status"] for c in report["checks"]]
     assert report["summary"] == {s: statuses.count(s) for s in ("pass", "warn", "fail")}

@@ -4,8 +4,10 @@ The checks cover the versions (python, torch and the CUDA it was built for, cuDN
 capability, the CPU's bf16 support, the TF32 state, ``/dev/shm``, ``ulimit -l``, CPU cores against
 ``num_workers``, the network interfaces and the NCCL environment, GPUDirect RDMA, the extras (triton, DALI,
 apex) and the distributed backends: the configuration mistakes that cost users of this kind of toolkit most
-(RDMA bought but GPUDirect RDMA unused, NCCL on the wrong interface, too few workers, pageable memory). Last,
-aiak's own global patches of torch: those installed in this process, and every one aiak may install, and when.
+(RDMA bought but GPUDirect RDMA unused, NCCL on the wrong interface, too few workers, pageable memory), and the
+machine's load (other work on the cores distorts every timing, aiak's trials included). After the checks, as
+information rather than checks, aiak's own global patches of torch (`aiak.cli.doctor.patches`): those installed in
+this process, and every one aiak may install, and when; ``--verbose`` adds what each replaces and why.
 
 Everything the checks read is one `Machine` snapshot: roots for ``/proc``, ``/sys`` and ``/dev``, the
 environment, a few limits and `TorchFacts`. `Machine.here` reads the real machine; a test builds
@@ -29,13 +31,16 @@ from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 from aiak.cli.args import whole_number
-from aiak.cli.doctor.checks import Check, checks, filter_names, parse_ifname_filter, recommended_workers
+from aiak.cli.doctor.checks import (Check, checks, filter_names, load_check, parse_ifname_filter,
+                                    recommended_workers)
 from aiak.cli.doctor.machine import (EXIT_CODES, FAIL, NAME_WIDTH, PASS, WARN, ExtraFacts, GpuFacts, Machine,
                                      TorchFacts, one_line, run_probe)
+from aiak.cli.doctor.patches import PATCHES_TITLE, patch_rows, render_patches
 
 __all__ = ["add_arguments", "run", "main", "checks", "Check", "Machine", "TorchFacts", "GpuFacts", "ExtraFacts",
            "render", "report", "summary", "exit_code", "filter_names", "parse_ifname_filter", "recommended_workers",
-           "run_probe", "gpu_checks", "PASS", "WARN", "FAIL"]
+           "run_probe", "gpu_checks", "load_check", "patch_rows", "render_patches", "PATCHES_TITLE", "PASS", "WARN",
+           "FAIL"]
 
 
 # -- the report -----------------------------------------------------------------------------------------------
@@ -50,25 +55,30 @@ def exit_code(results: Sequence[Check]) -> int:
     return max((EXIT_CODES[c.status] for c in results), default=0)
 
 
-def render(results: Sequence[Check]) -> str:
+def render(results: Sequence[Check], patches: Sequence[Dict] = (), verbose: bool = False) -> str:
+    """The report: the checks, then ``patches`` (`patch_rows`) as information, then the counts."""
     lines = [TITLE]
     for c in results:
         lines.append(f"  {c.status}  {c.name:<{NAME_WIDTH}} {c.detail}")
         if c.fix:
             lines.append(f"{'':8}fix: {c.fix}")
+    if patches:
+        lines += render_patches(patches, verbose)
     counts = summary(results)
     lines.append(f"{counts[PASS]} pass, {counts[WARN]} warn, {counts[FAIL]} fail")
     return "\n".join(lines)
 
 
-def report(results: Sequence[Check]) -> Dict:
-    return {"checks": [asdict(c) for c in results], "summary": summary(results), "exit_code": exit_code(results)}
+def report(results: Sequence[Check], patches: Sequence[Dict] = ()) -> Dict:
+    return {"checks": [asdict(c) for c in results], "summary": summary(results), "exit_code": exit_code(results),
+            "patches": list(patches)}
 
 
 # -- command line ---------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", default=False,
-                        help="print one JSON object {checks, summary, exit_code} instead of the report (default: off)")
+                        help="print one JSON object {checks, summary, exit_code, patches} instead of the report "
+                             "(default: off)")
     parser.add_argument("--num-workers", type=whole_number(0), default=None, metavar="N",
                         help="the DataLoader num_workers you use, checked against the usable cores and GPUs "
                              "(default: none given, doctor recommends one)")
@@ -79,19 +89,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-probes", action="store_true", default=False,
                         help="only look the extras up; do not run DALI's one-batch pipeline, apex's import or a "
                              "Triton kernel in subprocesses (default: run them, a few seconds)")
+    parser.add_argument("--verbose", "-v", action="store_true", default=False,
+                        help="under each of aiak's global patches of torch, what it replaces, why and what undoing it "
+                             "puts back (default: one line each)")
 
 
 def run(args: argparse.Namespace, machine: Optional[Machine] = None) -> int:
     """Print the report (or, with ``--json``, one JSON object) and return the exit code: 0 all pass, 1 warnings,
     2 failures. ``machine`` defaults to this one."""
+    patches: list = []
     try:
         m = machine if machine is not None else Machine.here(probe_extras=not getattr(args, "no_probes", False))
         results = checks(m, getattr(args, "num_workers", None))
+        patches = patch_rows(m.patches)
     except Exception as e:  # reading the machine is guarded piece by piece; this is the last net
         results = [Check("doctor", WARN, f"could not read this machine: {one_line(f'{type(e).__name__}: {e}')}",
                          "rerun aiak doctor --json and attach it to an aiak issue")]
     code = exit_code(results)
-    text = json.dumps(report(results)) if getattr(args, "json", False) else render(results)
+    text = json.dumps(report(results, patches)) if getattr(args, "json", False) else \
+        render(results, patches, getattr(args, "verbose", False))
     if getattr(args, "exit_zero", False) and code and not getattr(args, "json", False):
         text += f"\nexit status 0 (--exit-zero); checked with `aiak doctor`, this machine gives {code}"
     try:

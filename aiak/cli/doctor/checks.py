@@ -10,7 +10,6 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 from aiak.cli.doctor.machine import (AMPERE, CUDA_MIN_DRIVER, DALI_DISTS, FAIL, GDR_LEVELS, GIB, MIB, NCCL_DEBUG_LEVELS,
                                      NCCL_PATH_TYPES, PASS, PEERMEM_MODULES, WARN, WHEEL_FOR_DRIVER, ExtraFacts,
                                      GpuFacts, Machine, one_line, read_small_file)
-from aiak.runtime.patches import DECLARED
 from aiak.util.machine.cpu import NATIVE_BF16_CPU_FLAGS, cpuinfo_fields
 from aiak.util.machine.versions import installed_version
 
@@ -448,6 +447,35 @@ def check_workers(m: Machine, num_workers: Optional[int] = None) -> Check:
     return Check("cpu cores", PASS, f"num_workers={num_workers} x {processes} process(es) fits {cores} usable cores")
 
 
+# Other work's load per usable core above which doctor warns. torch runs one intra-op thread per usable core, so
+# with a load L of other work on C cores a training step gets about C / (C + L) of the CPU, and as that load comes
+# and goes the same step's time moves with it: past L = C / 2 (a step under 2/3 of the CPU, up to 1.5x slower,
+# by an amount that varies) aiak's alternating rounds cannot tell a few percent of speedup from the drift. Below
+# it, a shell, an editor or a short job is ordinary background.
+BUSY_LOAD_PER_CORE = 0.5
+OWN_LOAD = 1.0  # doctor's own process, running when it reads the load
+
+
+def load_check(loadavg: Optional[float], cores: int) -> Check:
+    """The 1-minute load average ``loadavg`` on ``cores`` usable cores: a warning when the load of other work
+    (doctor's own process taken off) exceeds `BUSY_LOAD_PER_CORE` x ``cores``."""
+    if loadavg is None:
+        return Check("load", PASS, "n/a: the load average cannot be read here")
+    others = max(0.0, loadavg - OWN_LOAD)
+    said = f"1-minute load average {loadavg:.1f} on {cores} usable core{'s' if cores != 1 else ''}"
+    if others > BUSY_LOAD_PER_CORE * cores:
+        return Check("load", WARN, f"{said} ({others:.1f} of other work): training shares the CPU, so step times "
+                                   "and aiak's trials are distorted",
+                     "measure again on an idle machine: let the other work finish or stop it (top lists it) before "
+                     "timing steps, tuning (tune:) or running aiak bench / demo")
+    return Check("load", PASS, f"{said}: quiet enough to time training")
+
+
+def check_load(m: Machine) -> Check:
+    """The machine's load against the cores in this process's affinity mask (`load_check`)."""
+    return load_check(m.loadavg, m.cpus)
+
+
 def check_network(m: Machine) -> Check:
     ifaces = interfaces(m)
     if not ifaces:
@@ -705,27 +733,11 @@ def check_backends(m: Machine) -> Check:
     return Check("backends", PASS, ", ".join(have))
 
 
-def check_patches(m: Machine) -> List[Check]:
-    """aiak's global patches of torch (`aiak.runtime.patches`): a line saying which are installed in this
-    process (in a fresh ``aiak doctor`` none are), then one per declared patch: installed, with what it replaced,
-    or what it would replace and when. They say what aiak does to torch, so they always pass."""
-    installed = {p.key: p for p in m.patches}
-    now = f"{len(installed)} installed in this process ({', '.join(installed)})" if installed else \
-        "none installed in this process"
-    lines = [Check("patches", PASS, f"{now}; aiak installs each of the {len(DECLARED)} below when first needed "
-                                    "(aiak.patches() lists them, aiak.undo_patches() undoes them)")]
-    for key, row in DECLARED.items():
-        state = f"installed: {', '.join(installed[key].targets)}" if key in installed else \
-            f"not installed; replaces {row.replaces} {row.when}"
-        lines.append(Check(f"patch {key}", PASS, f"{state}. Why: {row.why}"))
-    return lines
-
-
 CHECKS: Tuple[Callable[..., Union[Check, List[Check]]], ...] = (
     check_python, check_torch, check_cudnn, check_nccl, check_gpu, check_cpu, check_tf32, check_shm,
-    check_memlock, check_workers, check_network, check_socket_ifname, check_gloo_ifname, check_ib,
-    check_nccl_sockets, check_gdr_level, check_nccl_debug, check_gpudirect, check_triton, check_dali, check_apex, check_backends,
-    check_patches,
+    check_memlock, check_workers, check_load, check_network, check_socket_ifname, check_gloo_ifname, check_ib,
+    check_nccl_sockets, check_gdr_level, check_nccl_debug, check_gpudirect, check_triton, check_dali, check_apex,
+    check_backends,
 )
 
 

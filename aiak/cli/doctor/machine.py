@@ -143,19 +143,21 @@ class Machine:
     python: str = ""                # platform.python_version()
     errors: Dict[str, str] = field(default_factory=dict)  # "shm" / "memlock" / "cpus" -> what could not be read
     patches: List[Patch] = field(default_factory=list)    # aiak's global patches installed in this process
+    loadavg: Optional[float] = None  # os.getloadavg()[0], read first (before doctor's own work); None: unreadable
 
     @classmethod
     def here(cls, probe_extras: bool = True) -> "Machine":
         """This machine. ``probe_extras`` runs DALI's one-batch pipeline, apex's import and (with a GPU) a
         Triton kernel, each in a subprocess with a timeout; without it the extras are only looked up."""
         errors: Dict[str, str] = {}
+        load = _guarded(errors, "load", lambda: os.getloadavg()[0], None)
         torch_facts = TorchFacts.here()
         return cls(proc=Path("/proc"), sys=Path("/sys"), dev=Path("/dev"), environ=dict(os.environ),
                    shm_bytes=_guarded(errors, "shm", _shm_bytes, None),
                    memlock_bytes=_guarded(errors, "memlock", _memlock_bytes, None),
                    cpus=_guarded(errors, "cpus", _affinity_cpus, os.cpu_count() or 1), torch=torch_facts,
                    extras=probe_extras_here(torch_facts, run_probes=probe_extras), platform=sys.platform,
-                   python=platform.python_version(), errors=errors, patches=patches())
+                   python=platform.python_version(), errors=errors, patches=patches(), loadavg=load)
 
     @property
     def gpus(self) -> List[GpuFacts]:
