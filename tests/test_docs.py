@@ -156,3 +156,45 @@ def test_optimize_documents_its_returns_and_raises_and_links_strategy(site):
     for error in ("StrategyError", "TypeError", "ValueError"):
         assert error in raises, (error, raises)
     assert re.search(r'<a [^>]*href="[^"]*#aiak\.strategy\.schema\.Strategy"', section), "no link to aiak.Strategy"
+
+
+# The code a newcomer pastes: README's and the quickstart's.
+PASTED = ("README.md", "docs/quickstart.md")
+FRAGMENT = "# fragment:"
+
+
+def _fenced(path: str, language: str) -> list:
+    """``[(line, code)]`` of each ```` ```language```` block of a Markdown file, those indented in list items too."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start()) + 1, textwrap.dedent(m.group(2)))
+            for m in re.finditer(rf"^( *)```{language}\n(.*?)^\1```", text, re.M | re.S)]
+
+
+def _scripts() -> list:
+    return [pytest.param(path, code, id=f"{path}:{line}")
+            for path in PASTED for line, code in _fenced(path, "python") if not code.startswith(FRAGMENT)]
+
+
+def test_the_quickstart_opens_with_a_script_that_runs():
+    _, first = _fenced("docs/quickstart.md", "python")[0]
+    assert not first.startswith(FRAGMENT), first
+
+
+@pytest.mark.parametrize("path, code", _scripts())
+def test_the_code_a_newcomer_pastes_runs_as_it_stands(path, code, tmp_path):
+    """Each ```` ```python```` block of README.md and docs/quickstart.md runs as pasted into a file: a fresh Python,
+    no GPU, exit code 0 and no warning on stderr. The convention: a block whose first line is ``# fragment: ...``
+    (saying whose names it uses) is a fragment of the reader's own script, and is not run. A ```` ```yaml```` block
+    whose first line is ``# save as NAME.yaml`` is written there first, as the text tells the reader to."""
+    for path_ in PASTED:
+        for _, text in _fenced(path_, "yaml"):
+            saved = re.match(r"# save as (\S+\.ya?ml)\b", text)
+            if saved:
+                (tmp_path / saved.group(1)).write_text(text, encoding="utf-8")
+    (tmp_path / "pasted.py").write_text(code, encoding="utf-8")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", AIAK_TUNE_CACHE=str(tmp_path / "tune.json"),
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    out = subprocess.run([sys.executable, "pasted.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warning" not in out.stderr.lower(), out.stderr[-3000:]
