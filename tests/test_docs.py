@@ -26,15 +26,35 @@ PUBLIC = ["aiak.optimize", "aiak.Strategy", "aiak.StrategyError", "aiak.load_str
           "aiak.comm", "aiak.amp"]
 
 
+# The commands CI runs (.ci/run), each in a fresh virtual environment: the demo's on a machine without torch, and
+# the tests'; and the one for a machine that has its torch already.
+DEMO_COMMAND = "pip install torch==2.13.0 && pip install -e . && aiak demo"
+TEST_COMMAND = 'pip install torch==2.14.1 torchvision==0.29.1 && pip install -e ".[test]" && python -m pytest -q'
+WITH_TORCH_COMMAND = "pip install -e . && aiak demo"
+FIRST_SCREEN = 45  # lines
+
+
 def test_readme_is_short_and_links_into_the_docs():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 300
     links = re.findall(r"\]\((docs/[^)#]+)", text)
     assert links and all((ROOT / link).is_file() for link in links), links
-    for command in ('pip install torch==2.13.0 && pip install -e . && aiak demo',
-                    'pip install torch==2.14.1 torchvision==0.29.1 && pip install -e ".[test]" && python -m pytest -q'):
+    for command in (DEMO_COMMAND, TEST_COMMAND):
         assert command in text
     assert "Never run on a GPU" in text
+
+
+def test_readme_tells_one_install_story_on_its_first_screen():
+    """README's commands that install are three, all on its first screen: one for a machine with torch, one without
+    (torch first, pinned), the tests'. Which torch, its CPU wheel and why two torches are docs/install.md's."""
+    installs = [(fence + 1 + i, line.split("  #")[0].strip()) for fence, block in _fenced("README.md", "bash")
+                for i, line in enumerate(block.splitlines()) if "pip install" in line]
+    assert [command for _, command in installs] == [WITH_TORCH_COMMAND, DEMO_COMMAND, TEST_COMMAND], installs
+    assert all(number <= FIRST_SCREEN for number, _ in installs), installs
+    install = (ROOT / "docs" / "install.md").read_text(encoding="utf-8")
+    for said in (WITH_TORCH_COMMAND, DEMO_COMMAND, TEST_COMMAND, "--index-url https://download.pytorch.org/whl/cpu",
+                 "torchvision 0.29.1 goes with torch 2.14.1"):
+        assert said in install, said
 
 
 def test_every_page_of_the_site_is_in_its_navigation():
