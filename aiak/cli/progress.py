@@ -30,7 +30,8 @@ def _library(stream: TextIO) -> str:
 class Board:
     """Bars for named tasks of known length: ``with Board({"baseline": 200, "aiak": 200}) as b: b.update(
     "aiak", done, loss)``. ``enabled=False`` draws nothing; ``library`` forces ``"rich"``, ``"tqdm"`` or
-    ``"lines"`` (default: chosen for ``stream``)."""
+    ``"lines"`` (default: chosen for ``stream``). A task that turns out longer is announced with `note` and
+    `grow`, so that no count goes past its total and no step runs unseen."""
 
     def __init__(self, totals: Dict[str, int], *, enabled: bool = True, stream: TextIO = None,
                  library: Optional[str] = None):
@@ -39,6 +40,7 @@ class Board:
         self.library = "off" if not enabled else (library or _library(self.stream))
         self._bars: Dict[str, object] = {}
         self._last_line: Dict[str, int] = {}
+        self._done: Dict[str, int] = {}
         self._rich = None
         self._width = max((len(n) for n in self.totals), default=0)
 
@@ -64,6 +66,7 @@ class Board:
     def update(self, name: str, done: int, loss: Optional[float] = None) -> None:
         """``name`` has done ``done`` of its steps; ``loss`` is its latest loss (a float), if known."""
         total = self.totals[name]
+        self._done[name] = done
         text = "" if loss is None else f"loss {loss:.4f}"
         if self.library == "rich":
             self._rich.update(self._bars[name], completed=done, loss=text)
@@ -77,6 +80,30 @@ class Board:
                 self._last_line[name] = 10 if done == total else tenth
                 self.stream.write(f"  {name:<{self._width}}  {done:>6}/{total} steps  {text}\n")
                 self.stream.flush()
+
+    def grow(self, name: str, total: int) -> None:
+        """``name`` runs ``total`` steps in all, more than announced: its bar's end moves there (plain lines go
+        on at each tenth of the new total)."""
+        self.totals[name] = total
+        if self.library == "rich":
+            self._rich.update(self._bars[name], total=total)
+        elif self.library == "tqdm":
+            self._bars[name].total = total
+            self._bars[name].refresh()
+        elif self.library == "lines":
+            self._last_line[name] = self._done.get(name, 0) * 10 // max(total, 1)
+
+    def note(self, text: str) -> None:
+        """One line between the bars: why the plan changed."""
+        if self.library == "rich":
+            self._rich.console.print(text, markup=False, highlight=False)
+        elif self.library == "tqdm":
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self.stream)
+        elif self.library == "lines":
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def __exit__(self, *exc) -> None:
         if self.library == "rich":

@@ -297,6 +297,38 @@ def test_demo_runs_as_many_rounds_again_when_the_first_are_too_noisy_and_gives_n
     assert "end to end: not given" in out, out          # a sum over noisy rounds is never printed
 
 
+PROGRESS_LINE = re.compile(r"^  (?P<run>baseline|aiak)\s+(?P<done>\d+)/(?P<total>\d+) steps")
+
+
+def test_demo_progress_covers_the_extra_rounds_and_never_counts_past_its_total(monkeypatch, capsys):
+    """The extra rounds of a noisy demo are announced (why, and how many steps more) and counted: the bars' totals
+    grow to the steps each side really runs, every count stays within the total announced before it, and the last
+    count of each side is the steps its table row gives. The bars once stopped at 16/16 while 12 steps more ran,
+    silently, and the table then said 28. (As in the test above, the noise is what the test sets.)"""
+    from aiak.cli.main import main
+    from aiak.measure import rounds
+
+    monkeypatch.setattr(rounds.Speedup, "too_noisy", property(lambda self: True))
+    code = main(["demo", "--strategy", "default", "--epochs", "1", "--samples", "256", "--batch-size", "16",
+                 "--rounds", "6", "--warmup", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    steps = {m["run"]: int(m["steps"]) for m in map(DEMO_ROW.match, out.splitlines()) if m}
+    assert steps == {"baseline": 16 + 12, "aiak": 16 + 12}, out       # 6 rounds of 2 more steps each
+    lines = err.splitlines()
+    note = next(i for i, line in enumerate(lines) if "more rounds" in line)
+    assert "the first 6 rounds were too noisy" in lines[note] and "6 more rounds, 12 more steps each" in lines[note]
+    counts = [(i, m["run"], int(m["done"]), int(m["total"])) for i, m in enumerate(map(PROGRESS_LINE.match, lines))
+              if m]
+    assert all(done <= total for _, _, done, total in counts), counts
+    for run, n in steps.items():
+        mine = [(i, done, total) for i, r, done, total in counts if r == run]
+        assert {total for i, _, total in mine if i < note} == {16}
+        assert {total for i, _, total in mine if i > note} == {n}
+        assert [done for i, done, _ in mine if i > note], mine            # counted during the extra rounds
+        assert mine[-1][1:] == (n, n), mine
+
+
 @pytest.mark.slow
 def test_demo_auto_learns_and_its_progress_is_plain_lines_when_redirected():
     rows, verdict, err = demo("--strategy", "auto")

@@ -29,6 +29,22 @@ def test_a_redirected_board_writes_plain_lines_at_each_tenth_and_no_carriage_ret
         assert mine[-1].split()[1] == f"{total}/{total}" and "loss" in mine[-1]
 
 
+def test_a_grown_total_moves_the_end_and_the_lines_go_on_to_it():
+    out = io.StringIO()
+    board = Board({"baseline": 20, "aiak": 20}, stream=out)
+    with board:
+        for done in range(1, 21):
+            board.update("aiak", done)
+        board.grow("aiak", 40)
+        board.note("  20 more steps: the first ones were too noisy")
+        for done in range(21, 41):
+            board.update("aiak", done)
+    lines = out.getvalue().splitlines()
+    note = lines.index("  20 more steps: the first ones were too noisy")
+    before, after = [line.split()[1] for line in lines[:note]], [line.split()[1] for line in lines[note + 1:]]
+    assert before[-1] == "20/20" and after[0] == "24/40" and after[-1] == "40/40" and len(after) == 5, lines
+
+
 def test_a_terminal_gets_a_live_bar_from_rich():
     master, slave = os.openpty()
     try:
@@ -59,6 +75,20 @@ def test_each_library_draws_every_task_to_its_end(library):
     drive(Board(totals, stream=out, library=library), totals)
     text = out.getvalue()
     assert "baseline" in text and "aiak" in text and "8/8" in text
+
+
+@pytest.mark.parametrize("library", ["rich", "tqdm"])
+def test_each_library_grows_a_total_and_writes_a_note(library):
+    out = io.StringIO()
+    with Board({"aiak": 4}, stream=out, library=library) as board:
+        for done in range(1, 5):
+            board.update("aiak", done)
+        board.grow("aiak", 6)
+        board.note("two more steps")
+        for done in (5, 6):
+            board.update("aiak", done)
+    text = out.getvalue()
+    assert "6/6" in text and "two more steps" in text and "7/" not in text
 
 
 def test_disabled_board_writes_nothing():
