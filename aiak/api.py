@@ -20,7 +20,9 @@ from aiak.strategy.derived import resolve_derived
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import resolve_strategy
 from aiak.strategy.sharded import check_sharded, sharded_by
+from aiak.runtime.switches import read_switches
 from aiak.tune import decision as decisions
+from aiak.tune import guard
 from aiak.tune.trials import run_trials
 from aiak.util import warn
 from aiak.util.arguments import check_arguments, check_unpacking, refuse_replaced_parameters
@@ -103,6 +105,7 @@ def optimize(model: nn.Module, optimizer: Optional[Optimizer] = None, loader: Op
         tuning = run_trials(selection, bare, optimizer, loader, model_device(model, device))
         s, loader = tuning.strategy, tuning.loader
     snapshot = Snapshot(model, optimizer, scheduler, given_loader, given_optimizer)
+    plain_switches = read_switches()  # plain PyTorch's: what the run-time guard times the pick against
     try:
         applied = apply_strategy(s, model, optimizer, loader, scheduler, device, model_applied=before,
                                  count_items=count_items or None)
@@ -120,6 +123,8 @@ def optimize(model: nn.Module, optimizer: Optional[Optimizer] = None, loader: Op
         decision = replace(before.decision, strategy=s.to_dict(), effects=[list(e) for e in applied.summary.lines],
                            tuning="not run: the model was optimized by an earlier optimize() call, whose strategy "
                                   "it keeps", comm=_comm_tuning(applied.model) or before.decision.comm)
+    if before is None:
+        guard.watch(tuning, s, bare, applied.optimizer, plain_switches, model_device(model, device), decision)
     decisions.record(decision)
     logger.info("%s", decision.render())
     _say_what_was_applied(decision)

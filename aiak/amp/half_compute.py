@@ -109,10 +109,13 @@ class HalfCompute:
     """The hooks that make one model compute in ``dtype`` (see the module docstring). ``level``: ``O1``
     (autocast) or ``O2`` (half copies of the parameters); ``scaler``: a LossScaler for fp16, else None."""
 
-    __slots__ = ("level", "dtype", "device_type", "scaler", "registered")
+    __slots__ = ("level", "dtype", "device_type", "scaler", "registered", "enabled")
 
     def __init__(self, level: str, dtype: torch.dtype, device_type: str, scaler=None):
         self.level, self.dtype, self.device_type, self.scaler = level, dtype, device_type, scaler
+        # False: the hooked modules compute in fp32 as plain PyTorch does, between two steps (the run-time guard,
+        # `aiak.tune.guard`, times both); the parameters are the fp32 ones either way, so nothing else changes
+        self.enabled = True
         self.registered: Set[int] = set()  # ids of the parameters handed to root scaling (a copy's are new ids)
 
     # -- installing -------------------------------------------------------------------------------
@@ -157,8 +160,8 @@ class HalfCompute:
         state = _threads
         frame = _Frame(module)
         state.frames.append(frame)
-        if id(module) in state.swapped:
-            return None  # inside a region that already swapped this module's tensors
+        if id(module) in state.swapped or not self.enabled:
+            return None  # inside a region that already swapped this module's tensors; or plain fp32 compute
         frame.boundary = len(state.frames) == 1 and not self._recomputing_inside(args, kwargs)
         if frame.boundary and self.level == "O1" and self.scaler is not None and torch.is_grad_enabled():
             for p in module.parameters():  # O1 swaps nothing: its parameters are handed over here

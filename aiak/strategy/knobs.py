@@ -100,6 +100,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("tune.candidates",       SELECTION, False,   True,   False),
     Knob("tune.steps",            SELECTION, False,   True,   False),
     Knob("tune.max_seconds",      SELECTION, False,   True,   False),
+    Knob("tune.guard",            SELECTION, False,   True,   False),
 )
 
 

@@ -30,7 +30,10 @@ __all__ = ["Strategy", "StrategyError", "TuneConfig", "Match", "Precision", "Opt
 @dataclass
 class TuneConfig:
     """Measured trials: time up to ``candidates`` strategies for ``steps`` steps each on the first batches and
-    keep the fastest that passes the numerics gate (``aiak.tune``), within ``max_seconds`` if given.
+    keep the fastest that passes the numerics gate (``aiak.tune``), within ``max_seconds`` if given; with
+    ``guard`` (the default), the run's first real steps check the pick against plain compute in alternating windows
+    and fall back to plain where it is slower (`aiak.tune.guard`; those steps compute both ways, so a run equals
+    the winner's applied alone bit for bit only with ``guard: false``).
 
     YAML takes ``tune: true | false`` or a mapping; a mapping means enabled unless it says ``enabled: false``.
     ``bool(tune)`` is ``enabled``.
@@ -40,7 +43,8 @@ class TuneConfig:
     candidates: int = 4
     steps: int = 3
     max_seconds: Optional[float] = None
-    _SHAPE: ClassVar[str] = "true, false or a mapping {enabled, candidates, steps, max_seconds}"  # for errors
+    guard: bool = True
+    _SHAPE: ClassVar[str] = "true, false or a mapping {enabled, candidates, steps, max_seconds, guard}"  # errors
 
     def __bool__(self) -> bool:
         return self.enabled

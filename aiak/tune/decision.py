@@ -11,6 +11,9 @@ returns the record of the latest ``optimize()``; ``.to_dict()`` is JSON-ready an
 * ``trials``: ``[{"strategy", "step_ms", "step_ms_spread", "peak_mem_mb", "grad_cosine", "accepted", "why", ...}]``
   (``peak_mem_mb``: what the candidate's first step added to memory at its peak, `aiak.measure.memory`);
 * ``tuning_seconds`` and ``cache_hit``;
+* ``guard``: the run-time guard (`aiak.tune.guard`): ``{"chosen", "why"}`` while it watches or where it does not
+  run, then its figures (``speedups`` and per-round ``rounds`` of each arm against plain compute, ``steps``,
+  ``load``, ``threads``), ``{}`` where the trials chose plain compute or did not run;
 * ``comm``: the comm autotuner's candidates and choice (``{"mode", "cache", "cache_hit", "candidates", "chosen"}``,
   `aiak.comm.allreduce.autotune.CommTuning`), or ``None`` without it; read when asked, so a step-mode choice
   made during the first steps shows once made;
@@ -51,6 +54,7 @@ class Decision:
     tuning: str = ""
     effects: List[List[str]] = field(default_factory=list)   # [knob, value, what was done] from the summary
     comm: Any = None   # the comm autotuner's record (to_dict(), lines()), filled as it measures
+    guard: Dict[str, Any] = field(default_factory=dict)  # the run-time guard's standing, then its figures
 
     def effect(self, knob: str) -> str:
         """What applying ``knob`` (a key path, or a section such as ``comm``) did: its own line of the summary or
@@ -62,7 +66,8 @@ class Decision:
             "strategy": self.strategy, "knobs": self.knobs, "trials": self.trials,
             "tuning_seconds": self.tuning_seconds, "cache_hit": self.cache_hit, "matched": self.matched,
             "not_matched": self.not_matched, "probes": self.probes, "tuning": self.tuning,
-            "comm": self.comm.to_dict() if self.comm is not None else None}, default=_jsonable))
+            "comm": self.comm.to_dict() if self.comm is not None else None, "guard": self.guard},
+            default=_jsonable))
 
     def render(self, full: bool = False, group_defaults: bool = False) -> str:
         """The table: knobs (value, source, reason), trials, what each step did.
@@ -102,6 +107,8 @@ class Decision:
                 out.append(f"    {t['label']:<22} {ms:>8} {spread:>15} {ratio:>8} {peak:>9} {cos:>9}  {verdict}")
         if self.tuning:
             out.append(f"  trials: {self.tuning}")
+        if self.guard:
+            out.append(f"  run-time guard: {guard_line(self.guard)}")
         if self.comm is not None:
             out += [f"  {line}" for line in self.comm.lines()]
         effects = [e for e in self.effects if full or any(_covers(e[0], p) for p in shown)]
@@ -152,6 +159,15 @@ class Decision:
                         or k["value"] == PLAIN.get(path, object()))
 
         return {path: skipped_reason(self.effect(path)) or "" for path, k in self.knobs.items() if named(path, k)}
+
+
+def guard_line(guard: Dict[str, Any]) -> str:
+    """The run-time guard's standing or figures (`aiak.tune.guard`) on one line."""
+    if "speedups" not in guard:
+        return guard.get("why", "")
+    figures = ", ".join(f"{label} {s:.2f}x" for label, s in guard["speedups"].items() if label != "plain compute")
+    return (f"{guard['chosen']} over the first {guard['steps']} steps ({figures} of plain compute's speed, "
+            f"alternating windows); {guard['why']}")
 
 
 def _covers(key: str, path: str) -> bool:
@@ -273,6 +289,8 @@ def build(selection: Any, applied: Any, tuning: Any = None, summary: Any = None,
             tuning_note = f"off: {what_auto_leaves_out(sharding)}, and the trials would time copies of it"
     elif tuning.skipped:  # trials that ran but measured nothing say why themselves
         tuning_note = tuning.skipped if tuning.trials else f"skipped: {tuning.skipped}"
+    elif tuning.remeasured:
+        tuning_note = tuning.remeasured
     effects = [list(line) for line in summary.lines] if summary is not None else []
     return Decision(strategy=applied.to_dict(), knobs=knobs, trials=trials,
                     tuning_seconds=tuning.seconds if tuning is not None else 0.0,

@@ -87,6 +87,7 @@ from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.nested import logits_of
 from aiak.util.status_line import StatusLine
 from aiak.util.text import describe_error
+from aiak.util.machine.load import CpuLoad, cpu_load
 from aiak.util.machine.versions import installed_version
 
 BUDGET_FRACTION = 0.05     # the trials' budget: 5% ...
@@ -132,6 +133,20 @@ class Tuning:
     skipped: str = ""                           # why nothing was measured: no trial ran, or every candidate
                                                 # failed (empty when the trials or the cache decided)
     restore_rng: Any = None                     # puts the RNG back as it was before borrowing (on failure)
+    key: Optional[str] = None                   # the cache key of this decision (None: not cacheable)
+    cache: Optional[TuneCache] = None
+    load: Optional[CpuLoad] = None              # the machine's load the trials measured under (or now, on a hit)
+    remeasured: str = ""                        # why a cached decision was not reused (the load differed)
+
+    def learn(self, guard: Dict[str, Any]) -> None:
+        """Keep the run-time guard's choice (`aiak.tune.guard`) in this decision's cache entry, beside the load it
+        was measured under: a later run under that load starts from it."""
+        if self.key is None or self.cache is None or not on_rank0():
+            return
+        entry = self.cache.get_entry(self.key)
+        if entry is not None:
+            entry["guard"] = guard
+            self.cache.put_entry(self.key, entry)
 
 
 # -- RNG ------------------------------------------------------------------------------------------
@@ -353,12 +368,18 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     cache = cache if cache is not None else TuneCache()
     key = decision_key(model, optimizer, loader, selection.probes, selection.profiles_digest, cfg)
     hit = rank0_object(lambda: cache.get_entry(key) if key is not None else None)
-    if hit is not None:
+    load = cpu_load() if device.type == "cpu" else None
+    remeasured = load_changed(hit, load) if hit is not None else ""
+    if hit is not None and not remeasured:
         try:
+            guard = hit.get("guard") or {}
+            chosen = hit["plain_strategy"] if guard.get("chosen") == "plain compute" else hit["strategy"]
             # what the trials may not change is the pick's, also in an entry written before that rule held
-            strategy = Strategy.from_dict(with_picks_knobs(hit["strategy"], pick), source=f"{cache.path} [{key}]")
+            strategy = Strategy.from_dict(with_picks_knobs(chosen, pick), source=f"{cache.path} [{key}]")
             trials = [TrialRecord(**t) for t in hit.get("trials", [])]
-            return Tuning(strategy, hit.get("label", strategy.name), trials, time.perf_counter() - start, True, loader)
+            label = "plain" if guard.get("chosen") == "plain compute" else hit.get("label", strategy.name)
+            return Tuning(strategy, label, trials, time.perf_counter() - start, True, loader, key=key, cache=cache,
+                          load=load)
         except Exception:  # a stale or malformed entry: tune again and overwrite it
             pass
 
@@ -402,11 +423,26 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
                       skipped=f"every candidate failed in the trials, so nothing was measured (plain PyTorch: "
                               f"{reference.record.why}); plain PyTorch compute is applied, nothing unverified")
     if key is not None and on_rank0():
+        plain = next(c for c in contenders if c.candidate.label == "plain")
         cache.put_entry(key, {"kind": "strategy", "label": winner.candidate.label,
                               "strategy": winner.candidate.strategy.to_dict(),
+                              "plain_strategy": plain.candidate.strategy.to_dict(),
+                              "load": load.to_dict() if load is not None else None,
                               "trials": [t.to_dict() for t in trials], "tuning_seconds": seconds})
     return Tuning(winner.candidate.strategy, winner.candidate.label, trials, seconds, False, replay,
-                  restore_rng=before.restore)
+                  restore_rng=before.restore, key=key, cache=cache, load=load, remeasured=remeasured)
+
+
+def load_changed(entry: Dict[str, Any], load: Optional[CpuLoad]) -> str:
+    """Why a cached decision should be measured again: the cores other work leaves free now differ from those it
+    was measured under (the guard's reading when it ran, else the trials'); "" when they match or are unknown."""
+    then = (entry.get("guard") or {}).get("load") or entry.get("load")
+    if load is None or not load.known or not then or then.get("free_cores") is None:
+        return ""
+    if then["free_cores"] == load.free_cores:
+        return ""
+    return (f"the cached decision was measured with {then['free_cores']} of {then.get('cores')} core(s) free of "
+            f"other work, {load.free_cores} now: measured again")
 
 
 def _build(candidates: List[Candidate], model, optimizer, device) -> List[_TrialRun]:

@@ -1,4 +1,5 @@
-"""The ``tune`` key: ``true | false`` or ``{enabled, candidates, steps, max_seconds}``, merged through ``extends``."""
+"""The ``tune`` key: ``true | false`` or ``{enabled, candidates, steps, max_seconds, guard}``, merged through
+``extends``."""
 import textwrap
 
 import pytest
@@ -28,7 +29,7 @@ def test_bool_of_tune_is_enabled_so_existing_checks_keep_working():
 
 def test_to_dict_gives_the_mapping_and_round_trips(tmp_path):
     s = load_strategy({"tune": {"candidates": 6, "max_seconds": 12.5}})
-    assert s.to_dict()["tune"] == {"enabled": True, "candidates": 6, "steps": 3, "max_seconds": 12.5}
+    assert s.to_dict()["tune"] == {"enabled": True, "candidates": 6, "steps": 3, "max_seconds": 12.5, "guard": True}
     assert Strategy.from_dict(s.to_dict()) == s
     path = tmp_path / "t.yaml"
     path.write_text(s.to_yaml())
@@ -52,7 +53,7 @@ def test_auto_base_turns_the_trials_on():
 
 
 @pytest.mark.parametrize("written, message", [
-    ("yes", r"<dict>: tune must be true, false or a mapping \{enabled, candidates, steps, max_seconds\}, "
+    ("yes", r"<dict>: tune must be true, false or a mapping \{enabled, candidates, steps, max_seconds, guard\}, "
             r"got str 'yes'"),
     (1, r"<dict>: tune must be true, false or a mapping"),
     ({"candidates": 0}, r"<dict>: tune.candidates must be >= 1, got 0"),
@@ -61,7 +62,7 @@ def test_auto_base_turns_the_trials_on():
     ({"candidates": 2.5}, r"<dict>: tune.candidates must be an integer"),
     ({"enabled": "on"}, r"<dict>: tune.enabled must be a boolean"),
     ({"candidate": 2}, r"<dict>: tune.candidate: unknown key \(did you mean 'candidates'\?\); valid keys: "
-                       r"\['enabled', 'candidates', 'steps', 'max_seconds'\]"),
+                       r"\['enabled', 'candidates', 'steps', 'max_seconds', 'guard'\]"),
 ])
 def test_bad_tune_values_are_reported(written, message):
     with pytest.raises(StrategyError, match=message):

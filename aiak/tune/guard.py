@@ -1,0 +1,245 @@
+"""The run-time guard: a measured pick that runs slower than plain PyTorch in the real run gives way to plain compute.
+
+The trials (`aiak.tune.trials`) time the candidates on the first batches, under the machine's load of that moment.
+A shared machine's load changes, and it hurts some configurations much more than plain PyTorch: with two busy
+processes beside the demo model on a 2-core CPU, its bf16 O1 steps took 53 ms at the median but 570 ms at the 90th
+percentile (plain fp32: 104 ms and 187 ms), because oneDNN's bf16 convolution backward slowed from 8.9 ms a call on
+one intra-op thread to 44 ms on two, where fp32's took 18.8 ms either way (torch.profiler; `aiak.util.machine.load`).
+A median hides such a tail; the run pays for it.
+
+So after `aiak.optimize()` applies a measured pick, the run's first real steps (timed from one optimizer step to the
+next: loading, forward, backward and step, as the script runs them) alternate windows of:
+
+* `pick`: the strategy as applied;
+* `pick, N threads`: the same with the intra-op threads cut to the cores other work leaves free, offered only when
+  the machine is busier than torch's thread count allows (`aiak.util.machine.load`);
+* `plain compute`: the model's half-precision regions off (`aiak.amp.half_compute.HalfCompute.enabled`: the
+  parameters are fp32 either way) and the process switches (threads, TF32, cuDNN autotuning) as the script had
+  them before `optimize()`.
+
+Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
+arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
+what the run pays). After `MIN_ROUNDS` rounds the guard stops when the pick was faster than plain beyond
+`NOISE_FLOOR` in every round, else after `MAX_ROUNDS`. The pick is kept unless it is slower than plain beyond the
+noise (half the range of its per-round ratios, at least `NOISE_FLOOR`); the thread budget replaces it where it is
+faster beyond the noise; and where neither keeps up with plain, the rest of the run computes as plain PyTorch. A
+change is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows
+the guard's figures, and the tuning cache learns its choice beside the load it was measured under
+(`aiak.tune.trials`).
+
+What the guard cannot switch between two steps is left as applied: a layout (channels_last), fused modules, the
+loader's prefetching. It does not run under `torch.compile` (switching the compute would recompile), on several
+ranks (each rank would choose alone), or where the trials chose plain compute.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from aiak.amp.half_compute import HalfCompute
+from aiak.measure.clock import StepClock
+from aiak.measure.thresholds import NOISE_FLOOR
+from aiak.runtime.switches import read_switches, write_switches
+from aiak.util.dist import is_distributed
+from aiak.util.machine.load import CpuLoad, cpu_load
+from aiak.util.warn import is_rank_zero
+
+WINDOW_STEPS = 3   # steps per window, the first untimed
+MIN_ROUNDS = 2     # rounds before the guard may stop early ...
+MAX_ROUNDS = 4     # ... and at most
+
+PICK, BUDGET, PLAIN = "pick", "pick, fewer threads", "plain compute"
+
+
+@dataclass
+class Arm:
+    """One way the run may compute: the process switches it writes, and whether the half-precision regions run."""
+
+    label: str
+    switches: Dict[str, Any]
+    half_compute: bool
+    seconds: List[float] = field(default_factory=list)   # per round: its window's timed steps, summed
+
+
+@dataclass
+class GuardResult:
+    """What the guard measured and chose; `to_dict()` is the decision record's `guard`."""
+
+    chosen: str
+    speedups: Dict[str, float]            # arm -> plain's seconds / its seconds, over every round
+    rounds: Dict[str, List[float]]        # arm -> its per-round ratio to plain
+    steps: int                            # the real steps the guard watched
+    load: Dict[str, Any]                  # the machine's load when it began (`CpuLoad.to_dict`)
+    threads: Dict[str, int]               # arm -> its intra-op threads
+    why: str
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class SpeedGuard:
+    """Watches a run's first real steps through an optimizer step hook (see the module docstring).
+
+    Args:
+        optimizer: the optimizer whose `step()` ends each real step (the one `optimize()` returned, unwrapped).
+        compute: the model's half-precision regions (`HalfCompute`), or None without them.
+        pick_switches: the process switches as the pick applied them (`aiak.runtime.switches.read_switches`).
+        plain_switches: the process switches as the script had them before `optimize()`.
+        load: the machine's load now; a thread budget is offered when it leaves fewer cores than the pick's threads.
+        device: where the model computes (the clock: host time on CPU, CUDA events on a GPU).
+        on_decision: called once with the `GuardResult`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compute: Optional[HalfCompute],
+                 pick_switches: Dict[str, Any], plain_switches: Dict[str, Any], load: CpuLoad,
+                 device: torch.device, on_decision: Callable[[GuardResult], None]):
+        self.compute, self.load, self.on_decision = compute, load, on_decision
+        self.arms = [Arm(PICK, dict(pick_switches), True)]
+        threads = pick_switches.get("num_threads", torch.get_num_threads())
+        if load.free_cores < threads:
+            self.arms.append(Arm(BUDGET, {**pick_switches, "num_threads": load.free_cores}, True))
+        self.arms.append(Arm(PLAIN, dict(plain_switches), False))
+        self.clock = StepClock(device)
+        self.steps = 0                      # real steps seen
+        self.round, self.slot, self.in_window = 0, 0, 0
+        self.window: List[float] = []       # the current window's timed seconds
+        self.last_mark: Any = None
+        self.result: Optional[GuardResult] = None
+        self.handle = optimizer.register_step_post_hook(self._after_step)
+        self._use(self._order()[0])
+
+    # -- the schedule ---------------------------------------------------------------------------------
+    def _order(self) -> List[Arm]:
+        """This round's arms, rotated by one every round."""
+        k = self.round % len(self.arms)
+        return self.arms[k:] + self.arms[:k]
+
+    def _use(self, arm: Arm) -> None:
+        write_switches(arm.switches)
+        if self.compute is not None:
+            self.compute.enabled = arm.half_compute
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        mark = self.clock.mark()
+        if self.last_mark is not None and self.in_window > 0:   # the window's first step is not timed
+            self.window.append(self.clock.seconds(self.last_mark, mark))
+        self.last_mark = mark
+        self.steps += 1
+        self.in_window += 1
+        if self.in_window < WINDOW_STEPS:
+            return
+        order = self._order()
+        order[self.slot].seconds.append(sum(self.window))
+        self.window, self.in_window = [], 0
+        self.slot += 1
+        if self.slot == len(order):
+            self.slot = 0
+            self.round += 1
+            if self._done():
+                self._decide()
+                return
+        self._use(self._order()[self.slot])
+        self.last_mark = self.clock.mark()  # the switch itself is not any arm's time
+
+    # -- the decision ---------------------------------------------------------------------------------
+    def _ratios(self, arm: Arm) -> List[float]:
+        plain = self.arms[-1]
+        return [p / s for p, s in zip(plain.seconds, arm.seconds) if s > 0]
+
+    def _done(self) -> bool:
+        if self.round >= MAX_ROUNDS:
+            return True
+        return self.round >= MIN_ROUNDS and min(self._ratios(self.arms[0])) > 1 + NOISE_FLOOR
+
+    def _decide(self) -> None:
+        chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms])
+        self._use(next(a for a in self.arms if a.label == chosen))
+        self.handle.remove()
+        self.result = GuardResult(chosen, speedups, rounds, self.steps, self.load.to_dict(),
+                                  {a.label: int(a.switches.get("num_threads", 0)) for a in self.arms}, why)
+        if chosen != PICK and is_rank_zero():  # a notice beside optimize()'s own lines: the run goes on, as it should
+            print(self.warning(), file=sys.stderr, flush=True)
+        self.on_decision(self.result)
+
+    def warning(self) -> str:
+        """The one notice a change of compute gives on stderr (empty while the pick is kept)."""
+        r = self.result
+        if r is None or r.chosen == PICK:
+            return ""
+        figures = ", ".join(f"{label} {s:.2f}x" for label, s in r.speedups.items() if label != PLAIN)
+        load = r.load
+        busy = (f"{load['busy_elsewhere']} runnable task(s) of other work on {load['cores']} core(s)"
+                if load.get("busy_elsewhere") is not None else f"load average {load['load1']}")
+        now = (f"the pick on {r.threads[BUDGET]} intra-op thread(s)" if r.chosen == BUDGET
+               else "plain PyTorch (fp32, the script's own threads)")
+        return (f"aiak: in the run's first {r.steps} steps, in alternating windows, {figures} of plain PyTorch's "
+                f"speed ({busy}); the rest of the run computes as {now}. The tuning cache keeps this beside the "
+                f"load; under another load the trials measure again")
+
+
+def choose(arms: List[Tuple[str, List[float], Optional[int]]]) -> Tuple[str, str, Dict[str, float],
+                                                                        Dict[str, List[float]]]:
+    """The guard's rule (see the module docstring), on each arm's `(label, seconds per round, threads)`, the pick
+    first and plain compute last.
+
+    Returns:
+        `(chosen label, why, speedups, per-round ratios)`: each arm's speedup is plain's seconds over its own, summed
+            over the rounds; the per-round ratios are those of every arm but plain.
+    """
+    plain = arms[-1][1]
+    speedup = {label: round(sum(plain) / sum(s), 3) for label, s, _ in arms if sum(s) > 0}
+    rounds = {label: [round(p / t, 3) for p, t in zip(plain, s) if t > 0] for label, s, _ in arms[:-1]}
+    threads = {label: n for label, _, n in arms}
+
+    def noise(label: str) -> float:
+        r = rounds[label]
+        return max(NOISE_FLOOR, (max(r) - min(r)) / (2 * statistics.median(r))) if r else float("inf")
+
+    chosen, why = PICK, "the pick kept up with plain PyTorch"
+    if BUDGET in speedup and speedup[BUDGET] > speedup[PICK] * (1 + max(noise(PICK), noise(BUDGET))):
+        chosen, why = BUDGET, (f"{threads[BUDGET]} intra-op thread(s) ran faster than the pick's {threads[PICK]} "
+                               f"on this busy machine")
+    if speedup[chosen] < 1 / (1 + noise(chosen)):
+        chosen, why = PLAIN, "the pick ran slower than plain PyTorch beyond the noise"
+    return chosen, why, speedup, rounds
+
+
+def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, plain_switches: Dict[str, Any],
+          device: torch.device, decision: Any) -> Optional[SpeedGuard]:
+    """Start the guard on a run `optimize()` just applied, where it can run (see the module docstring); its
+    standing is written into `decision.guard` now and its figures once it decides.
+
+    Args:
+        tuning: the trials' `Tuning` (None when no trial was asked for).
+        strategy: the strategy applied.
+        model: the model the strategy computes with (inside any DDP).
+        optimizer: the optimizer the step runs (unwrapped).
+        plain_switches: the process switches as the script had them before `optimize()`.
+        device: where the model computes.
+        decision: the decision record of this `optimize()`.
+
+    Returns:
+        The guard, or None where it does not run (the reason is in `decision.guard`).
+    """
+    if tuning is None or tuning.skipped or tuning.label == "plain":
+        return None
+    off = ("tune.guard is false" if not strategy.tune.guard
+           else "under torch.compile, switching the compute would recompile" if strategy.compile
+           else "on several ranks, each would choose alone" if is_distributed()
+           else "the optimizer takes no step hook" if not hasattr(optimizer, "register_step_post_hook") else "")
+    if off:
+        decision.guard = {"chosen": PICK, "why": f"not run: {off}"}
+        return None
+    decision.guard = {"chosen": PICK, "why": "watching the run's first steps against plain compute"}
+
+    def decided(result: GuardResult) -> None:
+        decision.guard = result.to_dict()
+        tuning.learn(result.to_dict())
+
+    compute = next((h.__self__ for m in model.modules() for h in m._forward_pre_hooks.values()
+                    if isinstance(getattr(h, "__self__", None), HalfCompute)), None)
+    return SpeedGuard(optimizer, compute, read_switches(), plain_switches, cpu_load(), device, decided)

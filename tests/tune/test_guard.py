@@ -1,0 +1,213 @@
+"""The run-time guard (`aiak.tune.guard`): its plain compute is plain PyTorch, its windows alternate as documented,
+its rule keeps, budgets or drops the pick, and the cache learns its choice beside the load."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import aiak
+from aiak.amp.half_compute import HalfCompute
+from aiak.cli.demo import DemoNet, make_setup, training_steps
+from aiak.runtime.switches import read_switches, write_switches
+from aiak.tune import guard
+from aiak.tune.guard import BUDGET, MAX_ROUNDS, MIN_ROUNDS, PICK, PLAIN, WINDOW_STEPS, SpeedGuard, choose
+from aiak.tune.trials import load_changed
+from aiak.util.machine.load import CpuLoad, cpu_load
+
+
+def compute_of(model):
+    return next(h.__self__ for m in model.modules() for h in m._forward_pre_hooks.values()
+                if isinstance(getattr(h, "__self__", None), HalfCompute))
+
+
+def grads_of(model, x, y):
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_plain_compute_is_plain_pytorch_and_the_pick_is_not(level):
+    """With its regions off, a model under O1/O2 bf16 computes exactly as the plain fp32 model (its parameters are
+    the fp32 ones); on again, it computes in bf16 (the gradients differ), so the switch really switches."""
+    torch.manual_seed(0)
+    plain = DemoNet(width=8)
+    model = copy.deepcopy(plain)
+    aiak.optimize(model, strategy={"extends": "default", "precision": {"level": level, "dtype": "bf16"}})
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    compute = compute_of(model)
+    compute.enabled = False
+    off, reference = grads_of(model, x, y), grads_of(plain, x, y)
+    assert all(torch.equal(off[n], reference[n]) for n in reference)
+    compute.enabled = True
+    on = grads_of(model, x, y)
+    assert any(not torch.equal(on[n], reference[n]) for n in reference)
+    assert model(x).dtype == torch.float32
+
+
+def run_guard(load, steps=None):
+    """A demo model under O1 bf16 with a guard on its optimizer; returns the guard, the arm each step computed with
+    (read in the forward: half compute on or off, intra-op threads) and the decisions it reported."""
+    switches = read_switches()
+    model, optimizer, loader = make_setup(0, 640, 16, width=8)
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}})
+    compute = compute_of(model)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append((compute.enabled, torch.get_num_threads())))
+    decided = []
+    pick = {**read_switches(), "num_threads": 2}
+    plain = {**switches, "num_threads": 2}
+    g = SpeedGuard(optimizer, compute, pick, plain, load, torch.device("cpu"), decided.append)
+    it = training_steps(model, optimizer, loader, None)
+    try:
+        for _ in range(steps or (MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 6)):
+            next(it)
+    finally:
+        write_switches(switches)
+    return g, seen, decided, compute
+
+
+def test_the_windows_alternate_then_the_guard_lets_go():
+    """Windows of WINDOW_STEPS steps, the arms rotating by one each round, each arm's state in its forward; after
+    the decision the hook is gone and the chosen arm computes every later step."""
+    g, seen, decided, compute = run_guard(CpuLoad(cores=2, busy_elsewhere=1.5, load1=3.0))
+    assert [a.label for a in g.arms] == [PICK, BUDGET, PLAIN]   # one core free of 2: a thread budget is offered
+    state = {PICK: (True, 2), BUDGET: (True, 1), PLAIN: (False, 2)}
+    expected = []
+    for r in range(MAX_ROUNDS):
+        order = g.arms[r % 3:] + g.arms[:r % 3]
+        expected += [state[a.label] for a in order for _ in range(WINDOW_STEPS)]
+    rounds = g.result.steps // (3 * WINDOW_STEPS)
+    assert MIN_ROUNDS <= rounds <= MAX_ROUNDS and g.result.steps == rounds * 3 * WINDOW_STEPS
+    assert seen[:g.result.steps] == expected[:g.result.steps]
+    assert len(decided) == 1 and decided[0] is g.result
+    assert set(seen[g.result.steps:]) == {state[g.result.chosen]}   # the rest of the run: the chosen arm
+    assert all(len(v) == rounds for v in g.result.rounds.values())
+    assert set(g.result.speedups) == {PICK, BUDGET, PLAIN} and g.result.speedups[PLAIN] == 1.0
+
+
+def test_no_thread_budget_on_an_idle_machine():
+    g, seen, decided, _ = run_guard(CpuLoad(cores=2, busy_elsewhere=0.0, load1=0.1))
+    assert [a.label for a in g.arms] == [PICK, PLAIN] and len(decided) == 1
+    assert {threads for _, threads in seen} == {2}
+
+
+@pytest.mark.parametrize("pick, budget, chosen", [
+    ([1.0, 1.0, 1.0], None, PICK),              # as fast as plain: kept
+    ([0.5, 0.5], None, PICK),                   # twice as fast
+    ([1.02, 1.01], None, PICK),                 # slower within the noise floor: kept
+    ([2.0, 2.1, 1.9], None, PLAIN),             # twice as slow in every round: plain compute
+    ([0.5, 9.0, 0.5, 0.5], None, PLAIN),        # fast by the median, but one round's tail makes it slower in sum
+    ([0.8, 0.8], [0.4, 0.4], BUDGET),           # faster, but the budget is twice as fast again
+    ([0.8, 0.8], [0.78, 0.79], PICK),           # the budget within noise of the pick: the pick stays
+    ([3.0, 3.0], [2.0, 2.0], PLAIN),            # both slower than plain
+])
+def test_the_rule(pick, budget, chosen):
+    plain = [1.0] * len(pick)
+    arms = [(PICK, pick, 2)] + ([(BUDGET, budget, 1)] if budget else []) + [(PLAIN, plain, 2)]
+    label, why, speedups, rounds = choose(arms)
+    assert label == chosen, why
+    assert speedups[PICK] == round(sum(plain) / sum(pick), 3)
+
+
+def test_the_notice_says_what_changed(capsys):
+    g, _, _, _ = run_guard(CpuLoad(cores=2, busy_elsewhere=1.5, load1=3.0))
+    said = capsys.readouterr().err
+    assert (g.warning() in said) if g.result.chosen != PICK else "alternating windows" not in said
+    g.result.chosen = PLAIN
+    text = g.warning()
+    assert "plain PyTorch (fp32" in text and "1.5 runnable task(s) of other work on 2 core(s)" in text
+    g.result.chosen = PICK
+    assert g.warning() == ""
+
+
+def test_a_cached_decision_is_measured_again_under_another_load():
+    entry = {"load": {"cores": 2, "free_cores": 2}}
+    assert load_changed(entry, CpuLoad(2, 0.2, 0.5)) == ""
+    assert "2 of 2 core(s) free of other work, 1 now: measured again" in load_changed(entry, CpuLoad(2, 1.2, 3.0))
+    entry["guard"] = {"load": {"cores": 2, "free_cores": 1}}       # the guard's reading is the later one
+    assert load_changed(entry, CpuLoad(2, 1.2, 3.0)) == ""
+    assert load_changed(entry, CpuLoad(2, None, 3.0)) == ""          # unknown now: reused
+    assert load_changed({"load": None}, CpuLoad(2, 1.2, 3.0)) == ""  # an entry written before the load was kept
+
+
+def test_the_load_reading():
+    load = cpu_load()
+    assert load.cores == len(os.sched_getaffinity(0)) and 1 <= load.free_cores <= load.cores
+    assert CpuLoad(4, 2.6, 1.0).free_cores == 1 and CpuLoad(4, 0.0, 1.0).free_cores == 4
+    assert CpuLoad(2, 9.0, 1.0).free_cores == 1 and CpuLoad(2, None, 1.0).free_cores == 2
+
+
+@pytest.fixture
+def cache_file(tmp_path, monkeypatch):
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("AIAK_TUNE_CACHE", str(path))
+    return path
+
+
+def trained_pick(cache_file):
+    model, optimizer, loader = make_setup(0, 256, 16, width=8)
+    aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "tune": {"candidates": 2, "steps": 2}})
+    return json.loads(cache_file.read_text())
+
+
+def test_the_cache_learns_the_guards_choice_and_the_load(cache_file):
+    """The entry keeps the load the trials measured under; a later run whose entry holds the guard's choice of
+    plain compute starts from it, with no guard (the entry's load left out here, so that the machine's load now
+    cannot differ from it); under another load, it measures again."""
+    data = trained_pick(cache_file)
+    (key, entry), = data.items()
+    assert entry["load"]["cores"] == len(os.sched_getaffinity(0)) and "plain_strategy" in entry
+    entry["label"] = "bf16"   # as if the trials had chosen the pick: the guard's plain choice must override it
+    entry["guard"], entry["load"] = {"chosen": PLAIN}, None
+    cache_file.write_text(json.dumps(data))
+    model, optimizer, loader = make_setup(0, 256, 16, width=8)
+    aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "tune": {"candidates": 2, "steps": 2}})
+    d = aiak.last_decision().to_dict()
+    assert d["cache_hit"] and d["strategy"]["precision"]["level"] == "O0" and d["guard"] == {}
+
+    entry["guard"] = {"chosen": PLAIN, "load": {"cores": 2, "free_cores": 0}}   # no reading now can match
+    cache_file.write_text(json.dumps(data))
+    model, optimizer, loader = make_setup(0, 256, 16, width=8)
+    aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "tune": {"candidates": 2, "steps": 2}})
+    d = aiak.last_decision().to_dict()
+    assert not d["cache_hit"] and "measured again" in d["tuning"]
+
+
+def test_the_guard_reports_into_the_decision_and_the_cache(cache_file):
+    """Through optimize(): a measured pick is watched (the record says so at once), and once the guard decides, the
+    record and the cache entry hold its figures."""
+    model, optimizer, loader = make_setup(0, 640, 16, width=8)
+    switches = read_switches()
+    try:
+        model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
+            "extends": "default", "channels_last": True, "tune": {"candidates": 2, "steps": 2}})
+        decision = aiak.last_decision()
+        if decision.guard == {}:
+            pytest.skip("the trials chose plain compute here: nothing to guard")
+        assert "watching" in decision.guard["why"]
+        it = training_steps(model, optimizer, loader, None)
+        for _ in range(MAX_ROUNDS * 3 * WINDOW_STEPS):
+            next(it)
+    finally:
+        write_switches(switches)
+    assert decision.guard["chosen"] in (PICK, BUDGET, PLAIN) and decision.guard["steps"] >= MIN_ROUNDS * 2
+    assert "run-time guard: " in decision.render()
+    (entry,) = json.loads(cache_file.read_text()).values()
+    assert entry["guard"] == json.loads(json.dumps(decision.guard))
+
+
+def test_off_where_it_cannot_switch():
+    tuning = type("T", (), {"skipped": "", "label": "x", "load": None})()
+    strategy = aiak.Strategy.from_dict({"extends": "default", "tune": {"guard": False}})
+    decision = type("D", (), {})()
+    assert guard.watch(tuning, strategy, DemoNet(), torch.optim.SGD(DemoNet().parameters(), lr=0.1), {},
+                       torch.device("cpu"), decision) is None
+    assert decision.guard["why"] == "not run: tune.guard is false"
