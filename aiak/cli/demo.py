@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -153,6 +153,26 @@ def run_demo(strategy: Any = "auto", epochs: int = 2, n: int = 6400, batch_size:
                       slow_factor=math.inf)
             ratio = _speedup_or_none(sides)
     return DemoResult(baseline, optimized, ratio, setup, batch_size, warmup, extra)
+
+
+def decision_lines(decision: Any) -> List[str]:
+    """What the demo says of where aiak's strategy came from: a decision reused from the tuning cache (and how to
+    measure again), one measured again because the machine's load differed, and the run-time guard's figures."""
+    from aiak.tune.decision import guard_line
+    from aiak.util.cache import default_cache_path
+
+    lines = []
+    if decision is None:
+        return lines
+    if decision.cache_hit:
+        lines.append(f"  aiak's strategy was decided by an earlier run's trials, reused from the tuning cache "
+                     f"({default_cache_path()}) under the same load; to measure again, delete that file or set "
+                     f"AIAK_TUNE_CACHE to another one")
+    elif "measured again" in decision.tuning:
+        lines.append(f"  the tuning cache held a decision for this model: {decision.tuning}")
+    if decision.guard:
+        lines.append(f"  run-time guard: {guard_line(decision.guard)}")
+    return lines
 
 
 def _speedup_or_none(sides) -> Optional[Speedup]:

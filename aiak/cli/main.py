@@ -49,7 +49,7 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from aiak.cli.demo import plan, run_demo
+    from aiak.cli.demo import decision_lines, plan, run_demo
     from aiak.measure.rounds import Spread
     from aiak.strategy import load_strategy
 
@@ -78,6 +78,10 @@ def _cmd_demo(args) -> int:
         print(f"\n  no speedup to report: {stopped.name} stopped ({stopped.stopped}). `aiak explain --tune` shows "
               f"what the strategy applies and how each candidate measured")
         return 0
+    import aiak
+
+    for line in decision_lines(aiak.last_decision()):
+        print(line)
     more = f"; the first {args.rounds} rounds were too noisy, so {r.extra_rounds} more ran" if r.extra_rounds else ""
     print(f"\n  speedup of the training steps (baseline/aiak, per round{more}): {r.speedup.describe()}")
     if r.extra_rounds:  # every step's time summed: the load's spikes would decide it

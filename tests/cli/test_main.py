@@ -1,5 +1,6 @@
 """The ``aiak`` command line, run as a user would (console script through ``python -m aiak.cli``)."""
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -330,12 +331,29 @@ def test_demo_progress_covers_the_extra_rounds_and_never_counts_past_its_total(m
 
 
 @pytest.mark.slow
+def test_demo_says_where_its_strategy_came_from(tmp_path):
+    """A second demo reuses the first one's decision from the tuning cache and says so, with how to measure again
+    (or says the load differed, so it measured again); a measured pick's run-time guard reports its figures."""
+    env = {**os.environ, "AIAK_TUNE_CACHE": str(tmp_path / "tune.json")}
+    command = [sys.executable, "-m", "aiak.cli", "demo", "--epochs", "1", "--samples", "1024", "--batch-size", "32",
+               "--no-progress"]
+    first, second = (subprocess.run(command, capture_output=True, text=True, timeout=300, env=env) for _ in range(2))
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert "tuning cache" not in first.stdout
+    reused = f"reused from the tuning cache ({tmp_path / 'tune.json'}" in second.stdout
+    assert reused or "measured again" in second.stdout, second.stdout
+    chose_plain = "trials chose 'plain'" in first.stderr
+    assert ("run-time guard: " in first.stdout) != chose_plain, first.stdout + first.stderr
+
+
+@pytest.mark.slow
 def test_demo_auto_learns_and_its_progress_is_plain_lines_when_redirected():
     rows, verdict, err = demo("--strategy", "auto")
     assert all(0 < float(r["loss"]) < 2.3 for r in rows.values())  # both learned (chance: ln 10 = 2.30)
     assert re.search(r"\d\.\d\dx(,| faster| slower)", verdict), verdict
     assert "\r" not in err
-    said = [line for line in err.splitlines() if line.startswith("aiak: ")]  # optimize()'s two lines
-    assert len(said) == 2 and said[0].startswith("aiak: applied strategy"), err
+    said = [line for line in err.splitlines() if line.startswith("aiak: ")]  # optimize()'s two lines, and the
+    guard = [line for line in said if "alternating windows" in line]         # run-time guard's notice on a busy one
+    assert len(said) - len(guard) == 2 and len(guard) <= 1 and said[0].startswith("aiak: applied strategy"), err
     progress = [line.split() for line in err.splitlines() if line.strip() and not line.startswith("aiak: ")]
     assert progress and all(p[0] in ("baseline", "aiak") and p[1].endswith("/32") for p in progress), err
