@@ -19,13 +19,14 @@ next: loading, forward, backward and step, as the script runs them) alternate wi
 
 Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
-what the run pays). After `MIN_ROUNDS` rounds the guard stops when the pick was faster than plain beyond
-`NOISE_FLOOR` in every round, else after `MAX_ROUNDS`. The pick is kept unless it is slower than plain beyond the
-noise (half the range of its per-round ratios, at least `NOISE_FLOOR`); the thread budget replaces it where it is
-faster beyond the noise; and where neither keeps up with plain, the rest of the run computes as plain PyTorch. A
-change is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows
-the guard's figures, and the tuning cache learns its choice beside the load it was measured under
-(`aiak.tune.trials`).
+what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
+choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, the arms ranked alike
+in every round). The pick is kept where its summed speedup is within `NOISE_FLOOR` of plain's or above (the promise
+comes first: a wide spread of the rounds is no reason to keep a pick that took longer in sum); the thread budget
+replaces it where it is faster than the pick beyond the noise of both (half the range of their per-round ratios, at
+least `NOISE_FLOOR`); and where neither keeps up with plain, the rest of the run computes as plain PyTorch. A change
+is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows the
+guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
 What the guard cannot switch between two steps is left as applied: a layout (channels_last), fused modules, the
 loader's prefetching. It does not run under `torch.compile` (switching the compute would recompile), on several
@@ -151,9 +152,17 @@ class SpeedGuard:
         return [p / s for p, s in zip(plain.seconds, arm.seconds) if s > 0]
 
     def _done(self) -> bool:
+        """After `MAX_ROUNDS`, or from `MIN_ROUNDS` on where more rounds would not change the decision: every arm
+        faster than plain in every round beyond `NOISE_FLOOR`, or slower in every one, and the pick ahead of the
+        thread budget in every round or behind it in every one."""
         if self.round >= MAX_ROUNDS:
             return True
-        return self.round >= MIN_ROUNDS and min(self._ratios(self.arms[0])) > 1 + NOISE_FLOOR
+        if self.round < MIN_ROUNDS:
+            return False
+        ratios = [self._ratios(a) for a in self.arms[:-1]]
+        one_side = all(min(r) > 1 + NOISE_FLOOR or max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios)
+        ranked = len(ratios) < 2 or (all(a > b for a, b in zip(*ratios)) or all(a < b for a, b in zip(*ratios)))
+        return one_side and ranked
 
     def _decide(self) -> None:
         chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms])
@@ -203,8 +212,8 @@ def choose(arms: List[Tuple[str, List[float], Optional[int]]]) -> Tuple[str, str
     if BUDGET in speedup and speedup[BUDGET] > speedup[PICK] * (1 + max(noise(PICK), noise(BUDGET))):
         chosen, why = BUDGET, (f"{threads[BUDGET]} intra-op thread(s) ran faster than the pick's {threads[PICK]} "
                                f"on this busy machine")
-    if speedup[chosen] < 1 / (1 + noise(chosen)):
-        chosen, why = PLAIN, "the pick ran slower than plain PyTorch beyond the noise"
+    if speedup[chosen] < 1 / (1 + NOISE_FLOOR):  # the promise first: under doubt, the run computes as plain
+        chosen, why = PLAIN, "the pick's steps took longer in sum than plain PyTorch's"
     return chosen, why, speedup, rounds
 
 

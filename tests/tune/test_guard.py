@@ -102,6 +102,7 @@ def test_no_thread_budget_on_an_idle_machine():
     ([1.02, 1.01], None, PICK),                 # slower within the noise floor: kept
     ([2.0, 2.1, 1.9], None, PLAIN),             # twice as slow in every round: plain compute
     ([0.5, 9.0, 0.5, 0.5], None, PLAIN),        # fast by the median, but one round's tail makes it slower in sum
+    ([0.5, 2.5], None, PLAIN),                  # rounds as far apart as 2.0x and 0.4x: the sum decides, not the spread
     ([0.8, 0.8], [0.4, 0.4], BUDGET),           # faster, but the budget is twice as fast again
     ([0.8, 0.8], [0.78, 0.79], PICK),           # the budget within noise of the pick: the pick stays
     ([3.0, 3.0], [2.0, 2.0], PLAIN),            # both slower than plain
@@ -183,16 +184,21 @@ def test_the_cache_learns_the_guards_choice_and_the_load(cache_file):
 
 def test_the_guard_reports_into_the_decision_and_the_cache(cache_file):
     """Through optimize(): a measured pick is watched (the record says so at once), and once the guard decides, the
-    record and the cache entry hold its figures."""
-    model, optimizer, loader = make_setup(0, 640, 16, width=8)
+    record and the cache entry hold its figures. The pick is made the trials' choice in the cache (whatever they
+    measured here), so that there is a pick to guard."""
+    strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"},
+                "tune": {"candidates": 2, "steps": 2}}
+    data = trained_pick(cache_file)
+    (entry,) = data.values()
+    entry["label"], entry["load"] = "custom", None
+    entry["strategy"] = aiak.Strategy.from_dict(strategy).to_dict()
+    cache_file.write_text(json.dumps(data))
     switches = read_switches()
     try:
-        model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
-            "extends": "default", "channels_last": True, "tune": {"candidates": 2, "steps": 2}})
+        model, optimizer, loader = make_setup(0, 640, 16, width=8)
+        model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=strategy)
         decision = aiak.last_decision()
-        if decision.guard == {}:
-            pytest.skip("the trials chose plain compute here: nothing to guard")
-        assert "watching" in decision.guard["why"]
+        assert decision.cache_hit and "watching" in decision.guard["why"]
         it = training_steps(model, optimizer, loader, None)
         for _ in range(MAX_ROUNDS * 3 * WINDOW_STEPS):
             next(it)
