@@ -35,7 +35,7 @@ import torch
 from aiak.measure.clock import StepClock
 from aiak.measure.thresholds import (MIN_ROUNDS_FOR_VERDICT, NOISE_FLOOR, NOISY_SPREAD, SLOW_CONFIRMATIONS,
                                      SLOW_FACTOR)
-from aiak.runtime.switches import write_switches
+from aiak.runtime.switches import read_switches, write_switches
 from aiak.util.dist import max_across_ranks
 from aiak.util.text import describe_error
 
@@ -156,7 +156,9 @@ class Contender:
 
     ``switches`` (`aiak.runtime.switches.read_switches`, taken right after the contender was set up) are put in
     place before each of its runs of steps: ``aiak.optimize`` sets process-wide settings (TF32, cuDNN
-    autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too.
+    autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too. After each
+    run of steps they are read again: what the contender's own steps changed (the run-time guard,
+    `aiak.tune.guard`, sets the threads of its windows) stays its own.
 
     `alternate` fills ``step_seconds`` (every timed step, in order), ``round_seconds`` (the sum of its
     steps in each round), ``steps`` (all steps run, warm-up included) and ``loss`` (the last loss, a float); a
@@ -209,6 +211,8 @@ def _run(c: Contender, n: int, total: int, progress: Optional[Progress], catch: 
         c.steps += 1
         if progress is not None:
             progress(c, c.steps, total)
+    if c.switches is not None:  # as its own steps left them (a run-time guard may change threads mid-run)
+        c.switches = read_switches()
     if loss is not None:
         c.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     seconds = reported if c.reports_seconds else [clock.seconds(a, b) for a, b in zip(marks, marks[1:])]

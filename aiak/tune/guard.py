@@ -20,8 +20,8 @@ next: loading, forward, backward and step, as the script runs them) alternate wi
 Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
-choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, the arms ranked alike
-in every round). The pick is kept where its summed speedup is within `NOISE_FLOOR` of plain's or above (the promise
+choice (every arm slower than plain beyond `NOISE_FLOOR` in every round; or each arm faster in every round or slower
+in every one, the arms ranked alike in every round). The pick is kept where its summed speedup is within `NOISE_FLOOR` of plain's or above (the promise
 comes first: a wide spread of the rounds is no reason to keep a pick that took longer in sum); the thread budget
 replaces it where it is faster than the pick beyond the noise of both (half the range of their per-round ratios, at
 least `NOISE_FLOOR`); and where neither keeps up with plain, the rest of the run computes as plain PyTorch. A change
@@ -153,13 +153,15 @@ class SpeedGuard:
 
     def _done(self) -> bool:
         """After `MAX_ROUNDS`, or from `MIN_ROUNDS` on where more rounds would not change the decision: every arm
-        faster than plain in every round beyond `NOISE_FLOOR`, or slower in every one, and the pick ahead of the
-        thread budget in every round or behind it in every one."""
+        slower than plain beyond `NOISE_FLOOR` in every round; or every arm faster than plain in every round or
+        slower in every one, and the pick ahead of the thread budget in every round or behind it in every one."""
         if self.round >= MAX_ROUNDS:
             return True
         if self.round < MIN_ROUNDS:
             return False
         ratios = [self._ratios(a) for a in self.arms[:-1]]
+        if all(max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios):
+            return True   # every arm slower than plain in every round: plain, whichever of them is less slow
         one_side = all(min(r) > 1 + NOISE_FLOOR or max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios)
         ranked = len(ratios) < 2 or (all(a > b for a, b in zip(*ratios)) or all(a < b for a, b in zip(*ratios)))
         return one_side and ranked

@@ -9,6 +9,7 @@ import torch
 from aiak.measure.rounds import (MIN_ROUNDS_FOR_VERDICT, Contender, Spread, alternate, median_interval, percentile,
                           speedup)
 from aiak.measure.thresholds import SLOW_CONFIRMATIONS
+from aiak.runtime.switches import read_switches, write_switches
 
 
 def binomial_coverage(n, k):
@@ -262,3 +263,28 @@ def test_a_contender_that_reports_its_own_seconds_is_timed_by_them_not_by_the_cl
     alternate([waited], warmup=1, rounds=3, steps_per_round=1, across_ranks=False)
     assert waited.warmup_seconds == [5.0] and waited.step_seconds == [1.0, 2.0, 3.0]
     assert math.isnan(waited.loss)
+
+
+def test_a_switch_a_contender_changes_in_its_own_steps_stays_its_own():
+    """A contender's steps that change a process switch (the run-time guard sets the threads of its windows) keep
+    it in that contender's later rounds, and the other contender still runs under its own."""
+    before = read_switches()
+    seen = {"a": [], "b": []}
+
+    def step_a():
+        seen["a"].append(torch.get_num_threads())
+        if len(seen["a"]) == 2:
+            torch.set_num_threads(1)
+        return 0.0
+
+    def step_b():
+        seen["b"].append(torch.get_num_threads())
+        return 0.0
+
+    a = Contender("a", step_a, switches={**before, "num_threads": 2})
+    b = Contender("b", step_b, switches={**before, "num_threads": 2})
+    try:
+        alternate([a, b], warmup=0, rounds=4, steps_per_round=2)
+    finally:
+        write_switches(before)
+    assert seen["a"] == [2, 2, 1, 1, 1, 1, 1, 1] and seen["b"] == [2] * 8
