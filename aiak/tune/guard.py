@@ -21,7 +21,8 @@ Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); 
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
 choice (every arm slower than plain beyond `NOISE_FLOOR` in every round; or each arm faster in every round or slower
-in every one, the arms ranked alike in every round). The pick is kept where its summed speedup is within `NOISE_FLOOR` of plain's or above (the promise
+in every one, the arms ranked alike in every round); from `MIN_ROUNDS` on, an arm slower than plain in every round
+and slower than another arm in every round is no longer timed. The pick is kept where its summed speedup is within `NOISE_FLOOR` of plain's or above (the promise
 comes first: a wide spread of the rounds is no reason to keep a pick that took longer in sum); the thread budget
 replaces it where it is faster than the pick beyond the noise of both (half the range of their per-round ratios, at
 least `NOISE_FLOOR`); and where neither keeps up with plain, the rest of the run computes as plain PyTorch. A change
@@ -110,14 +111,15 @@ class SpeedGuard:
         self.window: List[float] = []       # the current window's timed seconds
         self.last_mark: Any = None
         self.result: Optional[GuardResult] = None
+        self.running = list(self.arms)      # the arms still timed: one slower than plain and than another drops
         self.handle = optimizer.register_step_post_hook(self._after_step)
         self._use(self._order()[0])
 
     # -- the schedule ---------------------------------------------------------------------------------
     def _order(self) -> List[Arm]:
         """This round's arms, rotated by one every round."""
-        k = self.round % len(self.arms)
-        return self.arms[k:] + self.arms[:k]
+        k = self.round % len(self.running)
+        return self.running[k:] + self.running[:k]
 
     def _use(self, arm: Arm) -> None:
         write_switches(arm.switches)
@@ -140,6 +142,7 @@ class SpeedGuard:
         if self.slot == len(order):
             self.slot = 0
             self.round += 1
+            self._drop_the_beaten()
             if self._done():
                 self._decide()
                 return
@@ -151,6 +154,17 @@ class SpeedGuard:
         plain = self.arms[-1]
         return [p / s for p, s in zip(plain.seconds, arm.seconds) if s > 0]
 
+    def _drop_the_beaten(self) -> None:
+        """From `MIN_ROUNDS` on, stop timing an arm that was slower than plain beyond `NOISE_FLOOR` in every round
+        and slower than another arm in every round: its windows only cost the run (the pick's steps under load)."""
+        if self.round < MIN_ROUNDS:
+            return
+        for arm in [a for a in self.running[:-1]]:
+            mine = self._ratios(arm)
+            others = [self._ratios(a) for a in self.running[:-1] if a is not arm]
+            if max(mine) < 1 / (1 + NOISE_FLOOR) and any(all(o > m for o, m in zip(other, mine)) for other in others):
+                self.running.remove(arm)
+
     def _done(self) -> bool:
         """After `MAX_ROUNDS`, or from `MIN_ROUNDS` on where more rounds would not change the decision: every arm
         slower than plain beyond `NOISE_FLOOR` in every round; or every arm faster than plain in every round or
@@ -159,7 +173,7 @@ class SpeedGuard:
             return True
         if self.round < MIN_ROUNDS:
             return False
-        ratios = [self._ratios(a) for a in self.arms[:-1]]
+        ratios = [self._ratios(a) for a in self.running[:-1]]  # (an arm dropped no longer counts)
         if all(max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios):
             return True   # every arm slower than plain in every round: plain, whichever of them is less slow
         one_side = all(min(r) > 1 + NOISE_FLOOR or max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios)
@@ -202,7 +216,7 @@ def choose(arms: List[Tuple[str, List[float], Optional[int]]]) -> Tuple[str, str
             over the rounds; the per-round ratios are those of every arm but plain.
     """
     plain = arms[-1][1]
-    speedup = {label: round(sum(plain) / sum(s), 3) for label, s, _ in arms if sum(s) > 0}
+    speedup = {label: round(sum(plain[:len(s)]) / sum(s), 3) for label, s, _ in arms if sum(s) > 0}  # its rounds
     rounds = {label: [round(p / t, 3) for p, t in zip(plain, s) if t > 0] for label, s, _ in arms[:-1]}
     threads = {label: n for label, _, n in arms}
 

@@ -78,15 +78,16 @@ def test_the_windows_alternate_then_the_guard_lets_go():
     assert [a.label for a in g.arms] == [PICK, BUDGET, PLAIN]   # one core free of 2: a thread budget is offered
     state = {PICK: (True, 2), BUDGET: (True, 1), PLAIN: (False, 2)}
     expected = []
-    for r in range(MAX_ROUNDS):
+    for r in range(MIN_ROUNDS):   # (after them, an arm slower than plain and than another one is dropped)
         order = g.arms[r % 3:] + g.arms[:r % 3]
         expected += [state[a.label] for a in order for _ in range(WINDOW_STEPS)]
-    rounds = g.result.steps // (3 * WINDOW_STEPS)
-    assert MIN_ROUNDS <= rounds <= MAX_ROUNDS and g.result.steps == rounds * 3 * WINDOW_STEPS
-    assert seen[:g.result.steps] == expected[:g.result.steps]
+    assert seen[:len(expected)] == expected
+    windows = [seen[i:i + WINDOW_STEPS] for i in range(0, g.result.steps, WINDOW_STEPS)]
+    assert all(len(set(w)) == 1 for w in windows) and g.result.steps % WINDOW_STEPS == 0
+    plain_rounds = sum(w[0] == state[PLAIN] for w in windows)
+    assert MIN_ROUNDS <= plain_rounds <= MAX_ROUNDS and len(g.result.rounds[PICK]) <= plain_rounds
     assert len(decided) == 1 and decided[0] is g.result
     assert set(seen[g.result.steps:]) == {state[g.result.chosen]}   # the rest of the run: the chosen arm
-    assert all(len(v) == rounds for v in g.result.rounds.values())
     assert set(g.result.speedups) == {PICK, BUDGET, PLAIN} and g.result.speedups[PLAIN] == 1.0
 
 
