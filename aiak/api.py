@@ -163,8 +163,8 @@ def _same_model_knobs(s: Strategy, first: Strategy) -> Strategy:
     differ = [k for k in MODEL_KNOBS if getattr(s, k) != getattr(first, k)]
     if differ:
         raise ValueError(
-            f"aiak.optimize: this model was optimized before with strategy {first.name!r}, and this call's strategy "
-            f"{s.name!r} differs in {', '.join(differ)}, which apply to the model, not to one optimizer. Give this "
+            f"aiak.optimize: this model was optimized before with {first.called}; {s.called} for this call "
+            f"differs in {', '.join(differ)}, which apply to the model, not to one optimizer. Give this "
             "call strategy='auto' (it keeps the first call's), or the same values for those knobs; only optimizer, "
             "grad_accumulation and loader may differ per optimizer")
     return s

@@ -153,6 +153,12 @@ class Strategy:
         """
         return load_with_chain(path)[0]
 
+    @property
+    def called(self) -> str:
+        """How messages name it: `strategy 'swin'`, or `the strategy given` for a dict or `Strategy` without a name
+        (whose name is the placeholder `custom`)."""
+        return called(self.name)
+
     def to_dict(self) -> Dict[str, Any]:
         """The strategy as a plain dict of the YAML's shape: what logs, caches and the decision record hold.
 
@@ -184,6 +190,11 @@ class Strategy:
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def called(name: str) -> str:
+    """How messages name a strategy of this name (see `Strategy.called`)."""
+    return "the strategy given" if name == "custom" else f"strategy {name!r}"
 
 
 def load_with_chain(spec: Union[str, os.PathLike, Mapping[str, Any]]) -> Tuple[Strategy, "Chain", Dict[str, Any]]:

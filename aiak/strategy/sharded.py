@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from aiak.comm.algorithms import AllReduce
 from aiak.comm.sharded import AIAK_FSDP2, ENGINE_NAMES, FSDP1, FSDP2
 from aiak.strategy.key_paths import get_leaf
+from aiak.strategy.schema import called
 from aiak.util.config import StrategyError
 
 DDP_HOOK_SWITCHES = ("hierarchical", "autotune", "compress_intra", "cpu_reduce", "deadlock_guard")
@@ -115,7 +116,7 @@ def check_sharded(data: Dict[str, Any], sharding: str, name: str, count_items: A
     if count_items and sharding == FSDP1:
         problems.append("count_items: FSDP1's accumulation is the script's (no_sync()): shard with fully_shard (FSDP2) "
                         "to count items")
-    given = "the strategy given" if name == "custom" else f"strategy {name!r}"
+    given = called(name)
     if problems:
         raise StrategyError([f"{given}, on a model sharded by {engine}: {p}" for p in problems])
 

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from aiak.amp.fp8 import TRADES as FP8_TRADES
 from aiak.apply import skipped_reason
 from aiak.comm.algorithms import algorithm_class
-from aiak.strategy.schema import Strategy
+from aiak.strategy.schema import Strategy, called
 from aiak.strategy.select import leaves
 from aiak.strategy.sharded import sharded_by, what_auto_leaves_out
 from aiak.tune.candidates import differences
@@ -125,8 +125,8 @@ class Decision:
         how = f"rules: {', '.join(self.matched)}" if self.matched else ""
         chosen = next((t["label"] for t in self.trials if "chosen" in t.get("why", "")), None)
         if chosen is not None:
-            trials = (f"cached trials chose {chosen!r}" if self.cache_hit
-                      else f"trials chose {chosen!r} of {len(self.trials)} measured")
+            trials = (f"{'cached trials' if self.cache_hit else 'trials'} {candidate_words(chosen, self.trials)}"
+                      f" of {len(self.trials)} measured")
         elif self.tuning.startswith("skipped: "):
             trials = "trials skipped"
         elif self.tuning and self.trials:  # they ran and every candidate failed
@@ -140,7 +140,7 @@ class Decision:
                                                      if len(knobs) > HEADLINE_KNOBS else "")
         context = "; ".join(part for part in (how, trials) if part)
         skipped_text = "; skipped: " + "; ".join(f"{path} ({why})" for path, why in skipped.items()) if skipped else ""
-        return (f"aiak: applied strategy {name!r}" + (f" ({context})" if context else "")
+        return (f"aiak: applied {called(name)}" + (f" ({context})" if context else "")
                 + f": {shown or 'plain PyTorch'}{skipped_text}\n"
                 + "aiak: the reason for each knob: aiak.last_decision().render(), or `aiak explain` for a model spec")
 
@@ -159,6 +159,18 @@ class Decision:
                         or k["value"] == PLAIN.get(path, object()))
 
         return {path: skipped_reason(self.effect(path)) or "" for path, k in self.knobs.items() if named(path, k)}
+
+
+def candidate_words(label: str, trials: Sequence[Dict[str, Any]]) -> str:
+    """What the trials chose, in words: the rules' pick (the first candidate, `aiak.tune.candidates`), plain compute,
+    the pick's numerics-neutral knobs, or the pick with one knob changed (its label)."""
+    if label == "plain":
+        return "chose plain compute"
+    if trials and label == trials[0]["label"]:
+        return "kept the rules' pick"
+    if label == "neutral":
+        return "chose the pick's numerics-neutral knobs"
+    return f"chose the pick with {label}"
 
 
 def guard_line(guard: Dict[str, Any]) -> str:
