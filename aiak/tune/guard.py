@@ -7,8 +7,10 @@ percentile (plain fp32: 104 ms and 187 ms), because oneDNN's bf16 convolution ba
 one intra-op thread to 44 ms on two, where fp32's took 18.8 ms either way (torch.profiler; `aiak.util.machine.load`).
 A median hides such a tail; the run pays for it.
 
-So after `aiak.optimize()` applies a measured pick, the run's first real steps (timed from one optimizer step to the
-next: loading, forward, backward and step, as the script runs them) alternate windows of:
+So after `aiak.optimize()` applies a measured pick, the run's first real steps alternate windows of the arms below,
+each step timed from its first training forward to the end of its optimizer step (forward, backward and step, as the
+script runs them; what runs between an optimizer step and the next training forward is not counted: the loading, the
+same for every arm, an evaluation, or another run's steps when `aiak bench` and the demo alternate two runs):
 
 * `pick`: the strategy as applied;
 * `pick, N threads`: the same with the intra-op threads cut to the cores other work leaves free, offered only when
@@ -30,8 +32,8 @@ is said in one line on stderr, beside `optimize()`'s own. The decision record (`
 guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
 What the guard cannot switch between two steps is left as applied: a layout (channels_last), fused modules, the
-loader's prefetching. It does not run under `torch.compile` (switching the compute would recompile), on several
-ranks (each rank would choose alone), or where the trials chose plain compute.
+loader's prefetching. It does not run under `torch.compile` (switching the compute would recompile), with fp8
+layers (swapped modules), on several ranks (each rank would choose alone), or where the trials chose plain compute.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ class SpeedGuard:
 
     Args:
         optimizer: the optimizer whose `step()` ends each real step (the one `optimize()` returned, unwrapped).
+        model: the model whose first training forward after an optimizer step starts the next step's clock.
         compute: the model's half-precision regions (`HalfCompute`), or None without them.
         pick_switches: the process switches as the pick applied them (`aiak.runtime.switches.read_switches`).
         plain_switches: the process switches as the script had them before `optimize()`.
@@ -96,7 +99,7 @@ class SpeedGuard:
         on_decision: called once with the `GuardResult`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, compute: Optional[HalfCompute],
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, compute: Optional[HalfCompute],
                  pick_switches: Dict[str, Any], plain_switches: Dict[str, Any], load: CpuLoad,
                  device: torch.device, on_decision: Callable[[GuardResult], None]):
         self.compute, self.load, self.on_decision = compute, load, on_decision
@@ -113,6 +116,7 @@ class SpeedGuard:
         self.result: Optional[GuardResult] = None
         self.running = list(self.arms)      # the arms still timed: one slower than plain and than another drops
         self.handle = optimizer.register_step_post_hook(self._after_step)
+        self.forward_handle = model.register_forward_pre_hook(self._before_forward)
         self._use(self._order()[0])
 
     # -- the schedule ---------------------------------------------------------------------------------
@@ -126,11 +130,15 @@ class SpeedGuard:
         if self.compute is not None:
             self.compute.enabled = arm.half_compute
 
+    def _before_forward(self, module, args) -> None:
+        if self.last_mark is None and module.training and torch.is_grad_enabled():
+            self.last_mark = self.clock.mark()   # a step's first training forward: its clock starts
+
     def _after_step(self, optimizer, args, kwargs) -> None:
         mark = self.clock.mark()
         if self.last_mark is not None and self.in_window > 0:   # the window's first step is not timed
             self.window.append(self.clock.seconds(self.last_mark, mark))
-        self.last_mark = mark
+        self.last_mark = None
         self.steps += 1
         self.in_window += 1
         if self.in_window < WINDOW_STEPS:
@@ -147,7 +155,6 @@ class SpeedGuard:
                 self._decide()
                 return
         self._use(self._order()[self.slot])
-        self.last_mark = self.clock.mark()  # the switch itself is not any arm's time
 
     # -- the decision ---------------------------------------------------------------------------------
     def _ratios(self, arm: Arm) -> List[float]:
@@ -184,6 +191,7 @@ class SpeedGuard:
         chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms])
         self._use(next(a for a in self.arms if a.label == chosen))
         self.handle.remove()
+        self.forward_handle.remove()
         self.result = GuardResult(chosen, speedups, rounds, self.steps, self.load.to_dict(),
                                   {a.label: int(a.switches.get("num_threads", 0)) for a in self.arms}, why)
         if chosen != PICK and is_rank_zero():  # a notice beside optimize()'s own lines: the run goes on, as it should
@@ -253,6 +261,7 @@ def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, pl
     if tuning is None or tuning.skipped or tuning.label == "plain":
         return None
     off = ("tune.guard is false" if not strategy.tune.guard
+           else "fp8 layers cannot be switched between steps" if strategy.precision.fp8 != "off"
            else "under torch.compile, switching the compute would recompile" if strategy.compile
            else "on several ranks, each would choose alone" if is_distributed()
            else "the optimizer takes no step hook" if not hasattr(optimizer, "register_step_post_hook") else "")
@@ -267,4 +276,4 @@ def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, pl
 
     compute = next((h.__self__ for m in model.modules() for h in m._forward_pre_hooks.values()
                     if isinstance(getattr(h, "__self__", None), HalfCompute)), None)
-    return SpeedGuard(optimizer, compute, read_switches(), plain_switches, cpu_load(), device, decided)
+    return SpeedGuard(optimizer, model, compute, read_switches(), plain_switches, cpu_load(), device, decided)

@@ -355,5 +355,7 @@ def test_demo_auto_learns_and_its_progress_is_plain_lines_when_redirected():
     said = [line for line in err.splitlines() if line.startswith("aiak: ")]  # optimize()'s two lines, and the
     guard = [line for line in said if "alternating windows" in line]         # run-time guard's notice on a busy one
     assert len(said) - len(guard) == 2 and len(guard) <= 1 and said[0].startswith("aiak: applied strategy"), err
-    progress = [line.split() for line in err.splitlines() if line.strip() and not line.startswith("aiak: ")]
-    assert progress and all(p[0] in ("baseline", "aiak") and p[1].endswith("/32") for p in progress), err
+    # a noisy machine's extra rounds: one line says why, and the totals grow to 52
+    progress = [line.split() for line in err.splitlines()
+                if line.strip() and not line.startswith("aiak: ") and "too noisy" not in line]
+    assert progress and all(p[0] in ("baseline", "aiak") and p[1].split("/")[1] in ("32", "52") for p in progress), err

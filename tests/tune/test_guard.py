@@ -61,7 +61,7 @@ def run_guard(load, steps=None):
     decided = []
     pick = {**read_switches(), "num_threads": 2}
     plain = {**switches, "num_threads": 2}
-    g = SpeedGuard(optimizer, compute, pick, plain, load, torch.device("cpu"), decided.append)
+    g = SpeedGuard(optimizer, model, compute, pick, plain, load, torch.device("cpu"), decided.append)
     it = training_steps(model, optimizer, loader, None)
     try:
         for _ in range(steps or (MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 6)):
@@ -218,3 +218,29 @@ def test_off_where_it_cannot_switch():
     assert guard.watch(tuning, strategy, DemoNet(), torch.optim.SGD(DemoNet().parameters(), lr=0.1), {},
                        torch.device("cpu"), decision) is None
     assert decision.guard["why"] == "not run: tune.guard is false"
+
+
+def test_a_step_is_timed_from_its_first_training_forward():
+    """The clock of a step starts at its first training forward, not at the previous optimizer step: what runs in
+    between (loading, an evaluation, another run's steps in bench and the demo) is no arm's time."""
+    switches = read_switches()
+    model, optimizer, loader = make_setup(0, 640, 16, width=8)
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}})
+    g = SpeedGuard(optimizer, model, compute_of(model), read_switches(), switches, CpuLoad(2, 0.0, 0.0),
+                   torch.device("cpu"), lambda result: None)
+    x, y = next(iter(loader))
+    try:
+        assert g.last_mark is None
+        model.eval()
+        with torch.no_grad():
+            model(x)                       # an evaluation: no clock
+        model.train()
+        assert g.last_mark is None
+        loss = nn.functional.cross_entropy(model(x), y)
+        assert g.last_mark is not None     # the training forward started it
+        loss.backward()
+        optimizer.step()
+        assert g.last_mark is None and g.steps == 1
+    finally:
+        write_switches(switches)
