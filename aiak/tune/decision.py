@@ -82,6 +82,9 @@ class Decision:
         out = [f"aiak.optimize: strategy {name!r}"
                + (f"; rules matched: {', '.join(self.matched)}" if self.matched else "")]
         shown = {p: k for p, k in self.knobs.items() if full or k["source"] != "default"}
+        for path, why in self.changed_knobs().items():   # a knob its applier skipped: its row says so first
+            if why and path in shown:
+                shown[path] = dict(shown[path], reason=f"skipped ({why}); {shown[path]['reason']}")
         if full and group_defaults:
             out += _knob_groups({p: k for p, k in shown.items() if k["source"] != "default"})
             out += _default_groups([p for p, k in shown.items() if k["source"] == "default"])

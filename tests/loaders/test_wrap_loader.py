@@ -76,6 +76,8 @@ def test_the_decision_does_not_claim_pinning_that_was_skipped(said):
     assert decision.effect("loader.pin_memory").startswith("skipped (no CUDA device")
     headline = decision.headline().splitlines()[0]
     assert "loader.pin_memory=true" not in headline and "skipped: loader.pin_memory (no CUDA device" in headline
+    knobs = decision.render(full=True).split("applied:")[0]   # the knob table's row too, not only the applied lines
+    assert "skipped (no CUDA device" in next(line for line in knobs.splitlines() if "loader.pin_memory" in line)
     applied = decision.render(full=True).split("applied:")[1]
     assert "pin_memory" in applied and "skipped (no CUDA device" in applied
     assert ["loader", "{prefetch: 1, pin_memory: false, balanced: false}"] in [e[:2] for e in decision.effects]
