@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak.runtime.patches import Patch, patches
+from aiak.util.machine.cpu import usable_cores
 from aiak.util.machine.versions import installed_version
 
 
@@ -155,7 +156,7 @@ class Machine:
         return cls(proc=Path("/proc"), sys=Path("/sys"), dev=Path("/dev"), environ=dict(os.environ),
                    shm_bytes=_guarded(errors, "shm", _shm_bytes, None),
                    memlock_bytes=_guarded(errors, "memlock", _memlock_bytes, None),
-                   cpus=_guarded(errors, "cpus", _affinity_cpus, os.cpu_count() or 1), torch=torch_facts,
+                   cpus=_guarded(errors, "cpus", usable_cores, os.cpu_count() or 1), torch=torch_facts,
                    extras=probe_extras_here(torch_facts, run_probes=probe_extras), platform=sys.platform,
                    python=platform.python_version(), errors=errors, patches=patches(), loadavg=load)
 
@@ -194,9 +195,6 @@ def _memlock_bytes() -> Optional[int]:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
-
-def _affinity_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _version_text(version) -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from aiak.util.machine.cpu import usable_cores
+
 SAMPLES = 5            # readings of the runnable count, ...
 SAMPLE_INTERVAL = 0.004  # ... this many seconds apart (20 ms in all)
 
@@ -56,17 +58,9 @@ class CpuLoad:
                 "load1": round(self.load1, 2)}
 
 
-def cores_available() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def cpu_load(samples: int = SAMPLES, interval: float = SAMPLE_INTERVAL) -> CpuLoad:
     """Read the load now (about `samples * interval` seconds)."""
-    cores = cores_available()
+    cores = usable_cores()
     load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if cores != (os.cpu_count() or cores):  # a cpuset: the machine-wide count says nothing of these cores
         return CpuLoad(cores, None, load1)
