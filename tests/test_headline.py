@@ -52,3 +52,18 @@ def test_a_second_call_that_differs_names_the_strategies_it_was_given():
         assert "custom" not in str(e)
     else:
         raise AssertionError("a second call with other model knobs was accepted")
+
+
+def test_the_trials_table_names_plain_compute_and_what_every_candidate_shares():
+    """The trials' 'plain' candidate keeps the pick's loader knobs (prefetching): its row says plain compute, and
+    one line says what every candidate shares."""
+    from aiak.tune.decision import Decision
+
+    row = {"step_ms": 10.0, "step_ms_spread": [9.0, 11.0], "speedup": 1.0, "peak_mem_mb": None, "grad_cosine": None,
+           "accepted": True, "why": "plain PyTorch: the fp32 reference"}
+    decision = Decision(strategy={"name": "auto"}, knobs={},
+                        trials=[dict(row, label="auto", why="x; chosen"), dict(row, label="plain")])
+    table = decision.render().splitlines()
+    assert any(line.split()[:2] == ["plain", "compute"] for line in table)
+    assert not any(line.split()[:1] == ["plain"] and line.split()[1:2] != ["compute"] for line in table)
+    assert any("runs with the pick's loader and training knobs" in line for line in table)
