@@ -95,7 +95,8 @@ def test_fp32_does_not_warn(monkeypatch):
 @pytest.mark.parametrize("dtype, device, flags, capability, key, advice", [
     ("fp16", "cpu", {"avx2", "avx512f"}, None, "fp16-on-cpu", "precision.level: O0"),
     ("fp16", "cpu", {"avx512f", "amx_bf16", "amx_tile"}, None, "fp16-on-cpu", "precision.dtype: bf16"),
-    ("fp16", "cpu", {"avx512_bf16", "avx512_fp16"}, None, "fp16-on-cpu", "avx512_fp16, which oneDNN can use"),
+    ("fp16", "cpu", {"avx512_bf16", "avx512_fp16"}, None, "fp16-on-cpu", "avx512_fp16 does not make it fast"),
+    ("fp16", "cpu", {"avx512_bf16", "amx_fp16"}, None, "fp16-on-cpu", "amx_fp16, which oneDNN can use"),
     ("bf16", "cpu", {"avx2", "avx512f"}, None, "bf16-on-cpu", "precision.level: O0"),
     ("bf16", "cpu", {"avx512_bf16"}, None, None, None),
     ("bf16", "cpu", {"amx_bf16"}, None, None, None),
