@@ -39,8 +39,9 @@ every round) for ``--rounds`` rounds. A step is what a user's loop does: next ba
 loader, forward, cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``. The tables give the median
 step with its p10-p90 spread, and the speed ratio to plain: plain's step over the contender's, paired
 within each round, median over rounds with its p10-p90. auto's *effective* step adds the wall time of its
-``optimize()`` call (trials included; the decision record's ``tuning_seconds`` is printed beside it) spread
-over a 200-step run: ``step + optimize_s / 200``. The oracle's compile time is not counted (its steady state
+``optimize()`` call (trials included; the decision record's ``tuning_seconds`` is printed beside it) and its
+first steps' excess over steady ones while its run-time guard alternates the pick with plain compute (auto's
+warm-up goes on until the guard decided), spread over a 200-step run: ``step + one_time / 200``. The oracle's compile time is not counted (its steady state
 only), which favours the oracle.
 
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
@@ -204,6 +205,8 @@ class Contender:
     optimize_s: float = 0.0
     tuning_s: float = 0.0
     warmup_s: float = 0.0                        # its first steps (compiling, for a compiled one)
+    warmup_steps: int = 0                        # how many: --warmup, or more for auto until its guard decided
+    decision: Any = None                         # auto only: its decision record (the guard writes into it)
     trials: Optional[List[dict]] = None          # auto only: its decision record's trials
     pick: str = ""                               # auto only: its pick in the oracle's labels
     _it: Any = None
@@ -253,7 +256,7 @@ def build_auto(case: ModelCase, batch_size: int, samples: int) -> Contender:
     d = decision.to_dict()
     c = Contender("auto", model, optimizer, loader, optimize_s=wall, tuning_s=float(d["tuning_seconds"]))
     c.note = f"picked {_changed_knobs(decision)}; {len(d['trials'])} trials" + (" (cache hit)" * d["cache_hit"])
-    c.trials, c.pick = d["trials"], _pick_label(decision)
+    c.trials, c.pick, c.decision = d["trials"], _pick_label(decision), decision
     return c
 
 
@@ -269,14 +272,26 @@ def build_contenders(case: ModelCase, batch_size: int, samples: int, compile_too
     return out
 
 
+GUARD_MAX_STEPS = 60   # auto's warm-up goes on until its run-time guard decided, at most this many steps
+
+
+def _guard_watching(c: Contender) -> bool:
+    guard = c.decision.guard if c.decision is not None else {}
+    return bool(guard) and "speedups" not in guard and guard.get("why", "").startswith("watching")
+
+
 def warm_up(contenders: List[Contender], steps: int) -> None:
-    """``steps`` steps each (compiled contenders compile here); a compile that fell back to eager is noted."""
+    """``steps`` steps each (compiled contenders compile here); a compile that fell back to eager is noted.
+    auto goes on until its run-time guard (`aiak.tune.guard`) has decided: its windows of plain compute are a
+    one-time cost of the run's first steps, counted as the warm-up's excess over steady steps, like compiling."""
     for c in contenders:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
-            for _ in range(steps):
+            c.warmup_steps = 0
+            while c.warmup_steps < steps or (_guard_watching(c) and c.warmup_steps < GUARD_MAX_STEPS):
                 c.step()
+                c.warmup_steps += 1
             c.warmup_s = time.perf_counter() - t0
         fallback = [w for w in caught if "eager" in str(w.message) and "compile" in str(w.message)]
         if fallback:
@@ -351,7 +366,7 @@ def run_model(case: ModelCase, args) -> dict:
     # auto, its optimize() call (the trials). The oracle pays for its compiles as auto pays for its trials.
     for c in contenders:
         steady = statistics.median(times[c.label])
-        one_time = c.optimize_s + max(0.0, c.warmup_s - args.warmup * steady)
+        one_time = c.optimize_s + max(0.0, c.warmup_s - c.warmup_steps * steady)
         effective = [t + one_time / RUN_STEPS for t in times[c.label]]
         times["auto effective" if c.label == "auto" else c.label] = effective
     rows = []
@@ -370,7 +385,7 @@ def run_model(case: ModelCase, args) -> dict:
         print(f"   {r.label:<30} {r.median_ms:10.2f} {r.p10_ms:8.2f}-{r.p90_ms:<8.2f} {r.vs_plain:7.2f}x "
               f"({r.vs_plain_p10:.2f}-{r.vs_plain_p90:.2f})  {r.note}{mark}")
     print(f"   every row but 'auto' is effective over {RUN_STEPS} steps: steady step + one-time costs / {RUN_STEPS} "
-          f"(warm-up excess: compiling); auto effective adds its optimize() {auto_c.optimize_s:.2f} s "
+          f"(warm-up excess: compiling; auto's guard windows); auto effective adds its optimize() {auto_c.optimize_s:.2f} s "
           f"(decision tuning_seconds {auto_c.tuning_s:.2f} s)")
     # the trials' default budget (aiak.tune.trials): 5% of a 200-step run at plain PyTorch's step, here plain's median
     budget_s = BUDGET_FRACTION * BUDGET_RUN_STEPS * statistics.median(times["plain"])
