@@ -225,6 +225,8 @@ def choose(arms: List[Tuple[str, List[float], Optional[int]]]) -> Tuple[str, str
     """
     plain = arms[-1][1]
     speedup = {label: round(sum(plain[:len(s)]) / sum(s), 3) for label, s, _ in arms if sum(s) > 0}  # its rounds
+    if PICK not in speedup or not sum(plain):   # no step was timed (a loop whose steps run no training forward)
+        return PICK, "nothing could be timed: the pick stays", speedup, {}
     rounds = {label: [round(p / t, 3) for p, t in zip(plain, s) if t > 0] for label, s, _ in arms[:-1]}
     threads = {label: n for label, _, n in arms}
 

@@ -116,6 +116,12 @@ def test_the_rule(pick, budget, chosen):
     assert speedups[PICK] == round(sum(plain) / sum(pick), 3)
 
 
+def test_with_nothing_timed_the_pick_stays():
+    """A loop whose optimizer steps run no training forward gives the guard no seconds: it keeps the pick."""
+    assert choose([(PICK, [0.0, 0.0], 2), (PLAIN, [0.0, 0.0], 2)])[0] == PICK
+    assert choose([(PICK, [0.0, 0.0], 2), (PLAIN, [1.0, 1.0], 2)])[0] == PICK
+
+
 def test_the_notice_says_what_changed(capsys):
     g, _, _, _ = run_guard(CpuLoad(cores=2, busy_elsewhere=1.5, load1=3.0))
     said = capsys.readouterr().err
