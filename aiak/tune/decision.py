@@ -107,9 +107,9 @@ class Decision:
                 peak = f"{t['peak_mem_mb']:.0f}" if t.get("peak_mem_mb") is not None else "-"
                 cos = f"{t['grad_cosine']:.5f}" if t.get("grad_cosine") is not None else "-"
                 verdict = ("kept: " if t["accepted"] else "dropped: ") + t["why"]
-                label = "plain compute" if t["label"] == "plain" else t["label"]
+                label = "plain-compute" if t["label"] == "plain" else t["label"]  # one word: the columns split
                 out.append(f"    {label:<22} {ms:>8} {spread:>15} {ratio:>8} {peak:>9} {cos:>9}  {verdict}")
-            out.append("    (every candidate, plain compute too, runs with the pick's loader and training knobs, which no "
+            out.append("    (every candidate, plain-compute too, runs with the pick's loader and training knobs, which no "
                        "trial decides)")
         if self.tuning:
             out.append(f"  trials: {self.tuning}")

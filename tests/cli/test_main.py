@@ -84,8 +84,8 @@ def test_explain_tune_on_demo_measures_the_candidates():
             break
         trials.append(cells)
     labels = [cells[0] for cells in trials]
-    assert "plain" in labels and len(trials) >= 2, lines[head:]
-    plain = trials[labels.index("plain")]
+    assert "plain-compute" in labels and len(trials) >= 2, lines[head:]
+    plain = trials[labels.index("plain-compute")]
     assert float(plain[1]) > 0  # a measured step time
     assert sum("chosen" in line for line in lines[head + 1:head + 1 + len(trials)]) == 1
 
