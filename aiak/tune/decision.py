@@ -35,6 +35,7 @@ from aiak.comm.algorithms import algorithm_class
 from aiak.strategy.schema import Strategy, called
 from aiak.strategy.select import leaves
 from aiak.strategy.sharded import sharded_by, what_auto_leaves_out
+from aiak.tune.guard import PLAIN as PLAIN_COMPUTE
 from aiak.tune.candidates import differences
 from aiak.util.text import yaml_text
 
@@ -183,7 +184,7 @@ def guard_line(guard: Dict[str, Any]) -> str:
     """The run-time guard's standing or figures (`aiak.tune.guard`) on one line."""
     if "speedups" not in guard:
         return guard.get("why", "")
-    figures = ", ".join(f"{label} {s:.2f}x" for label, s in guard["speedups"].items() if label != "plain compute")
+    figures = ", ".join(f"{label} {s:.2f}x" for label, s in guard["speedups"].items() if label != PLAIN_COMPUTE)
     return (f"{guard['chosen']} over the first {guard['steps']} steps ({figures} of plain compute's speed, "
             f"alternating windows); {guard['why']}")
 

@@ -78,6 +78,7 @@ from aiak.runtime.switches import read_switches, write_switches
 from aiak.step.training_step import training_step
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
+from aiak.tune.guard import PLAIN as PLAIN_COMPUTE
 from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_knobs
 from aiak.tune.replay import RandomStreams, borrow
 from aiak.util import warn
@@ -135,7 +136,6 @@ class Tuning:
     restore_rng: Any = None                     # puts the RNG back as it was before borrowing (on failure)
     key: Optional[str] = None                   # the cache key of this decision (None: not cacheable)
     cache: Optional[TuneCache] = None
-    load: Optional[CpuLoad] = None              # the machine's load the trials measured under (or now, on a hit)
     remeasured: str = ""                        # why a cached decision was not reused (the load differed)
 
     def learn(self, guard: Dict[str, Any]) -> None:
@@ -373,13 +373,12 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     if hit is not None and not remeasured:
         try:
             guard = hit.get("guard") or {}
-            chosen = hit["plain_strategy"] if guard.get("chosen") == "plain compute" else hit["strategy"]
+            chosen = hit["plain_strategy"] if guard.get("chosen") == PLAIN_COMPUTE else hit["strategy"]
             # what the trials may not change is the pick's, also in an entry written before that rule held
             strategy = Strategy.from_dict(with_picks_knobs(chosen, pick), source=f"{cache.path} [{key}]")
             trials = [TrialRecord(**t) for t in hit.get("trials", [])]
-            label = "plain" if guard.get("chosen") == "plain compute" else hit.get("label", strategy.name)
-            return Tuning(strategy, label, trials, time.perf_counter() - start, True, loader, key=key, cache=cache,
-                          load=load)
+            label = "plain" if guard.get("chosen") == PLAIN_COMPUTE else hit.get("label", strategy.name)
+            return Tuning(strategy, label, trials, time.perf_counter() - start, True, loader, key=key, cache=cache)
         except Exception:  # a stale or malformed entry: tune again and overwrite it
             pass
 
@@ -430,7 +429,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
                               "load": load.to_dict() if load is not None else None,
                               "trials": [t.to_dict() for t in trials], "tuning_seconds": seconds})
     return Tuning(winner.candidate.strategy, winner.candidate.label, trials, seconds, False, replay,
-                  restore_rng=before.restore, key=key, cache=cache, load=load, remeasured=remeasured)
+                  restore_rng=before.restore, key=key, cache=cache, remeasured=remeasured)
 
 
 def load_changed(entry: Dict[str, Any], load: Optional[CpuLoad]) -> str:

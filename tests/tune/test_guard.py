@@ -14,7 +14,8 @@ from aiak.cli.demo import DemoNet, make_setup, training_steps
 from aiak.runtime.switches import read_switches, write_switches
 from aiak.tune import guard
 from aiak.tune.guard import BUDGET, MAX_ROUNDS, MIN_ROUNDS, PICK, PLAIN, WINDOW_STEPS, SpeedGuard, choose
-from aiak.tune.trials import load_changed
+from aiak.tune.decision import Decision
+from aiak.tune.trials import Tuning, load_changed
 from aiak.util.machine.load import CpuLoad, cpu_load
 
 
@@ -218,9 +219,9 @@ def test_the_guard_reports_into_the_decision_and_the_cache(cache_file):
 
 
 def test_off_where_it_cannot_switch():
-    tuning = type("T", (), {"skipped": "", "label": "x", "load": None})()
     strategy = aiak.Strategy.from_dict({"extends": "default", "tune": {"guard": False}})
-    decision = type("D", (), {})()
+    tuning = Tuning(strategy, "custom", [], 0.0, False, None)
+    decision = Decision(strategy={}, knobs={})
     assert guard.watch(tuning, strategy, DemoNet(), torch.optim.SGD(DemoNet().parameters(), lr=0.1), {},
                        torch.device("cpu"), decision) is None
     assert decision.guard["why"] == "not run: tune.guard is false"
