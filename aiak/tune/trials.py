@@ -7,9 +7,10 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 3. Each candidate (`aiak.tune.candidates`) is applied to its own deep copy of the model and optimizer,
    through the same `aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
    wrapping, which do not change the step's compute). The user's objects are never touched.
-4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; its
-   gradients go through the numerics gate (`aiak.tune.gate`) against plain fp32's, their error judged
-   against the sampling noise of that gradient. Plain estimates the noise first, from the same weights, only
+4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; the
+   gradients of each one that changes the numerics (not plain, not a numerics-neutral one) go through the
+   numerics gate (`aiak.tune.gate`) against plain fp32's, their error judged against the sampling noise of
+   that gradient. Plain estimates the noise first, from the same weights, only
    when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
    when only one batch was borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a
    forward under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
@@ -434,12 +435,15 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
 
 def load_changed(entry: Dict[str, Any], load: Optional[CpuLoad]) -> str:
     """Why a cached decision should be measured again: the cores other work leaves free now differ from those it
-    was measured under (the guard's reading when it ran, else the trials'); "" when they match or are unknown."""
+    was measured under (the guard's reading when it ran, else the trials'), by a reading of other work's runnable
+    tasks at least one task away; "" when they match or are unknown."""
     then = (entry.get("guard") or {}).get("load") or entry.get("load")
     if load is None or not load.known or not then or then.get("free_cores") is None:
         return ""
     if then["free_cores"] == load.free_cores:
         return ""
+    if then.get("busy_elsewhere") is not None and abs(then["busy_elsewhere"] - load.busy_elsewhere) < 1:
+        return ""   # 0.4 busy tasks then and 0.6 now round to other free cores, and are the same load
     return (f"the cached decision was measured with {then['free_cores']} of {then.get('cores')} core(s) free of "
             f"other work, {load.free_cores} now: measured again")
 
@@ -459,7 +463,11 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
     """One timed step each on batch 0 from the same RNG state; gradients gated against plain fp32's, their error
     judged against its sampling noise (estimated by plain first, only when a candidate needs the gate)."""
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
-    gated = any(not c.failed and not c.candidate.neutral and c is not plain for c in contenders)
+
+    def needs_gate(c: _TrialRun) -> bool:  # plain is the reference; a numerics-neutral candidate is not judged
+        return c is not plain and not c.candidate.neutral
+
+    gated = any(not c.failed and needs_gate(c) for c in contenders)
     grads: Dict[int, Dict[str, torch.Tensor]] = {}
     seconds: Dict[int, float] = {}
     evaluation: Dict[int, str] = {}  # the error of each one's evaluation forward, "" when it ran
@@ -479,7 +487,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
                 clock = StepClock(device)
                 with PeakMemory(device) as peak:
                     t0 = clock.mark()
-                    grads[id(c)] = c.step(batches[0], want_grads=True)
+                    grads[id(c)] = c.step(batches[0], want_grads=gated and (c is plain or needs_gate(c)))
                     seconds[id(c)] = clock.seconds(t0, clock.mark())
                 c.record.peak_mem_mb = peak.mib
                 evaluation[id(c)] = c.evaluate(batches[0])
@@ -497,7 +505,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
     results: Dict[int, gate.GateResult] = {}
     packed = []  # per contender: failed, step seconds, the gate's numbers; max-reduced over ranks
     for c in contenders:
-        if not c.failed and reference is not None:
+        if not c.failed and reference is not None and needs_gate(c):
             results[id(c)] = gate.compare(grads[id(c)], reference, noise)
         result = results.get(id(c), gate.GateResult(True, "", None, 1.0, 1.0, 0.0))  # failed, or no reference
         packed += [1.0 if c.failed else 0.0, seconds.get(id(c), 0.0)] + result.numbers()
@@ -514,7 +522,7 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
         c.warmup_s.append(step_s)
         local = results.get(id(c))
         result = gate.GateResult.from_numbers(numbers, lost=local.lost if local is not None else "")
-        if has_reference:
+        if has_reference and needs_gate(c):
             c.record.grad_cosine, c.record.grad_norm_diff = result.cosine, result.norm_diff
         if c is plain:
             c.record.why = "plain PyTorch: the fp32 reference"

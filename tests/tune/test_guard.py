@@ -138,6 +138,8 @@ def test_a_cached_decision_is_measured_again_under_another_load():
     entry = {"load": {"cores": 2, "free_cores": 2}}
     assert load_changed(entry, CpuLoad(2, 0.2, 0.5)) == ""
     assert "2 of 2 core(s) free of other work, 1 now: measured again" in load_changed(entry, CpuLoad(2, 1.2, 3.0))
+    near = {"load": {"cores": 2, "free_cores": 2, "busy_elsewhere": 0.4}}   # rounds to 2 free, 0.6 to 1: one load
+    assert load_changed(near, CpuLoad(2, 0.6, 0.5)) == "" and load_changed(near, CpuLoad(2, 1.5, 0.5)) != ""
     entry["guard"] = {"load": {"cores": 2, "free_cores": 1}}       # the guard's reading is the later one
     assert load_changed(entry, CpuLoad(2, 1.2, 3.0)) == ""
     assert load_changed(entry, CpuLoad(2, None, 3.0)) == ""          # unknown now: reused
