@@ -1,7 +1,8 @@
 """The language-model head without its logits: peak memory and time, fused against plain, on this machine.
 
     python benchmarks/linear_cross_entropy.py [--sizes 50257x1024x4096,128256x2048x4096] [--dtypes fp32,bf16]
-                                              [--what head,step] [--rounds 5] [--quick] [--json FILE]
+                                              [--what head,step] [--rounds 5] [--checkpointing] [--quick]
+                                              [--json FILE]
 
 A size is ``vocab x hidden x tokens``. Two measurements for each size and dtype:
 
@@ -9,7 +10,10 @@ A size is ``vocab x hidden x tokens``. Two measurements for each size and dtype:
   (``plain`` = ``F.cross_entropy(F.linear(h, W).float(), y)``, the unfused head; ``chunked``; ``torch``, fp32).
 * ``step``: a whole training step (torch's fused AdamW, the Hugging Face Trainer's default) of a one-layer Llama
   with that vocabulary and hidden size (Llama 3.2 1B's shapes at 128256 x 2048: tied embeddings, 32 heads, 8 KV
-  heads, MLP 4 x hidden), unfused against ``fused_ops: [linear_cross_entropy]`` through ``aiak.optimize``.
+  heads, MLP 4 x hidden), unfused against ``fused_ops: [linear_cross_entropy]`` through ``aiak.optimize``. With
+  ``--checkpointing``, both sides run Hugging Face's activation checkpointing, as a large vocabulary is usually
+  trained: the decoder layers' activations are recomputed in the backward instead of kept, so what remains of the
+  step's peak is the head's (the logits, or the fused head's slice) and the weights' gradients.
 
 Peak memory: each contender runs in a process of its own; after one warm-up step (the optimizer's state exists),
 one more step is measured by `aiak.measure.memory.PeakMemory` (the process's resident high-water mark, reset
@@ -41,6 +45,7 @@ def _parse_size(text: str) -> Tuple[int, int, int]:
 
 
 CHUNK_MIB = None          # --chunk-mib: the chunked head's slice budget (None: the op's default)
+CHECKPOINTING = False     # --checkpointing: Hugging Face's activation checkpointing in the step, on both sides
 DEVICE = "cpu"            # gpu_checks: "cuda"
 
 
@@ -83,6 +88,12 @@ def _train_step(contender: str, vocab: int, hidden: int, tokens: int, dtype) -> 
     import aiak
 
     model = _llama(vocab, hidden).train().to(DEVICE)
+    if CHECKPOINTING:  # each decoder layer recomputed in the backward, its activations not kept (use_cache off)
+        model.config.use_cache = False
+        if hasattr(model, "activation_checkpointing_enable"):   # the name since transformers 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # torch's fused AdamW, the Hugging Face Trainer's default optimizer (adamw_torch_fused): the foreach and
     # per-tensor ones make temporaries of the largest parameter's size in their step (the embedding's, 1 GiB at
     # 128256 x 2048), the same with the knob and without, which would hide what the head saves.
@@ -115,11 +126,11 @@ def _make(what: str, contender: str, size, dtype) -> Callable[[], float]:
     return (_head_step if what == "head" else _train_step)(contender, *size, dtype)
 
 
-def peak_in_this_process(what: str, contender: str, size, dtype, chunk_mib=None) -> dict:
+def peak_in_this_process(what: str, contender: str, size, dtype, chunk_mib=None, checkpointing=False) -> dict:
     """Bytes one step adds at its peak to what was resident before it (after a warm-up step): ``{"step": ...}``,
     and for a train step also ``"forward_backward"``, its peak before the optimizer's step."""
-    global CHUNK_MIB
-    CHUNK_MIB = chunk_mib
+    global CHUNK_MIB, CHECKPOINTING
+    CHUNK_MIB, CHECKPOINTING = chunk_mib, checkpointing
     from aiak.measure.memory import PeakMemory
 
     step = _make(what, contender, size, dtype)
@@ -133,7 +144,7 @@ def peak_in_this_process(what: str, contender: str, size, dtype, chunk_mib=None)
 def peak_in_a_fresh_process(what: str, contender: str, size, dtype_name: str) -> dict:
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import linear_cross_entropy as b, torch; "
             f"print(json.dumps(b.peak_in_this_process({what!r}, {contender!r}, {tuple(size)!r}, b.DTYPES[{dtype_name!r}], "
-            f"{CHUNK_MIB!r})))")
+            f"{CHUNK_MIB!r}, {CHECKPOINTING!r})))")
     # glibc serves allocations under its mmap threshold (which grows to 32 MiB as large blocks are freed) from a
     # heap that keeps freed memory resident, where a second step reuses it unseen: a fixed 64 KiB threshold makes
     # every tensor an mmap that goes back to the kernel on free, so the high-water mark follows the tensors.
@@ -231,18 +242,22 @@ def main(argv=None) -> List[dict]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, help="the chunked head's slice of fp32 logits, in MiB (default: "
                                                       "the op's own)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="the step with Hugging Face's activation checkpointing, plain and fused alike")
     parser.add_argument("--quick", action="store_true", help="one small size, two rounds, 8 MiB slices (the test "
                                                              "suite's run)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
-    global CHUNK_MIB
+    global CHUNK_MIB, CHECKPOINTING
+    CHECKPOINTING = args.checkpointing
     if args.quick:
         args.sizes, args.rounds, args.chunk_mib = "16384x64x1024", 2, 8
     CHUNK_MIB = args.chunk_mib
     import logging
     logging.getLogger("aiak").setLevel(logging.WARNING)       # not the summary of each contender's optimize()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds")
+          f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds"
+          + (", the step with activation checkpointing" if args.checkpointing else ""))
     print(f"{'what':5} {'size (V x H x N)':22} {'dtype':5} {'contender':8} {'peak above start':>17} "
           f"{'vs plain':>9} {'step (p10-p90)':>22} {'time vs plain (CI)':>24}")
     rows = []

@@ -145,6 +145,27 @@ def test_clipping_and_tied_embeddings_train_as_without_the_knob():
     assert _max_diff(fused, plain) < 1e-5
 
 
+def _checkpointed(model):
+    """Hugging Face's activation checkpointing, as a script turns it on for a large vocabulary (the Trainer's
+    ``gradient_checkpointing=True``): each decoder layer recomputed in the backward."""
+    if hasattr(model, "activation_checkpointing_enable"):     # the name since transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_hugging_faces_activation_checkpointing_trains_as_without_the_knob():
+    batches = _batches(6)
+    plain, plain_losses = _train({}, batches, prepare=_checkpointed)
+    fused, losses = _train(FUSED, batches, prepare=_checkpointed)
+    assert type(fused).__name__ == "FusedLlamaForCausalLM" and fused.model.gradient_checkpointing
+    torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-5)
+    assert _max_diff(fused, plain) < 1e-3     # AdamW's scaling of float-order differences, as in twenty steps
+    unchecked, unchecked_losses = _train(FUSED, batches)    # recomputing the layers changes no number of the run
+    assert losses == unchecked_losses and _max_diff(fused, unchecked) == 0.0
+
+
 def test_the_summary_says_what_was_fused():
     model = _model()
     with warnings.catch_warnings():
