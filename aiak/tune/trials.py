@@ -10,10 +10,10 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; the
    gradients of each one that changes the numerics (not plain, not a numerics-neutral one) go through the
    numerics gate (`aiak.tune.gate`) against plain fp32's, their error judged against the sampling noise of
-   that gradient. Plain estimates the noise first, from the same weights, only
-   when some candidate needs the gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0
-   when only one batch was borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a
-   forward under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
+   that gradient. Plain estimates the noise first, from the same weights, only when some candidate needs the
+   gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0 when only one batch was
+   borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a forward of two samples
+   under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
    PyTorch's runs is rejected, with the error in its record.
 5. Rounds: every candidate takes one step per round, the order rotating every round; its steps form one
    series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
@@ -97,6 +97,7 @@ BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
 MIN_TIMED_ROUNDS = 2
 WARMUP_MAX_STEPS = 6       # steps per candidate before timing starts at the latest (the gate's included) ...
 SETTLE_TOLERANCE = 0.2     # ... until they stop getting faster by more than 20% (first-call costs: multiples)
+EVAL_SAMPLES = 2           # the samples of each candidate's evaluation forward
 
 
 @dataclass
@@ -313,7 +314,12 @@ class _TrialRun:
 
     def evaluate(self, batch: Any) -> str:
         """What a script does between epochs: ``model.eval()``, a forward under ``torch.inference_mode()``,
-        ``model.train()`` again. Returns the error it raised, or ``""``."""
+        ``model.train()`` again, on the batch's first `EVAL_SAMPLES` samples (what fails in evaluation fails on
+        any number of samples, and the whole batch cost a quarter of a step per candidate). Returns the error it
+        raised, or ``""``."""
+        size = _batch_size(batch)
+        if size is not None and size > EVAL_SAMPLES:
+            batch = _rows(batch, slice(0, EVAL_SAMPLES), size)
         try:
             self.model.eval()
             with torch.inference_mode():
