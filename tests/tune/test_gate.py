@@ -57,3 +57,14 @@ def test_neutral_keys():
     assert gate.is_neutral(["channels_last", "loader.prefetch", "comm.bucket_mb"])
     assert not gate.is_neutral(["channels_last", "precision.level"])
     assert not gate.is_neutral(["compile"])
+
+
+@pytest.mark.parametrize("size", [1e-25, 1e30])
+def test_gradients_too_small_or_too_large_for_fp32_squares_are_judged_exactly(size):
+    """fp32 squares of 1e-25 underflow to 0 and of 1e30 overflow to inf: such a gradient is neither lost nor
+    infinite; the gate sums those tensors in float64."""
+    ref = {k: v * size for k, v in _grads().items()}
+    result = gate.compare({k: v.clone() for k, v in ref.items()}, ref)
+    assert result.passed and not result.lost and math.isclose(result.cosine, 1.0, rel_tol=1e-9), result.why()
+    halved = gate.compare({k: v / 2 for k, v in ref.items()}, ref)
+    assert not halved.passed and math.isclose(halved.scale, 0.5, rel_tol=1e-6), halved.why()

@@ -42,3 +42,39 @@ def test_a_candidate_whose_evaluation_fails_is_rejected_with_the_reason():
     model.eval()
     with torch.inference_mode():
         model(next(iter(loader))[0])  # the run evaluates
+
+
+class RecordsEvaluationBatches(nn.Module):
+    """A head that notes the number of samples of each forward under inference mode (in a list of the class: each
+    candidate runs a deep copy)."""
+
+    seen = []
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        if torch.is_inference_mode_enabled():
+            RecordsEvaluationBatches.seen.append(x.shape[0])
+        return self.head(x)
+
+
+def test_each_candidate_evaluates_on_two_samples_and_only_the_gated_ones_are_compared():
+    """The evaluation forward needs two samples, not the batch; plain PyTorch is the gate's reference and a
+    numerics-neutral candidate is not judged, so neither shows a cosine."""
+    RecordsEvaluationBatches.seen.clear()
+    torch.manual_seed(0)
+    model = DemoNet(width=8)
+    model.head = RecordsEvaluationBatches(model.head)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(synthetic_dataset(128, image_size=16, seed=0), batch_size=32)
+    strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "channels_last": True,
+                "tune": {"candidates": 4, "steps": 3, "guard": False}}
+    aiak.optimize(model, optimizer, loader, strategy=strategy)
+    trials = aiak.last_decision().to_dict()["trials"]
+    seen = RecordsEvaluationBatches.seen
+    assert len(seen) == len(trials) and set(seen) == {2}, seen
+    for t in trials:
+        neutral = set(t["strategy"]) <= {"channels_last", "loader.prefetch"}
+        assert (t["grad_cosine"] is None) == neutral, t
