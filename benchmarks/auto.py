@@ -41,8 +41,8 @@ step with its p10-p90 spread, and the speed ratio to plain: plain's step over th
 within each round, median over rounds with its p10-p90. auto's *effective* step adds the wall time of its
 ``optimize()`` call (trials included; the decision record's ``tuning_seconds`` is printed beside it) and its
 first steps' excess over steady ones while its run-time guard alternates the pick with plain compute (auto's
-warm-up goes on until the guard decided), spread over a 200-step run: ``step + one_time / 200``. The oracle's compile time is not counted (its steady state
-only), which favours the oracle.
+warm-up goes on until the guard decided), spread over a 200-step run: ``step + one_time / 200``. The oracle's
+compile time is not counted (its steady state only), which favours the oracle.
 
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
 (60) on the same batches; the final loss is the mean of the last 10 steps, and auto's must be within
@@ -385,7 +385,8 @@ def run_model(case: ModelCase, args) -> dict:
         print(f"   {r.label:<30} {r.median_ms:10.2f} {r.p10_ms:8.2f}-{r.p90_ms:<8.2f} {r.vs_plain:7.2f}x "
               f"({r.vs_plain_p10:.2f}-{r.vs_plain_p90:.2f})  {r.note}{mark}")
     print(f"   every row but 'auto' is effective over {RUN_STEPS} steps: steady step + one-time costs / {RUN_STEPS} "
-          f"(warm-up excess: compiling; auto's guard windows); auto effective adds its optimize() {auto_c.optimize_s:.2f} s "
+          f"(warm-up excess: compiling; auto's guard windows); auto effective adds its optimize() "
+          f"{auto_c.optimize_s:.2f} s "
           f"(decision tuning_seconds {auto_c.tuning_s:.2f} s)")
     # the trials' default budget (aiak.tune.trials): 5% of a 200-step run at plain PyTorch's step, here plain's median
     budget_s = BUDGET_FRACTION * BUDGET_RUN_STEPS * statistics.median(times["plain"])

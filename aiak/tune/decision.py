@@ -110,8 +110,8 @@ class Decision:
                 verdict = ("kept: " if t["accepted"] else "dropped: ") + t["why"]
                 label = "plain-compute" if t["label"] == "plain" else t["label"]  # one word: the columns split
                 out.append(f"    {label:<22} {ms:>8} {spread:>15} {ratio:>8} {peak:>9} {cos:>9}  {verdict}")
-            out.append("    (every candidate, plain-compute too, runs with the pick's loader and training knobs, which no "
-                       "trial decides)")
+            out.append("    (every candidate, plain-compute too, runs with the pick's loader and training knobs, "
+                       "which no trial decides)")
         if self.tuning:
             out.append(f"  trials: {self.tuning}")
         if self.guard:

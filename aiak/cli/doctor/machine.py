@@ -196,7 +196,6 @@ def _memlock_bytes() -> Optional[int]:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-
 def _version_text(version) -> str:
     return ".".join(str(v) for v in version) if isinstance(version, (tuple, list)) else str(version)
 
