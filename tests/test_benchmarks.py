@@ -223,3 +223,18 @@ def test_linear_cross_entropy_measures_less_peak_memory_for_the_fused_head(tmp_p
     assert {("head", "plain"), ("head", "chunked"), ("step", "plain"), ("step", "fused")} <= set(rows)
     assert rows["head", "chunked"]["peak_bytes"] < 0.5 * rows["head", "plain"]["peak_bytes"]
     assert all(r["time_ratio"] > 0 and r["rounds"] == 2 for r in rows.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_linear_cross_entropy_steps_with_activation_checkpointing(tmp_path):
+    """--checkpointing: the whole step of both contenders with Hugging Face's activation checkpointing, said in the
+    header; the fused step's peak stays under plain's."""
+    report = tmp_path / "lce.json"
+    out = subprocess.run([sys.executable, "benchmarks/linear_cross_entropy.py", "--quick", "--dtypes", "fp32",
+                          "--what", "step", "--checkpointing", "--json", str(report)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the step with activation checkpointing" in out.stdout
+    rows = {r["contender"]: r for r in json.loads(report.read_text())}
+    assert set(rows) == {"plain", "fused"} and rows["fused"]["peak_bytes"] < rows["plain"]["peak_bytes"]
