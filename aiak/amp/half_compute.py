@@ -70,7 +70,8 @@ from torch.nn.utils import parametrize
 from aiak.amp import compiled_region
 from aiak.amp.scaling import fp16_steps, root_scaling
 from aiak.amp.compiled_region import compute_copy, computes_as_torch_layer, is_state, to_fp32
-from aiak.amp.fp32_modules import HALF_DTYPES, called_module, hook_fp32_module, is_kept_fp32, keep_after_failure
+from aiak.amp.fp32_modules import (HALF_DTYPES, NATIVE_MIXED_NORMS, called_module, hook_fp32_module, is_kept_fp32,
+                                   keep_after_failure)
 from aiak.amp.region_state import RegionState, plain_pointer, region_closed, region_opened, unwrap
 from aiak.util.nested import iter_tensors, map_tensors
 
@@ -117,6 +118,23 @@ class HalfCompute:
         # `aiak.tune.guard`, times both); the parameters are the fp32 ones either way, so nothing else changes
         self.enabled = True
         self.registered: Set[int] = set()  # ids of the parameters handed to root scaling (a copy's are new ids)
+
+    def level_switchable(self, model: nn.Module) -> bool:
+        """Whether `switch_level` gives ``model`` exactly the compute a fresh O1 or O2 gives it: bf16 (fp16's loss
+        scaling hands parameters over per level), and no module kept in fp32 with O2's own hooks
+        (`aiak.amp.fp32_modules.Fp32Module`: a declared ``precision.keep_fp32``, a norm layer torch does not run on
+        half inputs, a module without a half kernel), which O1 does not have."""
+        return self.scaler is None and self.dtype == torch.bfloat16 and not any(
+            kept and not isinstance(module, NATIVE_MIXED_NORMS) for module, kept in _modules_of(model))
+
+    def switch_level(self, model: nn.Module, level: str) -> None:
+        """Compute ``model`` at ``level`` (``O1`` or ``O2``) from its next forward, between two steps (the run-time
+        guard, `aiak.tune.guard`, times both): the hooks are the same at both levels where `level_switchable`."""
+        if level not in ("O1", "O2") or not self.level_switchable(model):
+            raise ValueError(f"aiak: cannot switch {self.level} to {level!r} on this model (level_switchable)")
+        if _threads.frames:
+            raise RuntimeError("aiak: the precision level is switched between steps, not inside a forward")
+        self.level = level
 
     # -- installing -------------------------------------------------------------------------------
     def install(self, model: nn.Module) -> int:

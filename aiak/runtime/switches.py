@@ -40,15 +40,39 @@ def apply_tf32(enabled: bool, device: torch.device) -> str:
 
 def apply_channels_last(model: torch.nn.Module) -> str:
     """NHWC weights and 4-D inputs: cuDNN's fastest layout for convolutions with tensor cores."""
-    model.to(memory_format=torch.channels_last)
-
-    def to_nhwc(t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
-
-    model.register_forward_pre_hook(lambda mod, args, kwargs: (map_tensors(args, to_nhwc), map_tensors(kwargs, to_nhwc)),
-                                    with_kwargs=True)
+    layout = ChannelsLast()
+    layout.switch(model, True)
+    model.register_forward_pre_hook(layout.inputs, with_kwargs=True)
     n_conv = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     return f"on (model and 4-D inputs NHWC; {n_conv} Conv2d layers)"
+
+
+class ChannelsLast:
+    """The channels_last layout of one model, switchable between steps (the run-time guard, `aiak.tune.guard`, times
+    it against the contiguous one): `switch` moves every 4-D parameter and buffer in place (the same tensors the
+    optimizer holds, their data in the other layout), and `inputs`, the model's forward pre-hook, gives its 4-D
+    inputs the same layout. A bound method, not a closure: a deep copy of the model gets its own."""
+
+    def __init__(self):
+        self.on = False
+
+    def switch(self, model: torch.nn.Module, on: bool) -> None:
+        model.to(memory_format=torch.channels_last if on else torch.contiguous_format)
+        self.on = on
+
+    def inputs(self, module, args, kwargs):
+        layout = torch.channels_last if self.on else torch.contiguous_format
+
+        def to_layout(t: torch.Tensor) -> torch.Tensor:
+            return t.contiguous(memory_format=layout) if t.dim() == 4 else t
+
+        return map_tensors(args, to_layout), map_tensors(kwargs, to_layout)
+
+
+def channels_last_of(model: torch.nn.Module):
+    """The `ChannelsLast` hooked on ``model`` by `apply_channels_last`, or None."""
+    return next((h.__self__ for h in model._forward_pre_hooks.values()
+                 if isinstance(getattr(h, "__self__", None), ChannelsLast)), None)
 
 
 def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
