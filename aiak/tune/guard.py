@@ -15,24 +15,29 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
 * `pick`: the strategy as applied;
 * `pick, N threads`: the same with the intra-op threads cut to the cores other work leaves free, offered only when
   the machine is busier than torch's thread count allows (`aiak.util.machine.load`);
+* the trials' other accepted candidates that differ from the pick only in what switches exactly between two steps
+  (`aiak.tune.trials` hands them over instead of timing them on copies): the precision level
+  (`HalfCompute.switch_level`), half compute off, the channels_last layout off (`aiak.runtime.switches.ChannelsLast`);
 * `plain compute`: the model's half-precision regions off (`aiak.amp.half_compute.HalfCompute.enabled`: the
-  parameters are fp32 either way) and the process switches (threads, TF32, cuDNN autotuning) as the script had
-  them before `optimize()`.
+  parameters are fp32 either way), its weights and inputs in the contiguous layout where the pick made them
+  channels_last, and the process switches (threads, TF32, cuDNN autotuning) as the script had them before
+  `optimize()`: plain PyTorch's compute, exactly.
 
 Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
-choice (every arm slower than plain beyond `NOISE_FLOOR` in every round; or each arm faster in every round or slower
-in every one, the arms ranked alike in every round); from `MIN_ROUNDS` on, an arm slower than plain in every round
-and slower than another arm in every round is no longer timed. The pick is kept where its summed speedup is within `NOISE_FLOOR` of plain's or above (the promise
-comes first: a wide spread of the rounds is no reason to keep a pick that took longer in sum); the thread budget
-replaces it where it is faster than the pick beyond the noise of both (half the range of their per-round ratios, at
-least `NOISE_FLOOR`); and where neither keeps up with plain, the rest of the run computes as plain PyTorch. A change
+choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead
+of the others in every round); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower than another
+arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the noise of both
+(half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it already (so
+the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the guard is
+their only timing. The promise comes first: where the chosen arm took longer in sum than plain beyond
+`NOISE_FLOOR` (a wide spread of the rounds is no reason to keep it), the rest of the run computes as plain PyTorch. A change
 is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows the
 guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
-What the guard cannot switch between two steps is left as applied: a layout (channels_last), fused modules, the
-loader's prefetching. It does not run under `torch.compile` (switching the compute would recompile), with fp8
+What the guard cannot switch between two steps is left as applied: fused modules, the loader's prefetching, fp16
+(its loss scaling), a layout the pick did not apply. It does not run under `torch.compile` (switching the compute would recompile), with fp8
 layers (swapped modules), on several ranks (each rank would choose alone), or where the trials chose plain compute.
 """
 from __future__ import annotations
@@ -40,14 +45,14 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from aiak.amp.half_compute import HalfCompute
 from aiak.measure.clock import StepClock
 from aiak.measure.thresholds import NOISE_FLOOR
-from aiak.runtime.switches import read_switches, write_switches
+from aiak.runtime.switches import channels_last_of, read_switches, write_switches
 from aiak.util.dist import is_distributed
 from aiak.util.machine.load import CpuLoad, cpu_load
 from aiak.util.warn import is_rank_zero
@@ -61,11 +66,15 @@ PICK, BUDGET, PLAIN = "pick", "pick, fewer threads", "plain compute"
 
 @dataclass
 class Arm:
-    """One way the run may compute: the process switches it writes, and whether the half-precision regions run."""
+    """One way the run may compute: the process switches it writes, whether the half-precision regions run and at
+    which level (`aiak.amp.half_compute.HalfCompute.switch_level`; None: the pick's), and whether the weights and
+    inputs are channels_last (`aiak.runtime.switches.ChannelsLast`; None: the pick's)."""
 
     label: str
     switches: Dict[str, Any]
     half_compute: bool
+    level: Optional[str] = None
+    channels_last: Optional[bool] = None
     seconds: List[float] = field(default_factory=list)   # per round: its window's timed steps, summed
 
 
@@ -97,17 +106,29 @@ class SpeedGuard:
         load: the machine's load now; a thread budget is offered when it leaves fewer cores than the pick's threads.
         device: where the model computes (the clock: host time on CPU, CUDA events on a GPU).
         on_decision: called once with the `GuardResult`.
+        others: more arms the trials accepted (`aiak.tune.trials`: candidates that differ from the pick only in
+            what switches between steps), timed beside the pick, in order of preference; one the model cannot
+            switch to exactly (`HalfCompute.level_switchable`, a layout it was not given) is left out.
+        prefer: the labels chosen over a faster arm within noise of it, in order (`choose`): by default the pick
+            (the trials timed it faster already); the trials' simpler candidates first where the guard is their
+            only timing.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, compute: Optional[HalfCompute],
                  pick_switches: Dict[str, Any], plain_switches: Dict[str, Any], load: CpuLoad,
-                 device: torch.device, on_decision: Callable[[GuardResult], None]):
-        self.compute, self.load, self.on_decision = compute, load, on_decision
+                 device: torch.device, on_decision: Callable[[GuardResult], None], *,
+                 others: Sequence[Arm] = (), prefer: Sequence[str] = (PICK,)):
+        self.model, self.compute, self.load, self.on_decision = model, compute, load, on_decision
+        self.layout = channels_last_of(model)
+        self.pick_level = compute.level if compute is not None else None   # as applied
+        self.pick_layout = self.layout.on if self.layout is not None else None
+        self.prefer = list(prefer)
         self.arms = [Arm(PICK, dict(pick_switches), True)]
         threads = pick_switches.get("num_threads", torch.get_num_threads())
         if load.free_cores < threads:
             self.arms.append(Arm(BUDGET, {**pick_switches, "num_threads": load.free_cores}, True))
-        self.arms.append(Arm(PLAIN, dict(plain_switches), False))
+        self.arms += [arm for arm in others if self._reachable(arm)]
+        self.arms.append(Arm(PLAIN, dict(plain_switches), False, channels_last=False if self.layout else None))
         self.clock = StepClock(device)
         self.steps = 0                      # real steps seen
         self.round, self.slot, self.in_window = 0, 0, 0
@@ -125,10 +146,26 @@ class SpeedGuard:
         k = self.round % len(self.running)
         return self.running[k:] + self.running[:k]
 
+    def _reachable(self, arm: Arm) -> bool:
+        """The model can compute as ``arm`` exactly (see `Arm`)."""
+        if arm.half_compute and self.compute is None:
+            return False
+        if arm.half_compute and arm.level not in (None, self.compute.level) \
+                and not self.compute.level_switchable(self.model):
+            return False
+        return arm.channels_last is None or self.layout is not None or not arm.channels_last
+
     def _use(self, arm: Arm) -> None:
         write_switches(arm.switches)
         if self.compute is not None:
             self.compute.enabled = arm.half_compute
+            level = arm.level or self.pick_level
+            if arm.half_compute and level != self.compute.level:
+                self.compute.switch_level(self.model, level)
+        if self.layout is not None:
+            on = self.pick_layout if arm.channels_last is None else arm.channels_last
+            if on != self.layout.on:
+                self.layout.switch(self.model, on)
 
     def _before_forward(self, module, args) -> None:
         if self.last_mark is None and module.training and torch.is_grad_enabled():
@@ -174,21 +211,22 @@ class SpeedGuard:
 
     def _done(self) -> bool:
         """After `MAX_ROUNDS`, or from `MIN_ROUNDS` on where more rounds would not change the decision: every arm
-        slower than plain beyond `NOISE_FLOOR` in every round; or every arm faster than plain in every round or
-        slower in every one, and the pick ahead of the thread budget in every round or behind it in every one."""
+        faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest of those
+        faster ahead of each other one in every round (as the trials' `_ranking_is_clear`)."""
         if self.round >= MAX_ROUNDS:
             return True
         if self.round < MIN_ROUNDS:
             return False
         ratios = [self._ratios(a) for a in self.running[:-1]]  # (an arm dropped no longer counts)
-        if all(max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios):
-            return True   # every arm slower than plain in every round: plain, whichever of them is less slow
-        one_side = all(min(r) > 1 + NOISE_FLOOR or max(r) < 1 / (1 + NOISE_FLOOR) for r in ratios)
-        ranked = len(ratios) < 2 or (all(a > b for a, b in zip(*ratios)) or all(a < b for a, b in zip(*ratios)))
-        return one_side and ranked
+        if any(min(r) <= 1 + NOISE_FLOOR and max(r) >= 1 / (1 + NOISE_FLOOR) for r in ratios):
+            return False   # within noise of plain in some round
+        faster = [r for r in ratios if min(r) > 1]
+        best = max(faster, key=statistics.median, default=None)
+        return all(min(a / b for a, b in zip(best, r)) > 1 for r in faster if r is not best)
 
     def _decide(self) -> None:
-        chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms])
+        chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms],
+                                               self.prefer)
         self._use(next(a for a in self.arms if a.label == chosen))
         self.handle.remove()
         self.forward_handle.remove()
@@ -208,16 +246,19 @@ class SpeedGuard:
         busy = (f"{load['busy_elsewhere']} runnable task(s) of other work on {load['cores']} core(s)"
                 if load.get("busy_elsewhere") is not None else f"load average {load['load1']}")
         now = (f"the pick on {r.threads[BUDGET]} intra-op thread(s)" if r.chosen == BUDGET
-               else "plain PyTorch (fp32, the script's own threads)")
+               else "plain PyTorch (fp32, the script's own threads)" if r.chosen == PLAIN
+               else f"the trials' candidate {r.chosen!r}")
         return (f"aiak: in the run's first {r.steps} steps, in alternating windows, {figures} of plain PyTorch's "
                 f"speed ({busy}); the rest of the run computes as {now}. The tuning cache keeps this beside the "
                 f"load; under another load the trials measure again")
 
 
-def choose(arms: List[Tuple[str, List[float], Optional[int]]]) -> Tuple[str, str, Dict[str, float],
-                                                                        Dict[str, List[float]]]:
+def choose(arms: List[Tuple[str, List[float], Optional[int]]], prefer: Sequence[str] = (PICK,)
+           ) -> Tuple[str, str, Dict[str, float], Dict[str, List[float]]]:
     """The guard's rule (see the module docstring), on each arm's `(label, seconds per round, threads)`, the pick
-    first and plain compute last.
+    first and plain compute last: the arm with the highest speedup, unless an arm of ``prefer`` (in its order;
+    plain compute among them counts as 1.0x) is within noise of it; then plain compute where that arm took longer
+    in sum than plain beyond `NOISE_FLOOR` (the promise comes first).
 
     Returns:
         `(chosen label, why, speedups, per-round ratios)`: each arm's speedup is plain's seconds over its own, summed
@@ -231,13 +272,15 @@ def choose(arms: List[Tuple[str, List[float], Optional[int]]]) -> Tuple[str, str
     threads = {label: n for label, _, n in arms}
 
     def noise(label: str) -> float:
-        r = rounds[label]
-        return max(NOISE_FLOOR, (max(r) - min(r)) / (2 * statistics.median(r))) if r else float("inf")
+        r = rounds.get(label)
+        return max(NOISE_FLOOR, (max(r) - min(r)) / (2 * statistics.median(r))) if r else NOISE_FLOOR
 
-    chosen, why = PICK, "the pick kept up with plain PyTorch"
-    if BUDGET in speedup and speedup[BUDGET] > speedup[PICK] * (1 + max(noise(PICK), noise(BUDGET))):
-        chosen, why = BUDGET, (f"{threads[BUDGET]} intra-op thread(s) ran faster than the pick's {threads[PICK]} "
-                               f"on this busy machine")
+    best = max((label for label, _, _ in arms[:-1] if label in speedup), key=speedup.get)
+    chosen = next((label for label in prefer if label in speedup
+                   and speedup[label] * (1 + max(noise(label), noise(best))) >= speedup[best]), best)
+    why = {PICK: "the pick kept up with plain PyTorch", PLAIN: "no arm ran faster than plain PyTorch beyond noise",
+           BUDGET: f"{threads.get(BUDGET)} intra-op thread(s) ran faster than the pick's {threads.get(PICK)} on this "
+                   f"busy machine"}.get(chosen, f"{chosen!r} ran fastest")
     if speedup[chosen] < 1 / (1 + NOISE_FLOOR):  # the promise first: under doubt, the run computes as plain
         chosen, why = PLAIN, "the pick's steps took longer in sum than plain PyTorch's"
     return chosen, why, speedup, rounds

@@ -253,3 +253,67 @@ def test_a_step_is_timed_from_its_first_training_forward():
         assert g.last_mark is None and g.steps == 1
     finally:
         write_switches(switches)
+
+
+@pytest.mark.parametrize("prefer, pick, other, chosen", [
+    ([PICK], [0.5, 0.5], [0.49, 0.5], PICK),              # the other within noise of the pick: the pick stays
+    ([PICK], [0.8, 0.8], [0.5, 0.5], "O2"),               # the other faster beyond noise
+    ([PLAIN, "neutral", PICK], [0.99, 0.98], [1.0, 1.0], PLAIN),   # 1.02x: within noise of plain, which is simpler
+    ([PLAIN, "neutral", PICK], [0.5, 0.5], [0.52, 0.5], PICK),     # the pick before an arm it is within noise of
+    ([PLAIN, "O2", PICK], [0.5, 0.5], [0.52, 0.5], "O2"),          # ... unless that one is preferred
+    ([PLAIN, PICK], [1.5, 1.5], [1.2, 1.2], PLAIN),                # both slower: plain
+])
+def test_the_rule_with_more_arms(prefer, pick, other, chosen):
+    plain = [1.0] * len(pick)
+    label, why, speedups, _ = choose([(PICK, pick, 2), ("O2", other, 2), (PLAIN, plain, 2)], prefer)
+    assert label == chosen, why
+    assert set(speedups) == {PICK, "O2", PLAIN}
+
+
+def test_arms_that_switch_the_level_and_the_layout():
+    """A demo model applied at O1 bf16 with channels_last, watched with an O2 arm and an fp32 channels_last arm: every
+    step of a window computes as its arm (half compute on or off, the level, the weights' layout), plain compute is
+    plain PyTorch's contiguous fp32, and after the decision every step computes as the chosen arm."""
+    switches = read_switches()
+    model, optimizer, loader = make_setup(0, 960, 16, width=8)
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "channels_last": True})
+    compute = compute_of(model)
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(
+        (compute.enabled, compute.level if compute.enabled else None,
+         conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous())))
+    pick = read_switches()
+    others = [guard.Arm("O2", pick, True, level="O2"), guard.Arm("fp32, channels_last", pick, False)]
+    g = SpeedGuard(optimizer, model, compute, pick, switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
+                   lambda result: None, others=others, prefer=[PLAIN, "fp32, channels_last", PICK])
+    state = {PICK: (True, "O1", True), "O2": (True, "O2", True), "fp32, channels_last": (False, None, True),
+             PLAIN: (False, None, False)}
+    assert [a.label for a in g.arms] == [PICK, "O2", "fp32, channels_last", PLAIN]
+    it = training_steps(model, optimizer, loader, None)
+    try:
+        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 4):
+            next(it)
+    finally:
+        write_switches(switches)
+    order = list(g.arms)
+    expected = [state[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
+    assert seen[:len(expected)] == expected
+    assert g.result is not None and set(seen[g.result.steps:]) == {state[g.result.chosen]}
+
+
+def test_an_arm_the_model_cannot_switch_to_exactly_is_left_out():
+    """A level switch where a module kept in fp32 has O2's own hooks, channels_last on a model not given it."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.GELU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, _ = aiak.optimize(model, optimizer, strategy={
+        "extends": "default", "precision": {"level": "O2", "dtype": "bf16", "keep_fp32": ["3"]}})
+    switches = read_switches()
+    others = [guard.Arm("O1", switches, True, level="O1"), guard.Arm("channels_last", switches, True,
+                                                                      channels_last=True)]
+    g = SpeedGuard(optimizer, model, compute_of(model), switches, switches, CpuLoad(2, 0.0, 0.0),
+                   torch.device("cpu"), lambda result: None, others=others)
+    assert [a.label for a in g.arms] == [PICK, PLAIN]
+    g.handle.remove()
+    g.forward_handle.remove()
