@@ -132,3 +132,28 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
     if not any(c.label == "plain" for c in keep):
         keep = keep[:max(limit, 2) - 1] + [c for c in out if c.label == "plain"]
     return keep
+
+
+# What the run-time guard switches exactly between two steps of one applied model (`aiak.tune.guard.Arm`), besides
+# half compute off (precision O0): the process switches each arm writes, and these.
+SWITCHED_KEYS = ("tf32", "cudnn_benchmark")
+
+
+def switches_between_steps(candidate: Strategy, pick: Strategy) -> bool:
+    """Whether the model ``pick`` applies can compute as ``candidate`` by switching between two steps, with nothing
+    rebuilt: ``candidate`` differs from ``pick`` only in half compute off (O0), the other level of bf16 half compute
+    (`aiak.amp.half_compute.HalfCompute.switch_level`; not with ``precision.keep_fp32``, whose O2 hooks O1 lacks),
+    channels_last off (`aiak.runtime.switches.ChannelsLast`), and `SWITCHED_KEYS`. fp8, fp16 (its loss scaling),
+    fused modules and compile are built, not switched."""
+    if pick.precision.fp8 != "off" or pick.compile:
+        return False
+    half = candidate.precision.level != "O0"
+    for key, value in differences(candidate, pick).items():
+        if key in SWITCHED_KEYS or (key.startswith("precision.") and not half):
+            continue
+        if key == "channels_last" and value is False:
+            continue
+        if key == "precision.level" and pick.precision.dtype == "bf16" and not pick.precision.keep_fp32:
+            continue
+        return False
+    return not half or candidate.precision.dtype == "bf16"

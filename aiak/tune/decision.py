@@ -134,6 +134,9 @@ class Decision:
         if chosen is not None:
             trials = (f"{'cached trials' if self.cache_hit else 'trials'} {candidate_words(chosen, self.trials)}"
                       f" of {len(self.trials)} measured")
+        elif any(t["accepted"] and "timed in the run" in t.get("why", "") for t in self.trials):
+            kept = sum(t["accepted"] for t in self.trials)
+            trials = f"trials kept {kept} of {len(self.trials)} candidates, timed in the run's first steps"
         elif self.tuning.startswith("skipped: "):
             trials = "trials skipped"
         elif self.tuning and self.trials:  # they ran and every candidate failed

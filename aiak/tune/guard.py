@@ -286,6 +286,15 @@ def choose(arms: List[Tuple[str, List[float], Optional[int]]], prefer: Sequence[
     return chosen, why, speedup, rounds
 
 
+def not_watched(strategy: Any, optimizer: Any) -> str:
+    """Why the guard cannot watch a run of ``strategy`` stepping ``optimizer`` (see the module docstring), or ""."""
+    return ("tune.guard is false" if not strategy.tune.guard
+            else "fp8 layers cannot be switched between steps" if strategy.precision.fp8 != "off"
+            else "under torch.compile, switching the compute would recompile" if strategy.compile
+            else "on several ranks, each would choose alone" if is_distributed()
+            else "the optimizer takes no step hook" if not hasattr(optimizer, "register_step_post_hook") else "")
+
+
 def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, plain_switches: Dict[str, Any],
           device: torch.device, decision: Any) -> Optional[SpeedGuard]:
     """Start the guard on a run `optimize()` just applied, where it can run (see the module docstring); its
@@ -305,15 +314,13 @@ def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, pl
     """
     if tuning is None or tuning.skipped or tuning.label == "plain":
         return None
-    off = ("tune.guard is false" if not strategy.tune.guard
-           else "fp8 layers cannot be switched between steps" if strategy.precision.fp8 != "off"
-           else "under torch.compile, switching the compute would recompile" if strategy.compile
-           else "on several ranks, each would choose alone" if is_distributed()
-           else "the optimizer takes no step hook" if not hasattr(optimizer, "register_step_post_hook") else "")
+    off = not_watched(strategy, optimizer)
     if off:
         decision.guard = {"chosen": PICK, "why": f"not run: {off}"}
         return None
-    decision.guard = {"chosen": PICK, "why": "watching the run's first steps against plain compute"}
+    others = ", ".join(repr(arm.label) for arm in tuning.arms)
+    decision.guard = {"chosen": PICK, "why": f"watching the run's first steps against plain compute"
+                                             f"{f' and the candidates {others}' if others else ''}"}
 
     def decided(result: GuardResult) -> None:
         decision.guard = result.to_dict()
@@ -321,4 +328,5 @@ def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, pl
 
     compute = next((h.__self__ for m in model.modules() for h in m._forward_pre_hooks.values()
                     if isinstance(getattr(h, "__self__", None), HalfCompute)), None)
-    return SpeedGuard(optimizer, model, compute, read_switches(), plain_switches, cpu_load(), device, decided)
+    return SpeedGuard(optimizer, model, compute, read_switches(), plain_switches, cpu_load(), device, decided,
+                      others=tuning.arms, prefer=tuning.prefer or [PICK])

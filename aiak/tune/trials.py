@@ -79,8 +79,8 @@ from aiak.runtime.switches import read_switches, write_switches
 from aiak.step.training_step import training_step
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
-from aiak.tune.guard import PLAIN as PLAIN_COMPUTE
-from aiak.tune.candidates import Candidate, candidate_strategies, with_picks_knobs
+from aiak.tune.guard import PICK, PLAIN as PLAIN_COMPUTE, Arm, not_watched
+from aiak.tune.candidates import Candidate, candidate_strategies, switches_between_steps, with_picks_knobs
 from aiak.tune.replay import RandomStreams, borrow
 from aiak.util import warn
 from aiak.util.cache import TuneCache
@@ -139,6 +139,8 @@ class Tuning:
     key: Optional[str] = None                   # the cache key of this decision (None: not cacheable)
     cache: Optional[TuneCache] = None
     remeasured: str = ""                        # why a cached decision was not reused (the load differed)
+    arms: List[Arm] = field(default_factory=list)  # candidates the run-time guard times beside the pick (in the run)
+    prefer: List[str] = field(default_factory=list)  # the guard's preference within noise (`aiak.tune.guard.choose`)
 
     def learn(self, guard: Dict[str, Any]) -> None:
         """Keep the run-time guard's choice (`aiak.tune.guard`) in this decision's cache entry, beside the load it
@@ -377,14 +379,19 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     hit = rank0_object(lambda: cache.get_entry(key) if key is not None else None)
     load = cpu_load() if device.type == "cpu" else None
     remeasured = load_changed(hit, load) if hit is not None else ""
+    if hit is not None and not remeasured and hit.get("timed_in_run") and "speedups" not in (hit.get("guard") or {}):
+        remeasured = "the cached decision's timing in the run did not finish: measured again"
     if hit is not None and not remeasured:
         try:
             guard = hit.get("guard") or {}
-            chosen = hit["plain_strategy"] if guard.get("chosen") == PLAIN_COMPUTE else hit["strategy"]
+            arms = hit.get("arms") or {}
+            chosen = (hit["plain_strategy"] if guard.get("chosen") == PLAIN_COMPUTE
+                      else arms[guard["chosen"]] if guard.get("chosen") in arms else hit["strategy"])
             # what the trials may not change is the pick's, also in an entry written before that rule held
             strategy = Strategy.from_dict(with_picks_knobs(chosen, pick), source=f"{cache.path} [{key}]")
             trials = [TrialRecord(**t) for t in hit.get("trials", [])]
-            label = "plain" if guard.get("chosen") == PLAIN_COMPUTE else hit.get("label", strategy.name)
+            label = ("plain" if guard.get("chosen") == PLAIN_COMPUTE else guard["chosen"] if guard.get("chosen") in arms
+                     else hit.get("label", strategy.name))
             return Tuning(strategy, label, trials, time.perf_counter() - start, True, loader, key=key, cache=cache)
         except Exception:  # a stale or malformed entry: tune again and overwrite it
             pass
@@ -405,8 +412,10 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         with StatusLine(f"timing {len(candidates)} candidate strategies on the first batches") as status:
             contenders = _build(candidates, model, optimizer, device)
             _warm_up(contenders, batches, after, device, status)
-            _timed_rounds(contenders, batches, cfg, start, status)
-        winner = _decide(contenders)
+            in_run = _timed_in_run(contenders, pick, optimizer)
+            if not in_run:
+                _timed_rounds(contenders, batches, cfg, start, status)
+        winner = _start_in_run(contenders) if in_run else _decide(contenders)
     except Exception as e:  # noqa: BLE001 - a bug in tuning must not cost the user's run: use the rules' pick
         return Tuning(pick, pick.name, [], time.perf_counter() - start, False, replay,
                       skipped=f"trials failed ({describe_error(e)}); the rules' pick is used as is",
@@ -416,6 +425,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         before.restore()
     trials = [c.record for c in contenders]
     seconds = time.perf_counter() - start
+    arms = [(_arm(c), c) for c in contenders[1:] if in_run and c.record.accepted and c.candidate.label != "plain"]
     if not winner.record.accepted:  # plain PyTorch itself could not be measured: the trials tell nothing
         # Nothing unverified is applied: plain PyTorch compute (the pick's knobs that keep the training the same
         # model stay, as in every candidate). The first error is usually the script's own: say it.
@@ -433,10 +443,13 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
         cache.put_entry(key, {"kind": "strategy", "label": winner.candidate.label,
                               "strategy": winner.candidate.strategy.to_dict(),
                               "plain_strategy": plain.candidate.strategy.to_dict(),
+                              "timed_in_run": in_run,
+                              "arms": {a.label: c.candidate.strategy.to_dict() for a, c in arms},
                               "load": load.to_dict() if load is not None else None,
                               "trials": [t.to_dict() for t in trials], "tuning_seconds": seconds})
     return Tuning(winner.candidate.strategy, winner.candidate.label, trials, seconds, False, replay,
-                  restore_rng=before.restore, key=key, cache=cache, remeasured=remeasured)
+                  restore_rng=before.restore, key=key, cache=cache, remeasured=remeasured,
+                  arms=[a for a, _ in arms], prefer=_preference(contenders) if in_run else [])
 
 
 def load_changed(entry: Dict[str, Any], load: Optional[CpuLoad]) -> str:
@@ -682,6 +695,44 @@ def _settled(seconds: List[float]) -> bool:
     `SETTLE_TOLERANCE`: the one-time costs are spent. (A machine's timing noise only ever adds time, so
     two slow steps that agree with each other do not count.)"""
     return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
+
+
+def _timed_in_run(contenders: List[_TrialRun], pick: Strategy, optimizer: Any) -> bool:
+    """Whether the run's first steps time the candidates (`aiak.tune.guard`) instead of rounds on the copies: the
+    rules' pick and plain passed their first step, and every candidate still in the race is the pick's model
+    switched between steps (`aiak.tune.candidates.switches_between_steps`), where the guard can watch the run. Its
+    steps then train the run: a candidate as fast as plain costs nothing there, where rounds on copies cost every
+    candidate's steps."""
+    alive = [c for c in contenders if not c.failed]
+    first = contenders[0]
+    return (first.candidate.label != "plain" and not first.failed and len(alive) > 1
+            and any(c.candidate.label == "plain" for c in alive) and not not_watched(pick, optimizer)
+            and all(switches_between_steps(c.candidate.strategy, first.candidate.strategy) for c in alive))
+
+
+def _start_in_run(contenders: List[_TrialRun]) -> _TrialRun:
+    """The pick is applied; every candidate that passed the gate is accepted, to be timed in the run."""
+    for c in contenders:
+        if not c.failed:
+            c.record.accepted = True
+            c.record.why += "; timed in the run's first steps (run-time guard)"
+    return contenders[0]
+
+
+def _arm(c: _TrialRun) -> Arm:
+    """The guard's arm that computes as candidate ``c`` on the pick's model (`aiak.tune.guard.Arm`)."""
+    s = c.candidate.strategy
+    half = s.precision.level != "O0"
+    return Arm(c.candidate.label, dict(c.process_switches), half, level=s.precision.level if half else None,
+               channels_last=bool(s.channels_last))
+
+
+def _preference(contenders: List[_TrialRun]) -> List[str]:
+    """The guard's preference within noise where it is the only timing: plain compute, the numerics-neutral
+    candidates, then the rules' pick (as `_decide` prefers the simpler)."""
+    neutral = [c.candidate.label for c in contenders[1:] if c.candidate.neutral and c.candidate.label != "plain"
+               and c.record.accepted]
+    return [PLAIN_COMPUTE] + neutral + [PICK]
 
 
 def _simplicity(c: _TrialRun) -> int:

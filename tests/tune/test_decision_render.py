@@ -11,7 +11,7 @@ from aiak.strategy.select import leaves
 from aiak.tune.decision import candidate_words
 from aiak.util.text import yaml_text
 from tests.tune.test_trial_loss import NeedsAMask
-from tests.tune.test_trials import TUNED, setup
+from tests.tune.test_trials import TUNED, UNGUARDED, setup
 
 
 def _groups(text):
@@ -66,16 +66,21 @@ def test_full_render_lists_every_knob_with_value_source_and_reason():
         assert yaml_text(knob["value"]) in row and knob["source"] in row and row.endswith(knob["reason"]), row
 
 
-def test_headline_says_what_was_applied_and_where_to_read_why():
+@pytest.mark.parametrize("strategy", [UNGUARDED, TUNED])   # timed on copies; in the run
+def test_headline_says_what_was_applied_and_where_to_read_why(strategy):
     model, optimizer, loader = setup()
-    aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    aiak.optimize(model, optimizer, loader, strategy=strategy)
     decision = aiak.last_decision()
     d = decision.to_dict()
     headline = decision.headline()
     assert 1 <= len(headline.splitlines()) <= 2
     assert "aiak explain" in headline and "aiak.last_decision()" in headline
-    chosen = next(t["label"] for t in d["trials"] if "chosen" in t["why"])
-    assert candidate_words(chosen, d["trials"]) in headline and f"{len(d['trials'])} measured" in headline
+    if strategy is UNGUARDED:
+        chosen = next(t["label"] for t in d["trials"] if "chosen" in t["why"])
+        assert candidate_words(chosen, d["trials"]) in headline and f"{len(d['trials'])} measured" in headline
+    else:
+        kept = sum(t["accepted"] for t in d["trials"])
+        assert f"trials kept {kept} of {len(d['trials'])} candidates, timed in the run's first steps" in headline
     plain = dict(leaves(Strategy().to_dict()))
     for path, knob in d["knobs"].items():
         compact = f"{path}={yaml_text(knob['value'])}"

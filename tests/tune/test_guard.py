@@ -175,7 +175,7 @@ def test_the_cache_learns_the_guards_choice_and_the_load(cache_file):
     (key, entry), = data.items()
     assert entry["load"]["cores"] == len(os.sched_getaffinity(0)) and "plain_strategy" in entry
     entry["label"] = "bf16"   # as if the trials had chosen the pick: the guard's plain choice must override it
-    entry["guard"], entry["load"] = {"chosen": PLAIN}, None
+    entry["guard"], entry["load"] = {"chosen": PLAIN, "speedups": {PICK: 0.8, PLAIN: 1.0}}, None
     cache_file.write_text(json.dumps(data))
     model, optimizer, loader = make_setup(0, 256, 16, width=8)
     aiak.optimize(model, optimizer, loader, strategy={
@@ -183,7 +183,7 @@ def test_the_cache_learns_the_guards_choice_and_the_load(cache_file):
     d = aiak.last_decision().to_dict()
     assert d["cache_hit"] and d["strategy"]["precision"]["level"] == "O0" and d["guard"] == {}
 
-    entry["guard"] = {"chosen": PLAIN, "load": {"cores": 2, "free_cores": 0}}   # no reading now can match
+    entry["guard"]["load"] = {"cores": 2, "free_cores": 0}   # no reading now can match
     cache_file.write_text(json.dumps(data))
     model, optimizer, loader = make_setup(0, 256, 16, width=8)
     aiak.optimize(model, optimizer, loader, strategy={
@@ -200,7 +200,7 @@ def test_the_guard_reports_into_the_decision_and_the_cache(cache_file):
                 "tune": {"candidates": 2, "steps": 2}}
     data = trained_pick(cache_file)
     (entry,) = data.values()
-    entry["label"], entry["load"] = "custom", None
+    entry["label"], entry["load"], entry["timed_in_run"] = "custom", None, False   # as trials on copies chose
     entry["strategy"] = aiak.Strategy.from_dict(strategy).to_dict()
     cache_file.write_text(json.dumps(data))
     switches = read_switches()

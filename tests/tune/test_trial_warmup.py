@@ -52,7 +52,7 @@ def test_no_timed_sample_pays_a_first_call_cost():
     SlowFirstLayoutCalls.logs.clear()
     model, optimizer, loader = setup()
     strategy = {"extends": "default", "channels_last": True, "loader": {"prefetch": 2},
-                "tune": {"candidates": 2, "steps": 3, "max_seconds": 60}}
+                "tune": {"candidates": 2, "steps": 3, "max_seconds": 60, "guard": False}}  # rounds on copies
     aiak.optimize(model, optimizer, loader, strategy=strategy)
     trials = aiak.last_decision().to_dict()["trials"]
     # 3 timed samples, or 2 where the ranking was clear in both rounds

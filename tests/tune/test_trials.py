@@ -81,14 +81,17 @@ def test_run_with_trials_is_bit_identical_to_the_winner_from_step_0(strategy, dr
     assert torch.equal(rng_after, torch.get_rng_state())
 
 
-def test_trials_leave_the_users_objects_exactly_as_they_were():
+@pytest.mark.parametrize("strategy", [TUNED, UNGUARDED])   # timed in the run, and on copies
+def test_trials_leave_the_users_objects_exactly_as_they_were(strategy):
     model, optimizer, loader = setup()
     train(model, optimizer, [next(iter(loader))])            # momentum buffers exist: state to disturb
     before_model, before_opt = state(model), copy.deepcopy(optimizer.state_dict())
     switches = (torch.get_num_threads(), torch.backends.cudnn.benchmark)
-    selection = resolve_strategy(TUNED, model, optimizer, loader)
+    selection = resolve_strategy(strategy, model, optimizer, loader)
     tuning = run_trials(selection, model, optimizer, loader, torch.device("cpu"))
-    assert len(tuning.trials) >= 3 and all(t.samples_ms for t in tuning.trials if t.accepted)
+    timed_on_copies = not tuning.arms and not any("timed in the run" in t.why for t in tuning.trials)
+    assert timed_on_copies == (strategy is UNGUARDED)
+    assert len(tuning.trials) >= 3 and all(bool(t.samples_ms) == timed_on_copies for t in tuning.trials if t.accepted)
     after = state(model)
     assert all(torch.equal(before_model[k], after[k]) for k in after)
     assert before_model.keys() == after.keys() and all(after[k].dtype == before_model[k].dtype for k in after)
@@ -124,11 +127,11 @@ def forget_the_load():
 
 def test_cache_hit_runs_no_trial_and_gives_the_same_strategy():
     model, optimizer, loader = setup()
-    aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    aiak.optimize(model, optimizer, loader, strategy=UNGUARDED)
     first = aiak.last_decision().to_dict()
     forget_the_load()
     model, optimizer, loader = setup()
-    _, _, wrapped = aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    _, _, wrapped = aiak.optimize(model, optimizer, loader, strategy=UNGUARDED)
     second = aiak.last_decision().to_dict()
     assert not first["cache_hit"] and second["cache_hit"]
     assert second["strategy"] == first["strategy"]
@@ -137,8 +140,30 @@ def test_cache_hit_runs_no_trial_and_gives_the_same_strategy():
     # a different batch shape is a different key
     model, optimizer, _ = setup()
     other = DataLoader(synthetic_dataset(128, image_size=16), batch_size=16)
-    aiak.optimize(model, optimizer, other, strategy=TUNED)
+    aiak.optimize(model, optimizer, other, strategy=UNGUARDED)
     assert not aiak.last_decision().cache_hit
+
+
+def test_a_decision_timed_in_the_run_is_cached_once_the_guard_decided():
+    """Trials whose candidates the run times (the guard on) leave a cache entry that a later run reuses only once the
+    guard has decided; then it starts from the arm the guard chose, the strategy that arm computes as."""
+    model, optimizer, loader = setup(n=1920)
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy=TUNED)
+    first = aiak.last_decision()
+    assert not first.cache_hit and any("timed in the run" in t["why"] for t in first.to_dict()["trials"])
+    forget_the_load()
+    setup_again = setup(n=1920)
+    aiak.optimize(*setup_again, strategy=TUNED)
+    again = aiak.last_decision()
+    assert not again.cache_hit and "did not finish" in again.tuning
+    train(model, optimizer, loader)                        # 60 steps: the guard decides within 48 (4 arms)
+    assert "speedups" in first.guard, first.guard
+    forget_the_load()
+    aiak.optimize(*setup(n=1920), strategy=TUNED)
+    hit = aiak.last_decision()
+    assert hit.cache_hit
+    levels = {"plain compute": "O0", "neutral": "O0", "O2": "O2", "pick": "O1", "pick, fewer threads": "O1"}
+    assert hit.strategy["precision"]["level"] == levels[first.guard["chosen"]]
 
 
 def test_decision_record_is_json_and_every_knob_has_a_source_and_a_reason():
@@ -156,7 +181,8 @@ def test_decision_record_is_json_and_every_knob_has_a_source_and_a_reason():
         assert t["peak_mem_mb"] is None or t["peak_mem_mb"] >= 0
     assert any(t["peak_mem_mb"] is not None for t in d["trials"])   # measured on this CPU too (Linux's VmHWM)
     assert d["tuning_seconds"] > 0
-    assert sum(t["accepted"] and "chosen" in t["why"] for t in d["trials"]) == 1
+    in_run = any("timed in the run" in t["why"] for t in d["trials"])   # the guard chooses, in the run's first steps
+    assert sum(t["accepted"] and "chosen" in t["why"] for t in d["trials"]) == (0 if in_run else 1)
     text = aiak.last_decision().render()
     assert "trials" in text and "plain" in text and "peak MiB" in text
 

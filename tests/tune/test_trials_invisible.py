@@ -17,7 +17,8 @@ from aiak.cli.demo import synthetic_dataset
 from tests.tune.test_trials import DropoutNet, state
 
 TUNED = {"extends": "default", "channels_last": True, "precision": {"level": "O1", "dtype": "bf16"},
-         "tune": {"candidates": 3, "steps": 3}}
+         "tune": {"candidates": 3, "steps": 3, "guard": False}}   # the candidates timed on copies; the run is one's
+TIMED_IN_RUN = dict(TUNED, tune={"candidates": 3, "steps": 3})      # the run's first steps time them
 PREFETCHED = dict(TUNED, loader={"prefetch": 2})   # loading that draws in this process stays in the step
 
 
@@ -93,4 +94,19 @@ def test_run_after_trials_is_the_winners_run_from_step_0(sampler, before_loop, s
     assert seen == expected_seen                              # every batch once, in the order the loop would draw
     assert weights.keys() == expected_weights.keys()
     assert all(torch.equal(weights[k], expected_weights[k]) for k in weights), "weights differ from the winner's run"
+    assert torch.equal(rng, expected_rng)
+
+
+@pytest.mark.parametrize("sampler,before_loop", [("shuffle", _reseed), ("distributed", _resume_at_epoch_3),
+                                                 ("shuffle", _nothing)])
+def test_trials_timed_in_the_run_leave_the_batches_and_the_streams_alone(sampler, before_loop):
+    """Timed in the run, the first steps compute as the candidates in turn (each passed the gate), so the weights
+    are not the pick's run's; but the loop still sees every batch once in the loader's own order, and the random
+    streams end where the pick's run without any trial leaves them (dropout and augmentation draw alike)."""
+    decision, _, seen, rng = _script(TIMED_IN_RUN, sampler, before_loop)
+    assert any("timed in the run" in t["why"] for t in decision["trials"]), decision["trials"]
+    pick = copy.deepcopy(decision["strategy"])
+    pick["tune"] = {"enabled": False}
+    _, _, expected_seen, expected_rng = _script(pick, sampler, before_loop)
+    assert seen == expected_seen
     assert torch.equal(rng, expected_rng)
