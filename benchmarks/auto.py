@@ -246,6 +246,30 @@ def _pick_label(decision) -> str:
             + (" +fused" if applied["fused_ops"] else ""))
 
 
+def _arm_label(changes: Dict[str, Any]) -> str:
+    """A trial candidate's changes from plain PyTorch (its decision row's ``strategy``) in the oracle's labels."""
+    level = changes.get("precision.level", "O0")
+    dtype = changes.get("precision.dtype", aiak.Strategy().precision.dtype)
+    label = "fp32" if level == "O0" else f"{level} {dtype}"
+    return (label + (" +cl" if changes.get("channels_last") else "") + (" +compile" if changes.get("compile") else "")
+            + (" +fused" if changes.get("fused_ops") else ""))
+
+
+def guard_choice(c: Contender) -> None:
+    """Where auto's run-time guard decided (after the warm-up), its chosen arm is what auto computes with from then
+    on: the pick in the oracle's labels follows it."""
+    guard = c.decision.guard if c.decision is not None else {}
+    if "speedups" not in guard:
+        return
+    c.note += f"; the guard chose {guard['chosen']!r} after {guard['steps']} steps"
+    rows = {t["label"]: t for t in c.trials or []}
+    chosen = guard["chosen"]
+    row = (rows.get("plain") if chosen == "plain compute" else (c.trials or [None])[0] if chosen.startswith("pick")
+           else rows.get(chosen))
+    if row is not None:
+        c.pick = _arm_label(row["strategy"])
+
+
 def build_auto(case: ModelCase, batch_size: int, samples: int) -> Contender:
     setup = make_setup(case, batch_size, samples)
     with quiet():
@@ -361,6 +385,8 @@ def run_model(case: ModelCase, args) -> dict:
     print(f"   warm-up {time.perf_counter() - t0:.1f} s; timing {args.rounds} rounds ...")
     times = time_round_robin({c.label: c.step for c in contenders}, repeats=args.rounds, warmup=0)
     auto_c = next(c for c in contenders if c.label == "auto")
+    guard_choice(auto_c)
+    guard_excess = max(0.0, auto_c.warmup_s - auto_c.warmup_steps * statistics.median(times["auto"]))
     # Every contender's effective step over a 200-step run: its steady step plus its one-time costs spread
     # over the run: the warm-up steps' excess over steady steps (compiling, for a compiled one) and, for
     # auto, its optimize() call (the trials). The oracle pays for its compiles as auto pays for its trials.
@@ -392,7 +418,9 @@ def run_model(case: ModelCase, args) -> dict:
     budget_s = BUDGET_FRACTION * BUDGET_RUN_STEPS * statistics.median(times["plain"])
     print(f"   auto's trials took {auto_c.tuning_s:.2f} s against a budget of about {budget_s:.2f} s "
           f"({BUDGET_FRACTION:.0%} of {BUDGET_RUN_STEPS} plain steps)"
-          + ("" if auto_c.tuning_s <= budget_s else f": over by {auto_c.tuning_s / budget_s - 1:.0%}"))
+          + ("" if auto_c.tuning_s <= budget_s else f": over by {auto_c.tuning_s / budget_s - 1:.0%}")
+          + f"; its first {auto_c.warmup_steps} steps (the guard's windows) took {guard_excess:.2f} s more than "
+            f"steady ones")
     print("   auto's own trials: " + "; ".join(
         f"{t['label']} {t['step_ms']:.1f} ms" if t["step_ms"] else f"{t['label']} -" for t in auto_c.trials or [])
         + " -> " + next((t["label"] for t in auto_c.trials or [] if "chosen" in t["why"]), "none chosen"))
@@ -425,7 +453,8 @@ def run_model(case: ModelCase, args) -> dict:
             "oracle_best": best.label, "eager_best": eager_best.label, "auto_vs_eager_best": eager[0],
             "auto_note": auto_c.note, "auto_pick": auto_c.pick, "auto_trials": auto_c.trials,
             "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}, "auto_optimize_s": auto_c.optimize_s,
-            "auto_tuning_s": auto_c.tuning_s, "auto_budget_s": budget_s, "losses": losses, "loss_tolerance": tol,
+            "auto_tuning_s": auto_c.tuning_s, "auto_budget_s": budget_s, "auto_guard_excess_s": guard_excess,
+            "auto_guard": auto_c.decision.guard if auto_c.decision is not None else {}, "losses": losses, "loss_tolerance": tol,
             "goals": goals}
 
 

@@ -25,7 +25,9 @@ def _cmd_explain(args) -> int:
     """What a strategy (default auto) picks for a model SPEC on this machine, knob by knob, and why.
 
     Without ``--tune`` the rules' pick only: nothing is trained. With ``--tune`` the strategy is applied to the
-    model (``optimize()``, trials included for auto), which takes a few training steps per candidate.
+    model (``optimize()``, trials included for auto), which takes a few training steps per candidate, and the model
+    trains until the run-time guard decided (`_train_until_the_guard_decided`), since the candidates the run can
+    switch between are timed there.
     """
     import torch
 
@@ -38,14 +40,41 @@ def _cmd_explain(args) -> int:
     setup = model_spec.build(args.model, batch_size=args.batch_size, input_shape=args.input_shape)
     logging.getLogger("aiak").setLevel(logging.WARNING)  # optimize() logs the same table at INFO
 
-    from aiak.api import explain
+    from aiak.api import explain, last_decision, optimize
 
-    decision = explain(setup.model, setup.optimizer, setup.loader, strategy=args.strategy, tune=args.tune,
-                       device=device)
-    mode = "measured (--tune)" if args.tune else "rules only, nothing trained (--tune measures)"
+    if args.tune:
+        model, optimizer, loader = optimize(setup.model, setup.optimizer, setup.loader, strategy=args.strategy,
+                                            device=device)
+        decision = last_decision()
+        steps = _train_until_the_guard_decided(model, optimizer, loader, decision)
+        mode = "measured (--tune)" + (f", then {steps} training steps timed by the run-time guard" if steps else "")
+    else:
+        decision = explain(setup.model, setup.optimizer, setup.loader, strategy=args.strategy, device=device)
+        mode = "rules only, nothing trained (--tune measures)"
     print(f"model {setup.description}; device {device}; {mode}\n")
     print(decision.render(full=True, group_defaults=not args.all))  # --all: a row for every knob
     return 0
+
+
+GUARD_MAX_STEPS = 64   # the most training steps explain --tune runs for the guard (it decides within 4 rounds)
+
+
+def _train_until_the_guard_decided(model, optimizer, loader, decision) -> int:
+    """Training steps on the model spec's batches until the run-time guard (`aiak.tune.guard`) has decided, at most
+    `GUARD_MAX_STEPS`; returns how many ran (none where no guard watches)."""
+    from aiak.cli import model_spec
+
+    steps, batches = 0, iter(loader)
+    while decision.guard.get("why", "").startswith("watching") and steps < GUARD_MAX_STEPS:
+        batch = next(batches, None)
+        if batch is None:
+            batches = iter(loader)
+            continue
+        model_spec.compute_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+    return steps
 
 
 def _cmd_demo(args) -> int:

@@ -15,7 +15,10 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a forward of two samples
    under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
    PyTorch's runs is rejected, with the error in its record.
-5. Rounds: every candidate takes one step per round, the order rotating every round; its steps form one
+5. Where the run can time them instead (`_timed_in_run`: every candidate left is the pick's model switched between
+   steps, `aiak.tune.candidates.switches_between_steps`, and the run-time guard can watch), no round runs here:
+   the pick is applied and its guard (`aiak.tune.guard`) times the accepted candidates against plain compute in
+   the run's first steps, which train the run. Otherwise, rounds: every candidate takes one step per round, the order rotating every round; its steps form one
    series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
    creating primitives, cuDNN autotuning): in timm's script a trial's plain step took 3.75 s where the real
    run's took 0.33 s. Timing starts where every series has settled (its last two steps no faster than its
@@ -29,7 +32,7 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    Every step, warm-up included, runs under its candidate's own process switches (TF32, cuDNN autotuning,
    CPU affinity, threads: what applying it set), all written before the step, on or off, so no candidate
    inherits another's, and plain fp32, the gate's reference, none.
-7. The fastest accepted candidate by median step time wins; a simpler candidate (plain PyTorch, then the
+7. After rounds, the fastest accepted candidate by median step time wins; a simpler candidate (plain PyTorch, then the
    numerics-neutral subset, then the others in preference order) within noise of it is preferred.
 8. RNG (torch CPU/CUDA, Python, NumPy, the loader's generators) and process switches are put back as they
    were before the batches were borrowed, so ``optimize()`` returns with every random stream as it found it.
