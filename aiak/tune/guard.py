@@ -318,9 +318,6 @@ def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, pl
     if off:
         decision.guard = {"chosen": PICK, "why": f"not run: {off}"}
         return None
-    others = ", ".join(repr(arm.label) for arm in tuning.arms)
-    decision.guard = {"chosen": PICK, "why": f"watching the run's first steps against plain compute"
-                                             f"{f' and the candidates {others}' if others else ''}"}
 
     def decided(result: GuardResult) -> None:
         decision.guard = result.to_dict()
@@ -328,5 +325,9 @@ def watch(tuning: Any, strategy: Any, model: torch.nn.Module, optimizer: Any, pl
 
     compute = next((h.__self__ for m in model.modules() for h in m._forward_pre_hooks.values()
                     if isinstance(getattr(h, "__self__", None), HalfCompute)), None)
-    return SpeedGuard(optimizer, model, compute, read_switches(), plain_switches, cpu_load(), device, decided,
-                      others=tuning.arms, prefer=tuning.prefer or [PICK])
+    watching = SpeedGuard(optimizer, model, compute, read_switches(), plain_switches, cpu_load(), device, decided,
+                          others=tuning.arms, prefer=tuning.prefer or [PICK])
+    others = ", ".join(repr(arm.label) for arm in watching.arms if any(arm is a for a in tuning.arms))
+    decision.guard = {"chosen": PICK, "why": f"watching the run's first steps against plain compute"
+                                             f"{f' and the candidates {others}' if others else ''}"}
+    return watching

@@ -14,8 +14,10 @@ CHILD = textwrap.dedent("""
     import aiak.util.status_line as status_line
     from aiak.cli.demo import make_setup
     status_line.SHOW_AFTER_S = 0.0          # the demo's trials take about a second here: show from the start
+    aiak.optimize(*make_setup(n=512, batch_size=32), strategy={"extends": "auto_base", "channels_last": True,
+                                                               "tune": {"guard": False}})   # rounds on copies
     model, optimizer, loader = make_setup(n=512, batch_size=32)
-    aiak.optimize(model, optimizer, loader, strategy="auto")
+    aiak.optimize(model, optimizer, loader, strategy="auto")   # its candidates timed in the run: first steps only
 """)
 
 
