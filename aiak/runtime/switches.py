@@ -69,6 +69,13 @@ class ChannelsLast:
         return map_tensors(args, to_layout), map_tensors(kwargs, to_layout)
 
 
+def attach_layout(model: torch.nn.Module) -> Tuple["ChannelsLast", Any]:
+    """A `ChannelsLast`, off, hooked on a model that was not given channels_last, so that it can be switched on
+    between steps (the run-time guard times it); returns it and its hook's handle (removing it detaches it)."""
+    layout = ChannelsLast()
+    return layout, model.register_forward_pre_hook(layout.inputs, with_kwargs=True)
+
+
 def channels_last_of(model: torch.nn.Module):
     """The `ChannelsLast` hooked on ``model`` by `apply_channels_last`, or None."""
     return next((h.__self__ for h in model._forward_pre_hooks.values()

@@ -37,7 +37,8 @@ is said in one line on stderr, beside `optimize()`'s own. The decision record (`
 guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
 What the guard cannot switch between two steps is left as applied: fused modules, the loader's prefetching, fp16
-(its loss scaling), a layout the pick did not apply. It does not run under `torch.compile` (switching the compute would recompile), with fp8
+(its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where an arm computes channels_last
+(`aiak.runtime.switches.attach_layout`); it is detached again unless the chosen arm computes so. It does not run under `torch.compile` (switching the compute would recompile), with fp8
 layers (swapped modules), on several ranks (each rank would choose alone), or where the trials chose plain compute.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ import torch
 from aiak.amp.half_compute import HalfCompute
 from aiak.measure.clock import StepClock
 from aiak.measure.thresholds import NOISE_FLOOR
-from aiak.runtime.switches import channels_last_of, read_switches, write_switches
+from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
 from aiak.util.dist import is_distributed
 from aiak.util.machine.load import CpuLoad, cpu_load
 from aiak.util.warn import is_rank_zero
@@ -119,7 +120,9 @@ class SpeedGuard:
                  device: torch.device, on_decision: Callable[[GuardResult], None], *,
                  others: Sequence[Arm] = (), prefer: Sequence[str] = (PICK,)):
         self.model, self.compute, self.load, self.on_decision = model, compute, load, on_decision
-        self.layout = channels_last_of(model)
+        self.layout, self.attached = channels_last_of(model), None
+        if self.layout is None and any(arm.channels_last for arm in others):   # a model the pick left contiguous
+            self.layout, self.attached = attach_layout(model)
         self.pick_level = compute.level if compute is not None else None   # as applied
         self.pick_layout = self.layout.on if self.layout is not None else None
         self.prefer = list(prefer)
@@ -153,7 +156,7 @@ class SpeedGuard:
         if arm.half_compute and arm.level not in (None, self.compute.level) \
                 and not self.compute.level_switchable(self.model):
             return False
-        return arm.channels_last is None or self.layout is not None or not arm.channels_last
+        return not arm.channels_last or self.layout is not None
 
     def _use(self, arm: Arm) -> None:
         write_switches(arm.switches)
@@ -228,6 +231,8 @@ class SpeedGuard:
         chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms],
                                                self.prefer)
         self._use(next(a for a in self.arms if a.label == chosen))
+        if self.attached is not None and not self.layout.on:   # the layout it attached is not needed
+            self.attached.remove()
         self.handle.remove()
         self.forward_handle.remove()
         self.result = GuardResult(chosen, speedups, rounds, self.steps, self.load.to_dict(),

@@ -304,7 +304,7 @@ def test_arms_that_switch_the_level_and_the_layout():
 
 
 def test_an_arm_the_model_cannot_switch_to_exactly_is_left_out():
-    """A level switch where a module kept in fp32 has O2's own hooks, channels_last on a model not given it."""
+    """A level switch where a module kept in fp32 has O2's own hooks (the layout is attached: `attach_layout`)."""
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.GELU(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, _ = aiak.optimize(model, optimizer, strategy={
@@ -314,6 +314,37 @@ def test_an_arm_the_model_cannot_switch_to_exactly_is_left_out():
                                                                       channels_last=True)]
     g = SpeedGuard(optimizer, model, compute_of(model), switches, switches, CpuLoad(2, 0.0, 0.0),
                    torch.device("cpu"), lambda result: None, others=others)
-    assert [a.label for a in g.arms] == [PICK, PLAIN]
+    assert [a.label for a in g.arms] == [PICK, "channels_last", PLAIN]
     g.handle.remove()
     g.forward_handle.remove()
+
+
+def test_channels_last_switched_on_for_a_model_the_pick_left_contiguous():
+    """The guard attaches a layout, off, to a demo model applied at O1 bf16 without channels_last: the channels_last
+    arm's windows compute with NHWC weights and inputs, the others with contiguous ones; after the decision the
+    layout stays attached only where the chosen arm computes channels_last."""
+    switches = read_switches()
+    model, optimizer, loader = make_setup(0, 960, 16, width=8)
+    model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}})
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(
+        (conv.weight.is_contiguous(), args[0].is_contiguous())))
+    pick = read_switches()
+    g = SpeedGuard(optimizer, model, compute_of(model), pick, switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
+                   lambda result: None, others=[guard.Arm("channels_last=true", pick, True, channels_last=True)])
+    assert [a.label for a in g.arms] == [PICK, "channels_last=true", PLAIN] and g.attached is not None
+    it = training_steps(model, optimizer, loader, None)
+    try:
+        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 4):
+            next(it)
+    finally:
+        write_switches(switches)
+    nhwc = {PICK: (True, True), "channels_last=true": (False, False), PLAIN: (True, True)}
+    order = list(g.arms)
+    expected = [nhwc[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
+    assert seen[:len(expected)] == expected
+    assert set(seen[g.result.steps:]) == {nhwc[g.result.chosen]}
+    attached = any(getattr(h, "__self__", None) is g.layout for h in model._forward_pre_hooks.values())
+    assert attached == (g.result.chosen == "channels_last=true")
