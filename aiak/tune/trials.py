@@ -6,7 +6,9 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 2. ``tune.steps`` batches are borrowed from the loader (`aiak.tune.replay`; given back untouched).
 3. Each candidate (`aiak.tune.candidates`) is applied to its own deep copy of the model and optimizer,
    through the same `aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
-   wrapping, which do not change the step's compute). The user's objects are never touched.
+   wrapping, which do not change the step's compute). The user's objects are never touched. Where the run
+   will time the candidates (step 5), the pick alone is applied to one copy, and each candidate is that copy
+   switched between passes (`_SwitchedRun`), its gate step a gradient that changes nothing of the copy.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; the
    gradients of each one that changes the numerics (not plain, not a numerics-neutral one) go through the
    numerics gate (`aiak.tune.gate`) against plain fp32's, their error judged against the sampling noise of
@@ -15,7 +17,7 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a forward of two samples
    under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
    PyTorch's runs is rejected, with the error in its record.
-5. Where the run can time them instead (`_timed_in_run`: every candidate left is the pick's model switched between
+5. Where the run can time them instead (`_timed_in_run`: every candidate is the pick's model switched between
    steps, `aiak.tune.candidates.switches_between_steps`, and the run-time guard can watch), no round runs here:
    the pick is applied and its guard (`aiak.tune.guard`) times the accepted candidates against plain compute in
    the run's first steps, which train the run. Otherwise, rounds: every candidate takes one step per round, the order rotating every round; its steps form one
@@ -78,7 +80,8 @@ from aiak.measure.memory import PeakMemory
 from aiak.measure.rounds import Contender, alternate
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.rollback import Snapshot
-from aiak.runtime.switches import read_switches, write_switches
+from aiak.amp.half_compute import half_compute_of
+from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
 from aiak.step.training_step import training_step
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
@@ -359,6 +362,60 @@ class _TrialRun:
                 for (n, p), g in zip(named, grads)}
 
 
+class _SwitchedRun(_TrialRun):
+    """A candidate computed on the pick's one copy, switched to it between passes as the run-time guard switches the
+    run (`aiak.tune.candidates.switches_between_steps`: half compute on or off, its level, the layout): where the
+    run times the candidates, the trials only gate and evaluate them, and one copy serves all. Its gate step is a
+    gradient (`_TrialRun.gradients`: nothing of the copy changes), taken only where the gate judges it."""
+
+    def __init__(self, candidate: Candidate, device: torch.device, shared: _TrialRun, process_switches: Dict[str, Any]):
+        super().__init__(candidate, device)
+        self.bare, self.model, self.optimizer = shared.bare, shared.model, shared.optimizer
+        self.failed = shared.failed
+        self.process_switches = dict(process_switches)
+
+    def configure(self) -> None:
+        """The shared copy computes as this candidate from its next forward."""
+        s = self.candidate.strategy
+        compute, layout = half_compute_of(self.bare), channels_last_of(self.bare)
+        half = s.precision.level != "O0"
+        if compute is not None:
+            compute.enabled = half
+            if half and compute.level != s.precision.level:
+                compute.switch_level(self.bare, s.precision.level)   # refused where it would not be exact
+        if s.channels_last and layout is None:
+            layout = attach_layout(self.bare)[0]
+        if layout is not None and layout.on != bool(s.channels_last):
+            layout.switch(self.bare, bool(s.channels_last))
+
+    def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
+        self.configure()
+        return self.gradients(batch) if want_grads else None
+
+    def evaluate(self, batch: Any) -> str:
+        self.configure()
+        return super().evaluate(batch)
+
+    def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
+        self.configure()
+        return super().gradients(batch)
+
+
+def _build_switched(candidates: List[Candidate], model, optimizer, device) -> List[_TrialRun]:
+    """The pick built on one copy (`_TrialRun.build`), every candidate a `_SwitchedRun` of it: plain PyTorch's with the
+    process switches as the script has them, the others with the pick's."""
+    script = read_switches()
+    shared = _TrialRun(candidates[0], device)
+    shared.build(model, optimizer)
+    built = [_SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
+             for c in candidates]
+    flags = max_across_ranks([1.0 if b.failed else 0.0 for b in built])
+    for b, flag in zip(built, flags):
+        if flag:
+            b.fail("could not be applied on another rank")
+    return built
+
+
 def _plain(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str, type(None))) else json.loads(json.dumps(value, default=str))
 
@@ -413,9 +470,13 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
     try:
         candidates = candidate_strategies(pick, selection.probes, limit=cfg.candidates, max_seconds=cfg.max_seconds)
         with StatusLine(f"timing {len(candidates)} candidate strategies on the first batches") as status:
-            contenders = _build(candidates, model, optimizer, device)
+            in_run = _timed_in_run(candidates, pick, optimizer)
+            contenders = (_build_switched if in_run else _build)(candidates, model, optimizer, device)
             _warm_up(contenders, batches, after, device, status)
-            in_run = _timed_in_run(contenders, pick, optimizer)
+            if in_run and any(c.failed for c in contenders[:1] + [c for c in contenders if c.candidate.label == "plain"]):
+                in_run = False   # the pick or plain failed: time the others on copies of their own
+                contenders = _build(candidates, model, optimizer, device)
+                _warm_up(contenders, batches, after, device, status)
             if not in_run:
                 _timed_rounds(contenders, batches, cfg, start, status)
         winner = _start_in_run(contenders) if in_run else _decide(contenders)
@@ -700,17 +761,15 @@ def _settled(seconds: List[float]) -> bool:
     return len(seconds) >= 3 and min(seconds[:-2]) <= (1 + SETTLE_TOLERANCE) * min(seconds[-2:])
 
 
-def _timed_in_run(contenders: List[_TrialRun], pick: Strategy, optimizer: Any) -> bool:
-    """Whether the run's first steps time the candidates (`aiak.tune.guard`) instead of rounds on the copies: the
-    rules' pick and plain passed their first step, and every candidate still in the race is the pick's model
-    switched between steps (`aiak.tune.candidates.switches_between_steps`), where the guard can watch the run. Its
-    steps then train the run: a candidate as fast as plain costs nothing there, where rounds on copies cost every
-    candidate's steps."""
-    alive = [c for c in contenders if not c.failed]
-    first = contenders[0]
-    return (first.candidate.label != "plain" and not first.failed and len(alive) > 1
-            and any(c.candidate.label == "plain" for c in alive) and not not_watched(pick, optimizer)
-            and all(switches_between_steps(c.candidate.strategy, first.candidate.strategy) for c in alive))
+def _timed_in_run(candidates: List[Candidate], pick: Strategy, optimizer: Any) -> bool:
+    """Whether the run's first steps time the candidates (`aiak.tune.guard`) instead of rounds on copies: the rules'
+    pick is a candidate of its own, plain is among them, and every one is the pick's model switched between steps
+    (`aiak.tune.candidates.switches_between_steps`), where the guard can watch the run. Its steps then train the
+    run: a candidate as fast as plain costs nothing there, where rounds on copies cost every candidate's steps; and
+    the trials gate every candidate on one copy (`_SwitchedRun`)."""
+    return (len(candidates) > 1 and candidates[0].label != "plain" and any(c.label == "plain" for c in candidates)
+            and not not_watched(pick, optimizer)
+            and all(switches_between_steps(c.strategy, candidates[0].strategy) for c in candidates))
 
 
 def _start_in_run(contenders: List[_TrialRun]) -> _TrialRun:

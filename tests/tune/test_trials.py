@@ -257,3 +257,34 @@ def test_trial_loss_reads_each_kind_of_output():
     features = {"last_hidden_state": torch.ones(2, 5, 4) * 3}                           # a backbone: no scores
     assert torch.equal(trial_loss(features, {}), torch.tensor(9.0))
     assert torch.equal(trial_loss(logits, logits), logits.square().mean())              # no labels
+
+
+class CountedCopies(DemoNet):
+    """Counts its deep copies: the trials build one per candidate on copies, one in all where the run times them."""
+
+    copies = 0
+
+    def __deepcopy__(self, memo):
+        type(self).copies += 1
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+@pytest.mark.parametrize("strategy", [TUNED, UNGUARDED])
+def test_candidates_timed_in_the_run_are_gated_on_one_copy_switched_between_passes(strategy):
+    """Timed in the run, the trials build one copy, and each gated candidate's gradient is its own: it differs from
+    plain fp32's (a cosine below 1), as it would not if the copy had not been switched to it. On copies, one copy
+    per candidate."""
+    torch.manual_seed(0)
+    model = CountedCopies(width=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(synthetic_dataset(256, image_size=16), batch_size=32)
+    CountedCopies.copies = 0
+    aiak.optimize(model, optimizer, loader, strategy=strategy)
+    trials = aiak.last_decision().to_dict()["trials"]
+    assert CountedCopies.copies == (1 if strategy is TUNED else len(trials)), trials
+    gated = [t for t in trials if t["strategy"].get("precision.level", "O0") != "O0"]
+    assert gated and all(t["accepted"] and t["grad_cosine"] < 1.0 for t in gated), gated
+    assert all(t["accepted"] for t in trials)
