@@ -454,7 +454,8 @@ def run_model(case: ModelCase, args) -> dict:
             "auto_note": auto_c.note, "auto_pick": auto_c.pick, "auto_trials": auto_c.trials,
             "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}, "auto_optimize_s": auto_c.optimize_s,
             "auto_tuning_s": auto_c.tuning_s, "auto_budget_s": budget_s, "auto_guard_excess_s": guard_excess,
-            "auto_guard": auto_c.decision.guard if auto_c.decision is not None else {}, "losses": losses, "loss_tolerance": tol,
+            "auto_guard": auto_c.decision.guard if auto_c.decision is not None else {},
+            "losses": losses, "loss_tolerance": tol,
             "goals": goals}
 
 

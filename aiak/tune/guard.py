@@ -32,14 +32,15 @@ arm in every round is no longer timed. The fastest arm is chosen, unless a prefe
 (half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it already (so
 the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the guard is
 their only timing. The promise comes first: where the chosen arm took longer in sum than plain beyond
-`NOISE_FLOOR` (a wide spread of the rounds is no reason to keep it), the rest of the run computes as plain PyTorch. A change
-is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows the
+`NOISE_FLOOR` (a wide spread of the rounds is no reason to keep it), the rest of the run computes as plain PyTorch.
+A change is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows the
 guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
 What the guard cannot switch between two steps is left as applied: fused modules, the loader's prefetching, fp16
 (its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where an arm computes channels_last
-(`aiak.runtime.switches.attach_layout`); it is detached again unless the chosen arm computes so. It does not run under `torch.compile` (switching the compute would recompile), with fp8
-layers (swapped modules), on several ranks (each rank would choose alone), or where the trials chose plain compute.
+(`aiak.runtime.switches.attach_layout`); it is detached again unless the chosen arm computes so. The guard does not
+run under `torch.compile` (switching the compute would recompile), with fp8 layers (swapped modules), on several
+ranks (each rank would choose alone), or where the trials chose plain compute.
 """
 from __future__ import annotations
 

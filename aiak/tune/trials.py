@@ -20,8 +20,8 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
 5. Where the run can time them instead (`_timed_in_run`: every candidate is the pick's model switched between
    steps, `aiak.tune.candidates.switches_between_steps`, and the run-time guard can watch), no round runs here:
    the pick is applied and its guard (`aiak.tune.guard`) times the accepted candidates against plain compute in
-   the run's first steps, which train the run. Otherwise, rounds: every candidate takes one step per round, the order rotating every round; its steps form one
-   series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
+   the run's first steps, which train the run. Otherwise, rounds: every candidate takes one step per round, the
+   order rotating every round; its steps form one series, the gate's step first. A new copy's first steps pay one-time costs (the allocator growing, oneDNN
    creating primitives, cuDNN autotuning): in timm's script a trial's plain step took 3.75 s where the real
    run's took 0.33 s. Timing starts where every series has settled (its last two steps no faster than its
    best before them, within `SETTLE_TOLERANCE`), or after `WARMUP_MAX_STEPS` steps, or when the
@@ -73,6 +73,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from aiak.amp.half_compute import half_compute_of
 from aiak.apply import apply_strategy
 from aiak.loaders.prefetch import PrefetchLoader
 from aiak.measure.clock import StepClock
@@ -80,7 +81,6 @@ from aiak.measure.memory import PeakMemory
 from aiak.measure.rounds import Contender, alternate
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.rollback import Snapshot
-from aiak.amp.half_compute import half_compute_of
 from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
 from aiak.step.training_step import training_step
 from aiak.strategy.schema import Strategy
@@ -407,13 +407,8 @@ def _build_switched(candidates: List[Candidate], model, optimizer, device) -> Li
     script = read_switches()
     shared = _TrialRun(candidates[0], device)
     shared.build(model, optimizer)
-    built = [_SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
-             for c in candidates]
-    flags = max_across_ranks([1.0 if b.failed else 0.0 for b in built])
-    for b, flag in zip(built, flags):
-        if flag:
-            b.fail("could not be applied on another rank")
-    return built
+    return _agreed([_SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
+                    for c in candidates])
 
 
 def _plain(value: Any) -> Any:
@@ -473,7 +468,7 @@ def run_trials(selection: Any, model: nn.Module, optimizer: Any, loader: Any, de
             in_run = _timed_in_run(candidates, pick, optimizer)
             contenders = (_build_switched if in_run else _build)(candidates, model, optimizer, device)
             _warm_up(contenders, batches, after, device, status)
-            if in_run and any(c.failed for c in contenders[:1] + [c for c in contenders if c.candidate.label == "plain"]):
+            if in_run and any(c.failed for c in contenders if c is contenders[0] or c.candidate.label == "plain"):
                 in_run = False   # the pick or plain failed: time the others on copies of their own
                 contenders = _build(candidates, model, optimizer, device)
                 _warm_up(contenders, batches, after, device, status)
@@ -535,6 +530,11 @@ def _build(candidates: List[Candidate], model, optimizer, device) -> List[_Trial
     built = [_TrialRun(c, device) for c in candidates]
     for b in built:
         b.build(model, optimizer)
+    return _agreed(built)
+
+
+def _agreed(built: List[_TrialRun]) -> List[_TrialRun]:
+    """``built``, each failed on every rank where it failed to be applied on one."""
     flags = max_across_ranks([1.0 if b.failed else 0.0 for b in built])
     for b, flag in zip(built, flags):
         if flag:

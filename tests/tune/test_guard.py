@@ -270,6 +270,16 @@ def test_the_rule_with_more_arms(prefer, pick, other, chosen):
     assert set(speedups) == {PICK, "O2", PLAIN}
 
 
+def train_until_decided(g, model, optimizer, loader, switches):
+    """Enough training steps for the guard to decide at its last round, and a few more; the switches put back."""
+    it = training_steps(model, optimizer, loader, None)
+    try:
+        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 4):
+            next(it)
+    finally:
+        write_switches(switches)
+
+
 def test_arms_that_switch_the_level_and_the_layout():
     """A demo model applied at O1 bf16 with channels_last, watched with an O2 arm and an fp32 channels_last arm: every
     step of a window computes as its arm (half compute on or off, the level, the weights' layout), plain compute is
@@ -291,12 +301,7 @@ def test_arms_that_switch_the_level_and_the_layout():
     state = {PICK: (True, "O1", True), "O2": (True, "O2", True), "fp32, channels_last": (False, None, True),
              PLAIN: (False, None, False)}
     assert [a.label for a in g.arms] == [PICK, "O2", "fp32, channels_last", PLAIN]
-    it = training_steps(model, optimizer, loader, None)
-    try:
-        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 4):
-            next(it)
-    finally:
-        write_switches(switches)
+    train_until_decided(g, model, optimizer, loader, switches)
     order = list(g.arms)
     expected = [state[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
     assert seen[:len(expected)] == expected
@@ -335,12 +340,7 @@ def test_channels_last_switched_on_for_a_model_the_pick_left_contiguous():
     g = SpeedGuard(optimizer, model, compute_of(model), pick, switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
                    lambda result: None, others=[guard.Arm("channels_last=true", pick, True, channels_last=True)])
     assert [a.label for a in g.arms] == [PICK, "channels_last=true", PLAIN] and g.attached is not None
-    it = training_steps(model, optimizer, loader, None)
-    try:
-        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 4):
-            next(it)
-    finally:
-        write_switches(switches)
+    train_until_decided(g, model, optimizer, loader, switches)
     nhwc = {PICK: (True, True), "channels_last=true": (False, False), PLAIN: (True, True)}
     order = list(g.arms)
     expected = [nhwc[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
