@@ -8,7 +8,7 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    through the same `aiak.apply.apply_strategy` as ``optimize()`` (without DDP wrapping and loader
    wrapping, which do not change the step's compute). The user's objects are never touched. Where the run
    will time the candidates (step 5), the pick alone is applied to one copy, and each candidate is that copy
-   switched between passes (`_SwitchedRun`), its gate step a gradient that changes nothing of the copy.
+   switched between passes (`SwitchedRun`), its gate step a gradient that changes nothing of the copy.
 4. Warm-up round: every candidate takes one step on batch 0 from the same weights and RNG state; the
    gradients of each one that changes the numerics (not plain, not a numerics-neutral one) go through the
    numerics gate (`aiak.tune.gate`) against plain fp32's, their error judged against the sampling noise of
@@ -60,39 +60,33 @@ rank (error, OOM, numerics); rank 0 decides and broadcasts. Collectives are the 
 """
 from __future__ import annotations
 
-import copy
 import hashlib
-import itertools
-import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from aiak.amp.half_compute import half_compute_of
-from aiak.apply import apply_strategy
 from aiak.loaders.prefetch import PrefetchLoader
 from aiak.measure.clock import StepClock
 from aiak.measure.memory import PeakMemory
 from aiak.measure.rounds import Contender, alternate
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.rollback import Snapshot
-from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
-from aiak.step.training_step import training_step
+from aiak.runtime.switches import read_switches
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.guard import PICK, PLAIN as PLAIN_COMPUTE, Arm, not_watched
 from aiak.tune.candidates import Candidate, candidate_strategies, switches_between_steps, with_picks_knobs
 from aiak.tune.replay import RandomStreams, borrow
+from aiak.tune.trial_run import SwitchedRun, TrialRecord, TrialRun, batch_rows, batch_size_of
 from aiak.util import warn
 from aiak.util.cache import TuneCache
 from aiak.util.dist import max_across_ranks, on_rank0, rank0_index, rank0_object
-from aiak.util.nested import iter_tensors, map_tensors
-from aiak.util.nested import logits_of
+from aiak.util.nested import iter_tensors
 from aiak.util.status_line import StatusLine
 from aiak.util.text import describe_error
 from aiak.util.machine.load import CpuLoad, cpu_load
@@ -103,30 +97,6 @@ BUDGET_RUN_STEPS = 200     # ... of a 200-step run at plain PyTorch's speed
 MIN_TIMED_ROUNDS = 2
 WARMUP_MAX_STEPS = 6       # steps per candidate before timing starts at the latest (the gate's included) ...
 SETTLE_TOLERANCE = 0.2     # ... until they stop getting faster by more than 20% (first-call costs: multiples)
-EVAL_SAMPLES = 2           # the samples of each candidate's evaluation forward
-
-
-@dataclass
-class TrialRecord:
-    """One candidate's result, as ``last_decision().to_dict()["trials"]`` shows it."""
-
-    label: str
-    strategy: Dict[str, Any]                    # key path -> value where it differs from plain PyTorch
-    step_ms: Optional[float] = None             # median of the timed rounds (slowest rank)
-    step_ms_spread: Optional[List[float]] = None  # [min, max] of the timed rounds
-    samples_ms: List[float] = field(default_factory=list)
-    peak_mem_mb: Optional[float] = None         # its first step's peak above its start (`aiak.measure.memory`;
-                                                # on a CPU a lower bound)
-    grad_cosine: Optional[float] = None
-    grad_norm_diff: Optional[float] = None
-    accepted: bool = False
-    why: str = ""
-
-    speedup: Optional[float] = None             # median (low) over rounds of plain's time / this one's, same round
-    speedup_spread: Optional[List[float]] = None  # [min, max] of those per-round ratios
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -204,215 +174,6 @@ def decision_key(model: nn.Module, optimizer: Any, loader: Any, probes: Any, pro
              "aiak": installed_version("aiak") or "none", "profiles": profiles_digest,
              "tune": [tune_cfg.candidates, tune_cfg.steps, tune_cfg.max_seconds]}
     return TuneCache.key("strategy", type(model).__name__, digest_of=parts)
-
-
-# -- one trial step -------------------------------------------------------------------------------
-def trial_loss(output: Any, batch: Any) -> torch.Tensor:
-    """The loss the trial step backpropagates (see the module docstring); class scores are read by
-    `aiak.util.nested.logits_of`, the one reading of a model's output."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss.float()
-    try:
-        logits = logits_of(output)
-    except TypeError:  # no class scores (a backbone's features): any floating output makes the compute real
-        logits = next((t for t in iter_tensors(output) if t.is_floating_point()), None)
-        if logits is None:
-            raise TypeError(f"trial step: the model's output ({type(output).__name__}) holds no floating-point "
-                            f"tensor to backpropagate from") from None
-    target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
-    if _class_indices(target, logits):
-        return nn.functional.cross_entropy(logits.float(), target.to(logits.device))
-    return logits.float().square().mean()
-
-
-IGNORE_INDEX = -100  # cross-entropy's default ignore_index (padding, unlabelled pixels)
-
-
-def _class_indices(target: Any, logits: torch.Tensor) -> bool:
-    """Whether ``target`` can be cross-entropy's class indices for ``logits`` ((N, C, ...) scores): an integer
-    tensor of shape (N, ...) with every value in [0, C) or the ignore index. A sample index, a regression
-    target or a mask of another shape is not, and cross-entropy would raise (or, on CUDA, assert on the
-    device) on it."""
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() \
-            or target.dtype == torch.bool or logits.dim() < 2 or not logits.is_floating_point():
-        return False
-    if target.shape != logits.shape[:1] + logits.shape[2:]:
-        return False
-    valid = ((target >= 0) & (target < logits.shape[1])) | (target == IGNORE_INDEX)
-    return bool(valid.all())
-
-
-def _trial_loss_of(model: nn.Module, batch: Any) -> torch.Tensor:
-    return trial_loss(_call(model, batch), batch)
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)) and batch:
-        return model(batch[0])
-    raise TypeError(f"trial step: cannot feed a batch of type {type(batch).__name__} to the model")
-
-
-class _TrialRun:
-    """A candidate applied to its own copy of the model and optimizer, with the process switches it sets."""
-
-    def __init__(self, candidate: Candidate, device: torch.device):
-        self.candidate = candidate
-        self.record = TrialRecord(candidate.label, {k: _plain(v) for k, v in candidate.changes.items()})
-        self.device = device
-        self.channels_last = candidate.strategy.channels_last and candidate.strategy.loader.prefetch > 0
-        self.failed = ""
-        self.process_switches: Dict[str, Any] = {}  # aiak.runtime.rollback's switches as applying this candidate left them
-        self.warmup_s: List[float] = []             # steps' seconds before timing began (slowest rank), the gate's first
-        self.timer: Optional[Contender] = None      # its side in the timed rounds (aiak.measure.rounds)
-
-    def build(self, model: nn.Module, optimizer: Any) -> None:
-        """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded).
-        The process switches it set are kept for its steps and the process's put back, so every candidate is
-        applied from the same ones (a knob that is off writes nothing: it would inherit the previous one's)."""
-
-        process = read_switches()
-        try:
-            with warn.quiet():
-                self.bare, optimizer = copy.deepcopy((model, optimizer))
-                applied = apply_strategy(self.candidate.strategy, self.bare, optimizer, None, None, self.device,
-                                         distributed=False)
-            self.model, self.optimizer, self.controller = applied.model, applied.optimizer, applied.controller
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot be applied is dropped, not fatal
-            self.fail(f"could not be applied: {describe_error(e)}")
-        finally:
-            self.process_switches = read_switches()
-            write_switches(process)
-
-    def fail(self, why: str) -> None:
-        self.failed = self.failed or why
-        self.record.why = self.failed
-        self.record.accepted = False
-
-    def switches(self) -> None:
-        """Write every process switch as this candidate's run would have it, on or off."""
-        write_switches(self.process_switches)
-
-    def prepare(self, batch: Any) -> Any:
-        """The batch as this candidate's loader would deliver it (device, and channels_last when prefetched)."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self.device, copy=True)
-            if self.channels_last and t.dim() == 4 and t.is_floating_point():
-                t = t.contiguous(memory_format=torch.channels_last)
-            return t
-        return map_tensors(batch, move)
-
-    def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
-        """The user's step (`aiak.step.training_step.training_step`) on ``batch``; with ``want_grads``,
-        the gradients it computed (one micro-step's true gradient: the fp32 parameters' own, unscaled as they
-        landed), read between the backward and the optimizer step."""
-        grads: Dict[str, Dict[str, torch.Tensor]] = {}
-
-        def after_backward(phase: str) -> None:
-            if phase == "backward":
-                grads["read"] = gate.gradients(self.bare)
-
-        training_step(self.model, self.optimizer, self.prepare(batch), _trial_loss_of,
-                      after_backward if want_grads else None)
-        return grads.get("read")
-
-    def evaluate(self, batch: Any) -> str:
-        """What a script does between epochs: ``model.eval()``, a forward under ``torch.inference_mode()``,
-        ``model.train()`` again, on the batch's first `EVAL_SAMPLES` samples (what fails in evaluation fails on
-        any number of samples, and the whole batch cost a quarter of a step per candidate). Returns the error it
-        raised, or ``""``."""
-        size = _batch_size(batch)
-        if size is not None and size > EVAL_SAMPLES:
-            batch = _rows(batch, slice(0, EVAL_SAMPLES), size)
-        try:
-            self.model.eval()
-            with torch.inference_mode():
-                _call(self.model, self.prepare(batch))
-        except Exception as e:  # noqa: BLE001 - reported as the candidate's reason
-            return describe_error(e)
-        finally:
-            self.model.train()
-        return ""
-
-    def timed_step(self, batches: List[Any]) -> Callable[[], None]:
-        """The step the rounds time: one step on the next batch, batch 1 first (batch 0 was the gate's), round
-        and round; every candidate takes its k-th timed step on the same batch."""
-        order = itertools.cycle(batches[1:] + batches[:1])
-        return lambda: self.step(next(order), want_grads=False)
-
-    def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
-        """The gradients of one forward and backward on ``batch`` from the current weights, as
-        `aiak.tune.gate.gradients` gives them, the copy left as it was: taken by ``autograd.grad``, so no
-        ``.grad`` is written and no gradient hook sees a backward (a step controller counts them to tell a
-        script's own accumulation); no optimizer step; buffers (BatchNorm's running statistics) put back."""
-        named = [(n, p) for n, p in self.bare.named_parameters() if p.requires_grad]
-        buffers = [b.detach().clone() for b in self.bare.buffers()]
-        try:
-            grads = torch.autograd.grad(_trial_loss_of(self.model, self.prepare(batch)), [p for _, p in named],
-                                        allow_unused=True)
-        finally:
-            with torch.no_grad():
-                for b, saved in zip(self.bare.buffers(), buffers):
-                    b.copy_(saved)
-        return {n: (g if g is not None else torch.zeros_like(p)).detach().float().contiguous()
-                for (n, p), g in zip(named, grads)}
-
-
-class _SwitchedRun(_TrialRun):
-    """A candidate computed on the pick's one copy, switched to it between passes as the run-time guard switches the
-    run (`aiak.tune.candidates.switches_between_steps`: half compute on or off, its level, the layout): where the
-    run times the candidates, the trials only gate and evaluate them, and one copy serves all. Its gate step is a
-    gradient (`_TrialRun.gradients`: nothing of the copy changes), taken only where the gate judges it."""
-
-    def __init__(self, candidate: Candidate, device: torch.device, shared: _TrialRun, process_switches: Dict[str, Any]):
-        super().__init__(candidate, device)
-        self.bare, self.model, self.optimizer = shared.bare, shared.model, shared.optimizer
-        self.failed = shared.failed
-        self.process_switches = dict(process_switches)
-
-    def configure(self) -> None:
-        """The shared copy computes as this candidate from its next forward."""
-        s = self.candidate.strategy
-        compute, layout = half_compute_of(self.bare), channels_last_of(self.bare)
-        half = s.precision.level != "O0"
-        if compute is not None:
-            compute.enabled = half
-            if half and compute.level != s.precision.level:
-                compute.switch_level(self.bare, s.precision.level)   # refused where it would not be exact
-        if s.channels_last and layout is None:
-            layout = attach_layout(self.bare)[0]
-        if layout is not None and layout.on != bool(s.channels_last):
-            layout.switch(self.bare, bool(s.channels_last))
-
-    def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
-        self.configure()
-        return self.gradients(batch) if want_grads else None
-
-    def evaluate(self, batch: Any) -> str:
-        self.configure()
-        return super().evaluate(batch)
-
-    def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
-        self.configure()
-        return super().gradients(batch)
-
-
-def _build_switched(candidates: List[Candidate], model, optimizer, device) -> List[_TrialRun]:
-    """The pick built on one copy (`_TrialRun.build`), every candidate a `_SwitchedRun` of it: plain PyTorch's with the
-    process switches as the script has them, the others with the pick's."""
-    script = read_switches()
-    shared = _TrialRun(candidates[0], device)
-    shared.build(model, optimizer)
-    return _agreed([_SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
-                    for c in candidates])
-
-
-def _plain(value: Any) -> Any:
-    return value if isinstance(value, (bool, int, float, str, type(None))) else json.loads(json.dumps(value, default=str))
 
 
 # -- the trials -----------------------------------------------------------------------------------
@@ -526,14 +287,14 @@ def load_changed(entry: Dict[str, Any], load: Optional[CpuLoad]) -> str:
             f"other work, {load.free_cores} now: measured again")
 
 
-def _build(candidates: List[Candidate], model, optimizer, device) -> List[_TrialRun]:
-    built = [_TrialRun(c, device) for c in candidates]
+def _build(candidates: List[Candidate], model, optimizer, device) -> List[TrialRun]:
+    built = [TrialRun(c, device) for c in candidates]
     for b in built:
         b.build(model, optimizer)
     return _agreed(built)
 
 
-def _agreed(built: List[_TrialRun]) -> List[_TrialRun]:
+def _agreed(built: List[TrialRun]) -> List[TrialRun]:
     """``built``, each failed on every rank where it failed to be applied on one."""
     flags = max_across_ranks([1.0 if b.failed else 0.0 for b in built])
     for b, flag in zip(built, flags):
@@ -542,12 +303,22 @@ def _agreed(built: List[_TrialRun]) -> List[_TrialRun]:
     return built
 
 
-def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Optional[StatusLine] = None) -> None:
+def _build_switched(candidates: List[Candidate], model, optimizer, device) -> List[TrialRun]:
+    """The pick built on one copy (`TrialRun.build`), every candidate a `SwitchedRun` of it: plain PyTorch's with the
+    process switches as the script has them, the others with the pick's."""
+    script = read_switches()
+    shared = TrialRun(candidates[0], device)
+    shared.build(model, optimizer)
+    return _agreed([SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
+                    for c in candidates])
+
+
+def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Optional[StatusLine] = None) -> None:
     """One timed step each on batch 0 from the same RNG state; gradients gated against plain fp32's, their error
     judged against its sampling noise (estimated by plain first, only when a candidate needs the gate)."""
     plain = next((c for c in contenders if c.candidate.label == "plain" and not c.failed), None)
 
-    def needs_gate(c: _TrialRun) -> bool:  # plain is the reference; a numerics-neutral candidate is not judged
+    def needs_gate(c: TrialRun) -> bool:  # plain is the reference; a numerics-neutral candidate is not judged
         return c is not plain and not c.candidate.neutral
 
     gated = any(not c.failed and needs_gate(c) for c in contenders)
@@ -619,40 +390,30 @@ def _warm_up(contenders: List[_TrialRun], batches, rng: _Rng, device, status: Op
             c.record.why = result.why()
 
 
-def _noise_samples(plain: _TrialRun, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
+def _noise_samples(plain: TrialRun, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
     """Plain fp32's gradients of samples other than batch 0's, with their counts, for `_sampling_noise`:
     batch 1's, or else the two halves of batch 0 (none for a batch of one sample). Another batch is better:
     under BatchNorm a half batch is normalized over fewer samples, which adds noise of its own (MobileNetV3
     at batch 8: its halves made the noise look 5.6x what two batches show)."""
-    size = _batch_size(batches[0])
+    size = batch_size_of(batches[0])
     if len(batches) > 1:
-        return [(plain.gradients(batches[1]), _batch_size(batches[1]) or size or 1)]
+        return [(plain.gradients(batches[1]), batch_size_of(batches[1]) or size or 1)]
     if size is None or size < 2:
         return []
     halves = (slice(0, size // 2), slice(size // 2, size))
-    return [(plain.gradients(_rows(batches[0], half, size)), half.stop - half.start) for half in halves]
-
-
-def _rows(batch: Any, rows: slice, size: int) -> Any:
-    """``batch`` with every tensor of ``size`` samples cut to ``rows``."""
-    return map_tensors(batch, lambda t: t[rows] if t.dim() and t.shape[0] == size else t)
+    return [(plain.gradients(batch_rows(batches[0], half, size)), half.stop - half.start) for half in halves]
 
 
 def _sampling_noise(reference: Optional[Dict[str, torch.Tensor]], samples, batch: Any) -> Optional[float]:
     """The sampling noise of ``reference`` (plain's gradient of ``batch``), or None without two gradients."""
     if reference is None or not samples:
         return None
-    size = _batch_size(batch) or 1
+    size = batch_size_of(batch) or 1
     (a, size_a), (b, size_b) = samples if len(samples) == 2 else [(reference, size)] + samples
     return gate.sampling_noise(a, b, size_a, size_b, size)
 
 
-def _batch_size(batch: Any) -> Optional[int]:
-    """The leading dimension of the batch's first tensor (the samples), or None."""
-    return next((t.shape[0] for t in iter_tensors(batch) if t.dim()), None)
-
-
-def _timed_rounds(contenders: List[_TrialRun], batches, cfg, start: float, status: Optional[StatusLine] = None
+def _timed_rounds(contenders: List[TrialRun], batches, cfg, start: float, status: Optional[StatusLine] = None
                   ) -> None:
     """Rounds of one step per candidate after the gate's, on the one timing engine
     (`aiak.measure.rounds.alternate`: the order rotating every round, each step under the candidate's own
@@ -766,13 +527,13 @@ def _timed_in_run(candidates: List[Candidate], pick: Strategy, optimizer: Any) -
     pick is a candidate of its own, plain is among them, and every one is the pick's model switched between steps
     (`aiak.tune.candidates.switches_between_steps`), where the guard can watch the run. Its steps then train the
     run: a candidate as fast as plain costs nothing there, where rounds on copies cost every candidate's steps; and
-    the trials gate every candidate on one copy (`_SwitchedRun`)."""
+    the trials gate every candidate on one copy (`SwitchedRun`)."""
     return (len(candidates) > 1 and candidates[0].label != "plain" and any(c.label == "plain" for c in candidates)
             and not not_watched(pick, optimizer)
             and all(switches_between_steps(c.strategy, candidates[0].strategy) for c in candidates))
 
 
-def _start_in_run(contenders: List[_TrialRun]) -> _TrialRun:
+def _start_in_run(contenders: List[TrialRun]) -> TrialRun:
     """The pick is applied; every candidate that passed the gate is accepted, to be timed in the run."""
     for c in contenders:
         if not c.failed:
@@ -781,7 +542,7 @@ def _start_in_run(contenders: List[_TrialRun]) -> _TrialRun:
     return contenders[0]
 
 
-def _arm(c: _TrialRun) -> Arm:
+def _arm(c: TrialRun) -> Arm:
     """The guard's arm that computes as candidate ``c`` on the pick's model (`aiak.tune.guard.Arm`)."""
     s = c.candidate.strategy
     half = s.precision.level != "O0"
@@ -789,7 +550,7 @@ def _arm(c: _TrialRun) -> Arm:
                channels_last=bool(s.channels_last))
 
 
-def _preference(contenders: List[_TrialRun]) -> List[str]:
+def _preference(contenders: List[TrialRun]) -> List[str]:
     """The guard's preference within noise where it is the only timing: plain compute, the numerics-neutral
     candidates, then the rules' pick (as `_decide` prefers the simpler)."""
     neutral = [c.candidate.label for c in contenders[1:] if c.candidate.neutral and c.candidate.label != "plain"
@@ -797,7 +558,7 @@ def _preference(contenders: List[_TrialRun]) -> List[str]:
     return [PLAIN_COMPUTE] + neutral + [PICK]
 
 
-def _simplicity(c: _TrialRun) -> int:
+def _simplicity(c: TrialRun) -> int:
     return 0 if c.candidate.label == "plain" else 1 if c.candidate.neutral else 2
 
 
@@ -807,7 +568,7 @@ def _noise(record: TrialRecord) -> float:
     return max((high - low) / (2 * record.speedup), NOISE_FLOOR) if record.speedup else float("inf")
 
 
-def _decide(contenders: List[_TrialRun]) -> _TrialRun:
+def _decide(contenders: List[TrialRun]) -> TrialRun:
     """The fastest accepted candidate, by the median of its per-round speedups over plain PyTorch (each round
     runs every candidate back to back, so a ratio within a round cancels the machine's slow drifts); a
     simpler candidate (plain, then numerics-neutral) whose speedup is within noise of the best is preferred.

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import aiak
 from aiak.api import explain
 from aiak.cli.demo import DemoNet
-from aiak.tune.trials import trial_loss
+from aiak.tune.trial_run import trial_loss
 from tests.tune.test_trials import TUNED, UNGUARDED
 
 

@@ -245,7 +245,7 @@ def test_bf16_candidates_pass_the_gate_on_real_models():
 def test_trial_loss_reads_each_kind_of_output():
     from types import SimpleNamespace
 
-    from aiak.tune.trials import trial_loss
+    from aiak.tune.trial_run import trial_loss
 
     logits, labels = torch.randn(4, 3), torch.tensor([0, 2, 1, 0])
     ce = nn.functional.cross_entropy(logits, labels)
