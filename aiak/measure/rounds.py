@@ -71,6 +71,18 @@ class Spread:
         return Spread(self.median * factor, self.p10 * factor, self.p90 * factor, self.n)
 
 
+def ranking_is_clear(ratios: Sequence[Sequence[float]]) -> bool:
+    """Whether more rounds would not change a choice among contenders, each given by its per-round speed ratios to
+    the same baseline (the baseline's seconds over its own, round by round): every one faster than the baseline by
+    more than `NOISE_FLOOR` in every round or slower in every one, and the fastest (by the median) faster than each
+    other faster one in every round. The trials' rounds on copies and the run-time guard's windows stop on it."""
+    if any(min(r) <= 1 + NOISE_FLOOR and max(r) >= 1 / (1 + NOISE_FLOOR) for r in ratios):
+        return False   # within noise of the baseline in some round
+    faster = [r for r in ratios if min(r) > 1]
+    best = max(faster, key=statistics.median, default=None)
+    return all(all(a > b for a, b in zip(best, r)) for r in faster if r is not best)
+
+
 def median_interval(values: Sequence[float], level: float = 0.99) -> Tuple[float, float, float]:
     """The distribution-free confidence interval of the median from order statistics: ``(low, high,
     coverage)`` = ``(s[k], s[n-1-k], 1 - 2 P(Binomial(n, 1/2) <= k))`` for the largest ``k`` whose coverage

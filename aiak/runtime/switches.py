@@ -40,9 +40,8 @@ def apply_tf32(enabled: bool, device: torch.device) -> str:
 
 def apply_channels_last(model: torch.nn.Module) -> str:
     """NHWC weights and 4-D inputs: cuDNN's fastest layout for convolutions with tensor cores."""
-    layout = ChannelsLast()
+    layout, _ = attach_layout(model)
     layout.switch(model, True)
-    model.register_forward_pre_hook(layout.inputs, with_kwargs=True)
     n_conv = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     return f"on (model and 4-D inputs NHWC; {n_conv} Conv2d layers)"
 

@@ -135,8 +135,8 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
 
 
 # What the run-time guard switches exactly between two steps of one applied model (`aiak.tune.guard.Arm`), besides
-# half compute off (precision O0): the process switches each arm writes, and these.
-SWITCHED_KEYS = ("tf32", "cudnn_benchmark")
+# half compute off (precision O0) and its level: the process switches each arm writes, and the layout.
+SWITCHED_KEYS = ("tf32", "cudnn_benchmark", "channels_last")
 
 
 def switches_between_steps(candidate: Strategy, pick: Strategy) -> bool:
@@ -150,8 +150,6 @@ def switches_between_steps(candidate: Strategy, pick: Strategy) -> bool:
     half = candidate.precision.level != "O0"
     for key, value in differences(candidate, pick).items():
         if key in SWITCHED_KEYS or (key.startswith("precision.") and not half):
-            continue
-        if key == "channels_last":
             continue
         if key == "precision.level" and pick.precision.dtype == "bf16" and not pick.precision.keep_fp32:
             continue

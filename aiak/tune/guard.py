@@ -53,6 +53,7 @@ import torch
 
 from aiak.amp.half_compute import HalfCompute
 from aiak.measure.clock import StepClock
+from aiak.measure.rounds import ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
 from aiak.util.dist import is_distributed
@@ -132,7 +133,8 @@ class SpeedGuard:
         if load.free_cores < threads:
             self.arms.append(Arm(BUDGET, {**pick_switches, "num_threads": load.free_cores}, True))
         self.arms += [arm for arm in others if self._reachable(arm)]
-        self.arms.append(Arm(PLAIN, dict(plain_switches), False, channels_last=False if self.layout else None))
+        self.arms.append(Arm(PLAIN, dict(plain_switches), False,
+                             channels_last=False if self.layout is not None else None))
         self.clock = StepClock(device)
         self.steps = 0                      # real steps seen
         self.round, self.slot, self.in_window = 0, 0, 0
@@ -216,17 +218,12 @@ class SpeedGuard:
     def _done(self) -> bool:
         """After `MAX_ROUNDS`, or from `MIN_ROUNDS` on where more rounds would not change the decision: every arm
         faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest of those
-        faster ahead of each other one in every round (as the trials' `_ranking_is_clear`)."""
+        faster ahead of each other one in every round (`aiak.measure.rounds.ranking_is_clear`)."""
         if self.round >= MAX_ROUNDS:
             return True
         if self.round < MIN_ROUNDS:
             return False
-        ratios = [self._ratios(a) for a in self.running[:-1]]  # (an arm dropped no longer counts)
-        if any(min(r) <= 1 + NOISE_FLOOR and max(r) >= 1 / (1 + NOISE_FLOOR) for r in ratios):
-            return False   # within noise of plain in some round
-        faster = [r for r in ratios if min(r) > 1]
-        best = max(faster, key=statistics.median, default=None)
-        return all(min(a / b for a, b in zip(best, r)) > 1 for r in faster if r is not best)
+        return ranking_is_clear([self._ratios(a) for a in self.running[:-1]])  # (an arm dropped no longer counts)
 
     def _decide(self) -> None:
         chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms],

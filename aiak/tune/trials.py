@@ -73,7 +73,7 @@ from torch import nn
 from aiak.loaders.prefetch import PrefetchLoader
 from aiak.measure.clock import StepClock
 from aiak.measure.memory import PeakMemory
-from aiak.measure.rounds import Contender, alternate
+from aiak.measure.rounds import Contender, alternate, ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.runtime.rollback import Snapshot
 from aiak.runtime.switches import read_switches
@@ -505,14 +505,8 @@ def _ranking_is_clear(series: Dict[str, List[float]], timed_from: int) -> bool:
     if "plain" not in series:
         return False
     base = series["plain"][timed_from:]
-    ratios = [[p / t for p, t in zip(base, s[timed_from:])] for label, s in series.items() if label != "plain"]
-    if any(min(q) <= 1 + NOISE_FLOOR and max(q) >= 1 / (1 + NOISE_FLOOR) for q in ratios):
-        return False  # within noise of plain in some round
-    faster = [q for q in ratios if min(q) > 1]
-    if len(faster) < 2:
-        return True
-    best = max(faster, key=statistics.median)
-    return all(min(best) > max(q) for q in faster if q is not best)
+    return ranking_is_clear([[p / t for p, t in zip(base, s[timed_from:])]
+                             for label, s in series.items() if label != "plain"])
 
 
 def _settled(seconds: List[float]) -> bool:

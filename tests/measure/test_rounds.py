@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aiak.measure.rounds import (MIN_ROUNDS_FOR_VERDICT, Contender, Spread, alternate, median_interval, percentile,
-                          speedup)
+                                 ranking_is_clear, speedup)
 from aiak.measure.thresholds import SLOW_CONFIRMATIONS
 from aiak.runtime.switches import read_switches, write_switches
 
@@ -288,3 +288,15 @@ def test_a_switch_a_contender_changes_in_its_own_steps_stays_its_own():
     finally:
         write_switches(before)
     assert seen["a"] == [2, 2, 1, 1, 1, 1, 1, 1] and seen["b"] == [2] * 8
+
+
+@pytest.mark.parametrize("ratios, clear", [
+    ([[1.5, 1.6], [0.5, 0.6]], True),          # one faster in every round, one slower in every round
+    ([[1.5, 1.01]], False),                    # within noise of the baseline in one round
+    ([[1.5, 1.6], [1.4, 1.7]], False),         # two faster ones, the best not ahead in every round
+    ([[1.5, 1.8], [1.4, 1.7]], True),          # ... ahead in every round (though not beyond the other's best round)
+    ([[0.5, 0.6], [0.8, 0.7]], True),          # every one slower than the baseline
+])
+def test_the_ranking_is_clear_when_more_rounds_would_not_change_it(ratios, clear):
+    """The one rule the trials' rounds and the run-time guard's windows stop on."""
+    assert ranking_is_clear(ratios) is clear
