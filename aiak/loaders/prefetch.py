@@ -43,7 +43,7 @@ import torch
 
 from aiak.util.nested import iter_tensors, map_tensors
 from aiak.util.rng import GlobalRng
-from aiak.util.threads_at_exit import stop_at_exit
+from aiak.util.background_threads import compute_on_one_thread, stop_at_exit
 from aiak.util.warn import warn, warn_once
 
 
@@ -148,7 +148,10 @@ def _tensors_of(batch: Any):
 
 
 def _produce(source: Iterator, mover: _BatchMover, out: "queue.Queue", stop: threading.Event) -> None:
-    """Worker thread body: load, move, enqueue; stop as soon as ``stop`` is set. Never blocks forever."""
+    """Worker thread body: load, move, enqueue; stop as soon as ``stop`` is set. Never blocks forever. Its torch ops
+    (a collate's ``torch.stack``, the layout) run on one intra-op thread: the training loop's cores are computing
+    (`aiak.util.background_threads.compute_on_one_thread`)."""
+    compute_on_one_thread()
 
     def put(item: Any) -> bool:
         while not stop.is_set():
@@ -293,7 +296,7 @@ class _PrefetchIterator:
         return self._thread is None or not self._thread.is_alive()
 
     def stop_for_exit(self) -> None:
-        """At interpreter exit: the thread leaves the loader before Python finalizes (``aiak.util.threads_at_exit``)."""
+        """At interpreter exit: the thread leaves the loader before Python finalizes (``aiak.util.background_threads``)."""
         self.close()
 
     def close(self) -> None:

@@ -94,3 +94,17 @@ def _wait_for_no_threads(seconds: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_the_comm_worker_computes_on_one_intra_op_thread():
+    """Its casts and compression run beside the step's compute: on one intra-op thread, starting no OpenMP team that
+    would throttle the training loop's (aiak.util.background_threads); the caller's count is untouched."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen, done = [], threading.Event()
+        hooks._Worker().submit(lambda: (seen.append(torch.get_num_threads()), done.set()))
+        assert done.wait(timeout=30)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

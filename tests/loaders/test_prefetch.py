@@ -130,6 +130,38 @@ def test_loading_overlaps_the_step_and_keeps_depth_batches_ready():
     assert (first.item(), second.item()) == (0, 1) and [b.item() for b in it] == list(range(2, 20))
 
 
+class ThreadsSeen(Dataset):
+    """Records, for each sample, the loading thread's name and its torch intra-op thread count."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return torch.full((3, 64, 64), float(i))
+
+
+def test_loading_in_the_prefetch_thread_computes_on_one_intra_op_thread():
+    """The thread's torch ops (the collate's stack, the channels_last layout) run on one intra-op thread: an OpenMP
+    team of its own would make every thread of the process, the training loop's, sleep between parallel regions
+    (aiak.util.background_threads). The loop's own count is untouched."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        data = ThreadsSeen(64)
+        batches = list(PrefetchLoader(DataLoader(data, batch_size=16), "cpu", channels_last=True))
+        in_thread = {count for name, count in data.seen if name == "aiak-prefetch"}
+        assert in_thread == {1}, data.seen
+        assert torch.get_num_threads() == 2
+        assert [float(b[0, 0, 0, 0]) for b in batches] == [0.0, 16.0, 32.0, 48.0]
+        assert all(b.is_contiguous(memory_format=torch.channels_last) for b in batches)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_error_in_fifth_sample_reraises_with_its_traceback():
     loader = PrefetchLoader(DataLoader(Squares(10, fail_at=4), batch_size=1), "cpu")
     seen = []

@@ -50,7 +50,7 @@ from aiak.comm.allreduce.compression import (CAST_DTYPES, ErrorFeedback, FiniteF
                                    dequantize_int8_chunks, pad_to_multiple, quantize_int8, quantize_int8_chunks)
 from aiak.comm.diagnostics.stall import STALL_WARN_S, StallWatch, next_watch_name
 from aiak.comm.allreduce.topology import HierarchicalGroups
-from aiak.util.threads_at_exit import stop_at_exit
+from aiak.util.background_threads import compute_on_one_thread, stop_at_exit
 from aiak.util.warn import warn
 
 Future = torch.futures.Future
@@ -585,7 +585,7 @@ class _Worker:
 
     The thread starts with the first job and exits after ``IDLE_EXIT_S`` without one (the next job starts a new
     thread), so states that are dropped leave no thread behind. At interpreter exit it finishes the job in
-    flight and stops before Python finalizes (see ``aiak.util.threads_at_exit``: a daemon thread still returning
+    flight and stops before Python finalizes (see ``aiak.util.background_threads``: a daemon thread still returning
     from a collective then would abort the process).
     """
 
@@ -606,6 +606,7 @@ class _Worker:
                 self._thread.start()
 
     def _run(self) -> None:
+        compute_on_one_thread()   # its casts and compression beside the step's compute (aiak.util.background_threads)
         while True:
             try:
                 job = self._jobs.get(timeout=IDLE_EXIT_S)

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from aiak.util.threads_at_exit import stop_at_exit
+from aiak.util.background_threads import stop_at_exit
 from aiak.util.warn import warn
 
 STALL_WARN_S = 60.0   # comm.stall_warn_s's default: Horovod's stall inspector's
