@@ -6,6 +6,14 @@ perfect overlap costs ``n * max(L, C)`` (the "limit"). The table times a plain D
 0 and 2) and a PrefetchLoader over each, all in this run, and prints each epoch time as a ratio to the limit.
 Goal: PrefetchLoader over ``num_workers=0`` within 1.10x of the limit for the sleep case.
 
+Beside table (``--variants beside``): the training loop's own compute with the prefetch thread beside it.
+torchvision's ResNet-18 (32 px, batch 16, channels_last, SGD, torch's intra-op threads) steps over a
+``DataLoader(num_workers=0)`` whose batches the first contender lays out channels_last in the loop and the second
+has ``PrefetchLoader(channels_last=True)`` lay out in its thread. Each contender runs in a fresh process (a thread's
+OpenMP team outlives its work, so a process that ran one contender is not clean for the other), in alternating
+rounds; the step is timed from forward to optimizer step, loading excluded, so only the thread's effect on the
+compute is seen. Goal: the prefetched loop's step within noise of the plain one's (median per-round ratio >= 0.95).
+
 Balance table: on log-normal sequence lengths, padded tokens per rank at each step for ``DistributedSampler``
 vs ``BalancedBatchSampler``: the max/min ratio across ranks (1.0 = no rank waits at the allreduce).
 
@@ -21,13 +29,17 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Dict, List
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -148,6 +160,57 @@ def overlap_table(variant: str, n: int, load_ms: float, step_ms: float, repeats:
         rows[name] = t / limit
         print(f"{name:<46} {t:>8.3f} {t / limit:>6.2f}x {base / t:>7.2f}x")
     return rows
+
+
+BESIDE = ("loop lays out", "prefetch thread lays out")
+
+
+def beside_child(label: str, steps: int) -> None:
+    """One contender of the beside table, in this (fresh) process: prints its median step in ms."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = TensorDataset(torch.randn(16 * 8, 3, 32, 32), torch.randint(0, 10, (16 * 8,)))
+    loader = DataLoader(data, batch_size=16, shuffle=True)
+    prefetched = label == BESIDE[1]
+    if prefetched:
+        loader = PrefetchLoader(loader, "cpu", channels_last=True)
+    times: List[float] = []
+    while len(times) < steps:
+        for x, y in loader:
+            start = time.perf_counter()
+            x = x if prefetched else x.contiguous(memory_format=torch.channels_last)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+    print(json.dumps({"step_ms": statistics.median(times[steps // 4:]) * 1e3}))
+
+
+def beside_table(rounds: int, steps: int) -> float:
+    """The beside table of the module docstring; returns the median per-round ratio (plain's step over the
+    prefetched one's)."""
+    def child(label: str) -> float:
+        out = subprocess.run([sys.executable, __file__, "--beside-child", label, "--steps", str(steps)],
+                             capture_output=True, text=True, timeout=600, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["step_ms"]
+
+    times: Dict[str, List[float]] = {label: [] for label in BESIDE}
+    for r in range(rounds):
+        for label in (BESIDE if r % 2 == 0 else BESIDE[::-1]):
+            times[label].append(child(label))
+    ratios = [a / b for a, b in zip(times[BESIDE[0]], times[BESIDE[1]])]
+    print(f"\nbeside: ResNet-18 32 px batch 16 channels_last, {torch.get_num_threads()} intra-op threads, "
+          f"{rounds} alternating rounds of a fresh process each, median step of {steps}")
+    print(f"{'batches laid out channels_last by':<34} {'step ms (median)':>17} {'min-max':>15}")
+    for label, values in times.items():
+        print(f"{label:<34} {statistics.median(values):>17.1f} {min(values):>7.1f}-{max(values):<7.1f}")
+    ratio = statistics.median(ratios)
+    print(f"goal: the prefetched loop's step within noise of the plain one's (per-round ratio >= 0.95): "
+          f"{'met' if ratio >= 0.95 else 'NOT met'} ({ratio:.2f}x, rounds {min(ratios):.2f}-{max(ratios):.2f})")
+    return ratio
 
 
 def balance_table(samples: int, world: int, batch: int, seed: int = 0):
@@ -375,19 +438,28 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="epochs per configuration (median reported)")
     parser.add_argument("--depth", type=int, default=2, help="PrefetchLoader depth")
     parser.add_argument("--workers", type=int, default=2, help="num_workers of the multi-process rows")
-    parser.add_argument("--variants", default="sleep,decode", help="comma list of: sleep, decode")
+    parser.add_argument("--variants", default="sleep,decode,beside", help="comma list of: sleep, decode, beside")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the step")
     parser.add_argument("--samples", type=int, default=8192, help="balance table: dataset size")
     parser.add_argument("--world", type=int, default=8, help="balance table: ranks")
     parser.add_argument("--per-rank", type=int, default=16, help="balance table: samples per rank per step")
+    parser.add_argument("--rounds", type=int, default=5, help="beside table: alternating rounds")
+    parser.add_argument("--steps", type=int, default=40, help="beside table: steps per contender and round")
+    parser.add_argument("--beside-child", choices=BESIDE, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     args = parser.parse_args(argv)
+    if args.beside_child:
+        beside_child(args.beside_child, args.steps)
+        return 0
     if args.quick:
-        args.batches, args.repeats, args.samples = 12, 2, 2048
-    torch.set_num_threads(args.threads)
+        args.batches, args.repeats, args.samples, args.rounds, args.steps = 12, 2, 2048, 2, 8
     for variant in args.variants.split(","):
-        if variant not in ("sleep", "decode"):
-            parser.error(f"--variants: unknown {variant!r}; choose from sleep, decode")
+        if variant not in ("sleep", "decode", "beside"):
+            parser.error(f"--variants: unknown {variant!r}; choose from sleep, decode, beside")
+        if variant == "beside":   # the loop on torch's own threads, each contender in a process of its own
+            beside_table(args.rounds, args.steps)
+            continue
+        torch.set_num_threads(args.threads)
         rows = overlap_table(variant, args.batches, args.load_ms, args.step_ms, args.repeats, args.depth,
                              args.workers)
         if variant == "sleep":
