@@ -205,7 +205,7 @@ def _channels_last(ctx: Applying) -> None:
     if on and ctx.existing_ddp is not None:
         _skip_under_users_ddp(ctx.summary, "channels_last", on, "the parameters in their current layout")
     else:
-        ctx.summary.add("channels_last", on, apply_channels_last(ctx.bare) if on else "off")
+        ctx.summary.add("channels_last", on, apply_channels_last(ctx.bare, ctx.optimizer) if on else "off")
 
 
 def _precision(ctx: Applying) -> None:

@@ -98,6 +98,11 @@ class Snapshot:
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
                     self._objects.append(_DictState(group))
+                for state in obj.state.values():   # a resumed optimizer's state: channels_last lays it out
+                    for t in state.values() if isinstance(state, dict) else ():
+                        if isinstance(t, torch.Tensor) and id(t) not in seen:
+                            seen.add(id(t))
+                            self._tensors.append(_TensorState(t))
         self._switches = read_switches()
 
     def restore(self) -> None:

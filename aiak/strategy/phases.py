@@ -45,8 +45,10 @@ PHASES: Tuple[Phase, ...] = (
           "LAMB or LARS in place of the given optimizer (`optim/factory.py`), or the given one kept",
           "the given optimizer's attributes and param groups (a swapped-in optimizer is dropped)"),
     Phase("channels_last", ("channels_last",),
-          "NHWC weights and 4-D inputs on the bare model (`runtime/switches.py`)",
-          "each parameter's and buffer's tensor (its layout) and the modules' hook dicts"),
+          "NHWC weights and 4-D inputs on the bare model, the optimizer's state laid out like its parameters, also "
+          "when a checkpoint is loaded into it (`runtime/switches.py`)",
+          "each parameter's, buffer's and optimizer state's tensor (its layout), the modules' and the optimizer's "
+          "hook dicts"),
     Phase("precision", ("precision",),
           "O1/O2 half compute hooked on the bare model (`amp/precision.py`, `amp/half_compute.py`, traced under "
           "compile by `amp/compiled_region.py`); its fp16 parameters handed to root scaling once every phase "

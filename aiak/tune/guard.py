@@ -121,7 +121,8 @@ class SpeedGuard:
                  pick_switches: Dict[str, Any], plain_switches: Dict[str, Any], load: CpuLoad,
                  device: torch.device, on_decision: Callable[[GuardResult], None], *,
                  others: Sequence[Arm] = (), prefer: Sequence[str] = (PICK,)):
-        self.model, self.compute, self.load, self.on_decision = model, compute, load, on_decision
+        self.model, self.optimizer, self.compute = model, optimizer, compute
+        self.load, self.on_decision = load, on_decision
         self.layout, self.attached = channels_last_of(model), None
         if self.layout is None and any(arm.channels_last for arm in others):   # a model the pick left contiguous
             self.layout, self.attached = attach_layout(model)
@@ -171,7 +172,7 @@ class SpeedGuard:
         if self.layout is not None:
             on = self.pick_layout if arm.channels_last is None else arm.channels_last
             if on != self.layout.on:
-                self.layout.switch(self.model, on)
+                self.layout.switch(self.model, on, self.optimizer)
 
     def _before_forward(self, module, args) -> None:
         if self.last_mark is None and module.training and torch.is_grad_enabled():

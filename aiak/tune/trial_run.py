@@ -230,7 +230,7 @@ class SwitchedRun(TrialRun):
         if s.channels_last and layout is None:
             layout = attach_layout(self.bare)[0]
         if layout is not None and layout.on != bool(s.channels_last):
-            layout.switch(self.bare, bool(s.channels_last))
+            layout.switch(self.bare, bool(s.channels_last), self.optimizer)
 
     def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
         self.configure()

@@ -56,6 +56,8 @@ def _fingerprint(model, opt, sched):
         "params": [id(p) for p in model.parameters()],
         "optimizer": (type(opt), sorted(vars(opt)), copy.deepcopy(opt.state_dict()),
                       [[id(p) for p in g["params"]] for g in opt.param_groups]),
+        "optimizer_layouts": [(k, v.stride()) for state in opt.state.values() for k, v in state.items()
+                              if isinstance(v, torch.Tensor)],
         "scheduler": (type(sched), sched.state_dict()) if sched is not None else None,
         "switches": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
                      torch.backends.cudnn.benchmark, torch.get_num_threads(),
@@ -69,7 +71,7 @@ def _assert_same(before, after):
         dtype2, stride2, value2 = after["state"][key]
         assert (dtype2, stride2) == (dtype, stride), key
         assert torch.equal(value2, value), key
-    for name in ("classes", "hooks", "module_attrs", "params", "switches"):
+    for name in ("classes", "hooks", "module_attrs", "params", "switches", "optimizer_layouts"):
         assert after[name] == before[name], name
     (cls, attrs, state, groups), (cls2, attrs2, state2, groups2) = before["optimizer"], after["optimizer"]
     assert (cls2, attrs2, groups2) == (cls, attrs, groups)
@@ -95,6 +97,11 @@ CASES = {
         strategy={"fused_ops": ["window_attention"], "precision": {"level": "O2", "dtype": "fp16"},
                   "channels_last": True, "grad_accumulation": 2, "loader": {"prefetch": 2},
                   "cpu_affinity": True},
+        error=(TypeError, "must be an iterable")),
+    # the same with an optimizer resumed from its state (momentum buffers), which channels_last lays out NHWC
+    "fails-at-the-loader-resumed": dict(
+        make_model=_demo, loader=object(), input_shape=(2, 3, 16, 16), resumed=True,
+        strategy={"channels_last": True, "loader": {"prefetch": 2}},
         error=(TypeError, "must be an iterable")),
     # the same after fp8 swapped the classes of the Swin's eligible Linear layers (torchao, emulated here)
     "fails-at-the-loader-after-fp8": dict(
@@ -123,6 +130,15 @@ def test_a_failing_optimize_leaves_everything_as_it_was(case, monkeypatch):
     spec = CASES[case]
     model, opt, sched = _setup(spec["make_model"])
     twin_model, twin_opt, twin_sched = _setup(spec["make_model"])  # built the same way, never given to aiak
+    if spec.get("resumed"):   # one step taken before optimize(): the optimizer holds state
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(*spec["input_shape"], generator=g)
+        y = torch.randint(0, 4, (spec["input_shape"][0],), generator=g)
+        for m, o in ((model, opt), (twin_model, twin_opt)):
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        assert opt.state
     before = _fingerprint(model, opt, sched)
     error, match = spec["error"]
     with pytest.raises(error, match=match):

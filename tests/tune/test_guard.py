@@ -283,17 +283,27 @@ def train_until_decided(g, model, optimizer, loader, switches):
 def test_arms_that_switch_the_level_and_the_layout():
     """A demo model applied at O1 bf16 with channels_last, watched with an O2 arm and an fp32 channels_last arm: every
     step of a window computes as its arm (half compute on or off, the level, the weights' layout), plain compute is
-    plain PyTorch's contiguous fp32, and after the decision every step computes as the chosen arm."""
+    plain PyTorch's contiguous fp32 with the optimizer's momentum in the weights' layout, and after the decision
+    every step computes as the chosen arm."""
     switches = read_switches()
     model, optimizer, loader = make_setup(0, 960, 16, width=8)
     model, optimizer, loader = aiak.optimize(model, optimizer, loader, strategy={
         "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "channels_last": True})
     compute = compute_of(model)
     conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
-    seen = []
-    model.register_forward_pre_hook(lambda m, a: seen.append(
-        (compute.enabled, compute.level if compute.enabled else None,
-         conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous())))
+    seen, momentum = [], []
+    weight = conv.weight   # the fp32 parameter (O2 swaps a bf16 copy in while the module computes)
+
+    def nhwc(t):
+        return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+    def arm_seen(module, args):
+        seen.append((compute.enabled, compute.level if compute.enabled else None, nhwc(conv.weight)))
+        buffer = optimizer.state.get(weight, {}).get("momentum_buffer")
+        if buffer is not None:   # the optimizer's state in the weight's layout, so plain compute's steps are plain's
+            momentum.append(nhwc(buffer) == nhwc(weight))
+
+    model.register_forward_pre_hook(arm_seen)
     pick = read_switches()
     others = [guard.Arm("O2", pick, True, level="O2"), guard.Arm("fp32, channels_last", pick, False)]
     g = SpeedGuard(optimizer, model, compute, pick, switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
@@ -306,6 +316,7 @@ def test_arms_that_switch_the_level_and_the_layout():
     expected = [state[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
     assert seen[:len(expected)] == expected
     assert g.result is not None and set(seen[g.result.steps:]) == {state[g.result.chosen]}
+    assert len(momentum) == len(seen) - 1 and all(momentum)
 
 
 def test_an_arm_the_model_cannot_switch_to_exactly_is_left_out():
