@@ -4,8 +4,9 @@ The trials (`aiak.tune.trials`) time the candidates on the first batches, under 
 A shared machine's load changes, and it hurts some configurations much more than plain PyTorch: with two busy
 processes beside the demo model on a 2-core CPU, its bf16 O1 steps took 53 ms at the median but 570 ms at the 90th
 percentile (plain fp32: 104 ms and 187 ms), because oneDNN's bf16 convolution backward slowed from 8.9 ms a call on
-one intra-op thread to 44 ms on two, where fp32's took 18.8 ms either way (torch.profiler; `aiak.util.machine.load`).
-A median hides such a tail; the run pays for it.
+one intra-op thread to 44 ms on two, where fp32's took 18.8 ms either way (torch.profiler; `aiak.util.machine.load`;
+measured while aiak's prefetch thread still kept an OpenMP team of its own, `aiak.util.background_threads`). A median
+hides such a tail; the run pays for it.
 
 So after `aiak.optimize()` applies a measured pick, the run's first real steps alternate windows of the arms below,
 each step timed from its first training forward to the end of its optimizer step (forward, backward and step, as the

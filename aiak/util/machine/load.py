@@ -3,7 +3,8 @@
 A shared machine (a CI runner, a notebook server, a workstation training two jobs) runs other processes beside the
 training. Their load distorts timings, and it hurts some kernels much more than others: with two busy processes
 beside the demo model on a 2-core CPU, oneDNN's bf16 convolution backward took 44 ms per call on 2 intra-op threads
-and 8.9 ms on one, while its fp32 one took 18.8 ms either way (torch.profiler, 30 steps each). So the run-time guard
+and 8.9 ms on one, while its fp32 one took 18.8 ms either way (torch.profiler, 30 steps each, while aiak's prefetch
+thread still kept an OpenMP team of its own: `aiak.util.background_threads`). So the run-time guard
 (`aiak.tune.guard`) reads the cores left before it offers a smaller thread budget, and the trials record the load
 they measured under beside their decision in the cache.
 
