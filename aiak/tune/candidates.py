@@ -26,9 +26,9 @@ pick's in every candidate, plain included, and the rules set them:
 
 A variant is only proposed where it can run well: fp16 or bf16 only where the device computes it natively
 (``probes.fp16_native`` / ``bf16_native``; emulated half precision runs 7-30x slower on this CPU,
-benchmarks/precision_cpu.py), channels_last only for models with more than one Conv2d (a transformer's patch
+benchmarks/precision_cpu.py), channels_last on only for models with more than one Conv2d (a transformer's patch
 embedding alone gains nothing from it: ViT-Tiny's channels_last arm ran 0.91x plain in the guard's windows, as its
-pick did), and
+pick did; a pick with channels_last on any Conv2d gets the variant without it), and
 compile only when the tuning budget can pay for compiling (`COMPILE_MIN_BUDGET_S`).
 """
 from __future__ import annotations
@@ -114,7 +114,8 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
     if p.fp8 != "off":  # fp8 is timed against the same pick in bf16
         proposals.append(("fp8=off", _variant(pick, "fp8=off", {"precision.fp8": "off"})))
     modules = getattr(probes, "modules", {}) or {}
-    if modules.get("conv2d", 0) > 1:   # more than a transformer's patch embedding
+    convs = modules.get("conv2d", 0)
+    if convs > 1 or (convs and pick.channels_last):   # on: more than a transformer's patch embedding; off: any
         flag = not pick.channels_last
         proposals.append((f"channels_last={str(flag).lower()}", _variant(pick, "channels_last", {"channels_last": flag})))
     if pick.fused_ops:

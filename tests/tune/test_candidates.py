@@ -11,8 +11,8 @@ timm = pytest.importorskip("timm")
 PICK = Strategy.from_dict({"extends": "default", "precision": {"level": "O1", "dtype": "bf16"}}, source="<test>")
 
 
-def labels(model):
-    return [c.label for c in candidate_strategies(PICK, probe(model), limit=8, max_seconds=None)]
+def labels(model, pick=PICK):
+    return [c.label for c in candidate_strategies(pick, probe(model), limit=8, max_seconds=None)]
 
 
 def test_channels_last_is_proposed_for_a_convolutional_net():
@@ -29,3 +29,12 @@ def test_not_for_a_transformer_whose_only_convolution_is_its_patch_embedding(mak
     model = make()
     assert probe(model).modules["conv2d"] == 1
     assert not any(label.startswith("channels_last") for label in labels(model))
+
+
+def test_a_pick_with_channels_last_gets_the_variant_without_it_on_any_convolution():
+    """Where the pick has channels_last (a rule, or the user's strategy), the variant without it is timed, one Conv2d
+    or many: it may be the faster."""
+    one_conv = timm.create_model("vit_tiny_patch16_224", img_size=64, num_classes=10)
+    pick = Strategy.from_dict({"extends": "default", "channels_last": True,
+                               "precision": {"level": "O1", "dtype": "bf16"}}, source="<test>")
+    assert "channels_last=false" in labels(one_conv, pick)
