@@ -186,23 +186,27 @@ def beside_child(label: str, steps: int) -> None:
             optimizer.step()
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)
-    print(json.dumps({"step_ms": statistics.median(times[steps // 4:]) * 1e3}))
+    print(json.dumps({"step_ms": statistics.median(times[steps // 4:]) * 1e3, "threads": torch.get_num_threads()}))
 
 
 def beside_table(rounds: int, steps: int) -> float:
     """The beside table of the module docstring; returns the median per-round ratio (plain's step over the
     prefetched one's)."""
+    threads = set()
+
     def child(label: str) -> float:
         out = subprocess.run([sys.executable, __file__, "--beside-child", label, "--steps", str(steps)],
                              capture_output=True, text=True, timeout=600, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])["step_ms"]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        threads.add(result["threads"])
+        return result["step_ms"]
 
     times: Dict[str, List[float]] = {label: [] for label in BESIDE}
     for r in range(rounds):
         for label in (BESIDE if r % 2 == 0 else BESIDE[::-1]):
             times[label].append(child(label))
     ratios = [a / b for a, b in zip(times[BESIDE[0]], times[BESIDE[1]])]
-    print(f"\nbeside: ResNet-18 32 px batch 16 channels_last, {torch.get_num_threads()} intra-op threads, "
+    print(f"\nbeside: ResNet-18 32 px batch 16 channels_last, {'/'.join(map(str, sorted(threads)))} intra-op threads, "
           f"{rounds} alternating rounds of a fresh process each, median step of {steps}")
     print(f"{'batches laid out channels_last by':<34} {'step ms (median)':>17} {'min-max':>15}")
     for label, values in times.items():

@@ -40,8 +40,7 @@ def compute_on_one_thread() -> bool:
     """From now on, the calling thread's torch ops run on one intra-op thread, and it starts no OpenMP team of its own
     (see the module docstring); the training loop's threads keep theirs. Returns whether that holds: False where
     torch's OpenMP runtime cannot be reached (then nothing was changed)."""
-    torch.get_num_threads()  # ATen's first call in a thread sets its OpenMP thread count: done now, not after ours
-    if torch.get_num_threads() == 1:
+    if torch.get_num_threads() == 1:   # (ATen's first call in a thread sets its OpenMP count: done now, before ours)
         return True
     set_threads = _omp_set_num_threads()
     if set_threads is None:

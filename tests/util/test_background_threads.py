@@ -41,8 +41,8 @@ def test_the_calling_thread_alone_computes_on_one_thread(two_threads):
         held = compute_on_one_thread()
         return held, torch.get_num_threads(), float(parallel_op())
 
-    held, threads, total = body_result = in_thread(body)
-    assert held and threads == 1, body_result
+    held, threads, total = in_thread(body)
+    assert held and threads == 1, (held, threads)
     assert total == float(parallel_op())                 # the same result on one thread
     assert torch.get_num_threads() == 2                  # the caller's count is untouched ...
     assert in_thread(torch.get_num_threads) == 2         # ... and so is a thread started afterwards
