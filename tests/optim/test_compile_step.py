@@ -29,8 +29,12 @@ def _train(model, step, opt, steps=4):
 @pytest.mark.parametrize("cls,kw", [(Lamb, dict(lr=1e-2, weight_decay=0.01)), (Lamb, dict(lr=1e-2)),
                                     (Lars, dict(lr=1.0, weight_decay=1e-4))], ids=["lamb-decay", "lamb", "lars"])
 def test_compiled_step_equals_the_eager_step(cls, kw):
-    """aot_eager runs the same ops in fp32: weights and moments equal to 1e-6 relative (4 steps), and they moved
-    (a compiled step that did nothing would fail)."""
+    """aot_eager runs the same ops in fp32: weights and moments equal to 1e-6 of each tensor's largest value
+    (4 steps), and they moved (a compiled step that did nothing would fail).
+
+    The eager step runs torch's fused Adam kernel, the compiled one the foreach form: they round differently, so
+    an element far below its tensor's scale differs by an ulp of the scale, not of itself (a moment of 4e-5 in a
+    tensor reaching 8e-3 differed by 1e-9 on one machine)."""
     torch._dynamo.reset()
     eager_model = _model()
     compiled_model = copy.deepcopy(eager_model)
@@ -40,12 +44,13 @@ def test_compiled_step_equals_the_eager_step(cls, kw):
     _train(eager_model, eager.step, eager)
     _train(compiled_model, torch.compile(compiled.step, backend="aot_eager"), compiled)
     for a, b, s in zip(compiled_model.parameters(), eager_model.parameters(), start):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
         assert not torch.equal(b, s)
     for pa, pb in zip(compiled_model.parameters(), eager_model.parameters()):
         for key, value in eager.state[pb].items():
             if torch.is_tensor(value):
-                torch.testing.assert_close(compiled.state[pa][key], value, rtol=1e-6, atol=1e-9)
+                scale = value.abs().max().item()
+                torch.testing.assert_close(compiled.state[pa][key], value, rtol=1e-6, atol=1e-6 * scale)
 
 
 def test_eager_step_still_takes_the_bucketed_path():
