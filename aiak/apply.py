@@ -193,10 +193,20 @@ def _surgery(ctx: Applying) -> None:
 
 
 def _optimizer(ctx: Applying) -> None:
-    """The optimizer swap (``keep``: the given optimizer)."""
-    ctx.optimizer = optim.swap_optimizer(ctx.bare, ctx.user_optimizer, ctx.strategy.optimizer)
-    ctx.summary.add("optimizer", ctx.strategy.optimizer.name,
+    """The optimizer swap (``keep``: the given optimizer), and torch's fused step for a kept one."""
+    section = ctx.strategy.optimizer
+    ctx.optimizer = optim.swap_optimizer(ctx.bare, ctx.user_optimizer, section)
+    ctx.summary.add("optimizer", section.name,
                     type(ctx.optimizer).__name__ if ctx.optimizer is not None else "no optimizer")
+    if not section.fused:
+        return
+    if ctx.optimizer is None:
+        done = "skipped: no optimizer"
+    elif section.name != "keep":
+        done = f"skipped: {type(ctx.optimizer).__name__} steps in multi-tensor buckets of its own"
+    else:
+        done = optim.use_fused_step(ctx.optimizer, ctx.bare, sharded=ctx.sharding is not None or _aiak_shards(ctx))
+    ctx.summary.add("optimizer.fused", True, done)
 
 
 def _channels_last(ctx: Applying) -> None:

@@ -31,6 +31,19 @@ def test_overhead_quick_reports_the_ratio():
     assert "default / plain =" in out.stdout
 
 
+def test_fused_step_times_each_optimizer_as_built_and_fused(tmp_path):
+    """benchmarks/fused_step.py on its two small sets, three rounds: a row per set and optimizer, both sides timed
+    (the script asserts that aiak turned the fused step on)."""
+    report = tmp_path / "fused.json"
+    out = subprocess.run([sys.executable, "benchmarks/fused_step.py", "--sets", "small,mlp", "--rounds", "3",
+                          "--warmup", "1", "--json", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(report.read_text())
+    assert [(r["set"], r["optimizer"]) for r in rows] == [(s, o) for s in ("small", "mlp")
+                                                          for o in ("SGD(momentum)", "AdamW", "Adam", "Adagrad")]
+    assert all(r["default_ms"][0] > 0 and r["fused_ms"][0] > 0 for r in rows)
+
+
 def test_root_scaling_times_both_factors():
     """benchmarks/root_scaling.py, one round on the small MLP: a row for fp16's factor and one for counted items (it
     once broke when the graph walk grew a third result, with no test to say so)."""

@@ -12,9 +12,11 @@ OPTIMIZER_NAMES = ("keep", "lamb", "lars")
 
 @dataclass
 class OptimizerConfig:
-    """``keep`` the user's optimizer, or swap it for LAMB / LARS; other keys are hyper-parameters."""
+    """``keep`` the user's optimizer, or swap it for LAMB / LARS; ``fused``: the kept optimizer steps with torch's
+    fused kernel where its class has one (`aiak.optim.fused_step`); other keys are hyper-parameters."""
 
     name: str = field(default="keep", metadata=choices(*OPTIMIZER_NAMES))
+    fused: bool = False
     hyperparameters: Dict[str, Any] = field(default_factory=dict, metadata={"rest": True})
 
     def _problems(self, where: Where, path: str) -> List[str]:

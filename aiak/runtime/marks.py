@@ -45,6 +45,12 @@ MARKS: Dict[str, Mark] = {row.name: row for row in (
     Mark("_aiak_built", "True: optimize() built this DDP, so a script's DistributedDataParallel(ddp) line returns it "
                         "(aiak.comm.script_ddp)",
          "a DistributedDataParallel"),
+    Mark("_aiak_fused_step", "the fused and foreach settings of each param group, and of the defaults, as the script "
+                             "set them, which its checkpoints keep (aiak.optim.fused_step)",
+         "an optimizer optimizer.fused turned to torch's fused step"),
+    Mark("_aiak_fused_step_loop", "the param groups this step runs in torch's loop, fused again after it "
+                                  "(aiak.optim.fused_step)",
+         "an SGD with momentum stepping fused, during a step where a parameter has its first gradient"),
     Mark("_aiak_callback_wrapped", "True: AiakCallback wrapped its configure_optimizers already, so a second fit "
                                    "does not wrap it again (aiak.integrations.lightning)",
          "a LightningModule"),

@@ -67,6 +67,7 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("precision.fp8_skip",    MODEL,     False,   False,  True),
     Knob("fused_ops",             MODEL,     False,   False,  True),
     Knob("grad_accumulation",     OPTIMIZER, True,    False,  True),
+    Knob("optimizer.fused",       OPTIMIZER, False,   True,   True),
     Knob("optimizer",             OPTIMIZER, True,    False,  True),
     Knob("loader.prefetch",       LOADER,    False,   True,   False),
     Knob("loader.pin_memory",     LOADER,    False,   True,   False),

@@ -42,8 +42,10 @@ PHASES: Tuple[Phase, ...] = (
           "causal or masked LM's loss without its logits, `ops/linear_cross_entropy.py`), before any wrapping",
           "each submodule's class and attribute dicts: the replaced modules back in their parents"),
     Phase("optimizer", ("optimizer",),
-          "LAMB or LARS in place of the given optimizer (`optim/factory.py`), or the given one kept",
-          "the given optimizer's attributes and param groups (a swapped-in optimizer is dropped)"),
+          "LAMB or LARS in place of the given optimizer (`optim/factory.py`), or the given one kept, stepping torch's "
+          "fused kernel with `optimizer.fused` (`optim/fused_step.py`)",
+          "the given optimizer's attributes (its hooks among them) and param groups (a swapped-in optimizer is "
+          "dropped)"),
     Phase("channels_last", ("channels_last",),
           "NHWC weights and 4-D inputs on the bare model, the optimizer's state laid out like its parameters, also "
           "when a checkpoint is loaded into it (`runtime/switches.py`)",

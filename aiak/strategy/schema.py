@@ -163,11 +163,12 @@ class Strategy:
         """The strategy as a plain dict of the YAML's shape: what logs, caches and the decision record hold.
 
         Returns:
-            Every key, sections as nested dicts (`optimizer`'s hyper-parameters flattened beside its `name`).
+            Every key, sections as nested dicts (`optimizer`'s hyper-parameters flattened beside its `name` and
+            `fused`).
         """
         out = dataclasses.asdict(self)
         opt = out["optimizer"]
-        out["optimizer"] = {"name": opt["name"], **opt["hyperparameters"]}
+        out["optimizer"] = {"name": opt["name"], "fused": opt["fused"], **opt["hyperparameters"]}
         return out
 
     def _problems(self, where: Where, path: str) -> List[str]:

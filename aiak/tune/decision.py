@@ -60,7 +60,8 @@ class Decision:
     def effect(self, knob: str) -> str:
         """What applying ``knob`` (a key path, or a section such as ``comm``) did: its own line of the summary or
         its section's (``""`` if the applier said nothing of it)."""
-        return next((e for k, _, e in self.effects if _covers(k, knob)), "")
+        return next((e for k, _, e in self.effects if k == knob),
+                    next((e for k, _, e in self.effects if _covers(k, knob)), ""))
 
     def to_dict(self) -> Dict[str, Any]:
         return json.loads(json.dumps({

@@ -364,7 +364,7 @@ def _optimizer_with_state(make, batch, loss_of, world):
 
 def engine(rank):
     """``comm.engine: fsdp2`` on an HF GPT-2, an HF Llama and a timm ViT (SGD with momentum state from a step before,
-    2 steps of accumulation 2): aiak shards each and the script's optimizer, its state re-pointed, trains the shards.
+    2 steps of accumulation 2; ``optimizer.fused`` asked for, which stays off on the shards): aiak shards each and the script's optimizer, its state re-pointed, trains the shards.
     Against one process over the global batch; with what aiak says it did, each rank's share of the parameters and
     of the optimizer's state, and whether the objects returned are the script's."""
     import aiak
@@ -373,7 +373,7 @@ def engine(rank):
     for name, (make, batch, loss_of) in ENGINE_MODELS.items():
         model, opt = _optimizer_with_state(make, batch, loss_of, world)
         returned_model, returned_opt, _ = aiak.optimize(model, opt, strategy={
-            "tune": False, "grad_accumulation": 2, "comm": {"engine": "fsdp2"}})
+            "tune": False, "grad_accumulation": 2, "comm": {"engine": "fsdp2"}, "optimizer": {"fused": True}})
         for step in range(2):
             for micro in range(2):
                 loss_of(returned_model, batch(rank, 10 * step + micro)).backward()
@@ -391,7 +391,7 @@ def engine(rank):
                     if hasattr(v, "to_local"))
         out[name] = {"weights": [p.full_tensor().detach().clone() for p in returned_model.parameters()],
                      "reference": [p.detach().clone() for p in reference.parameters()],
-                     "comm": effects["comm"], "same_optimizer": returned_opt is opt, "same_model": returned_model is model,
+                     "comm": effects["comm"], "fused": effects["optimizer.fused"], "same_optimizer": returned_opt is opt, "same_model": returned_model is model,
                      "local": local, "full": sum(p.numel() for p in reference.parameters()), "state": state}
     return out
 

@@ -103,6 +103,11 @@ CASES = {
         make_model=_demo, loader=object(), input_shape=(2, 3, 16, 16), resumed=True,
         strategy={"channels_last": True, "loader": {"prefetch": 2}},
         error=(TypeError, "must be an iterable")),
+    # the same after torch's fused step was turned on in the resumed optimizer's groups (and its hooks registered)
+    "fails-at-the-loader-fused-step": dict(
+        make_model=_demo, loader=object(), input_shape=(2, 3, 16, 16), resumed=True,
+        strategy={"optimizer": {"fused": True}, "loader": {"prefetch": 2}},
+        error=(TypeError, "must be an iterable")),
     # the same after fp8 swapped the classes of the Swin's eligible Linear layers (torchao, emulated here)
     "fails-at-the-loader-after-fp8": dict(
         make_model=_swin, loader=object(), input_shape=(2, 3, 56, 56),
