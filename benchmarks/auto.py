@@ -29,7 +29,8 @@ Contenders, all from the same seed (same initial weights, same batches):
   precision {O0, O1 bf16, O2 bf16} (O1/O2 fp16 too where the device computes fp16 natively, never on this
   CPU) x channels_last {off, on} (models with a Conv2d) x compile {off, on} x fused_ops
   {[], [window_attention]} (models whose window attention aiak can fuse). Every oracle strategy also has
-  ``loader.prefetch: 2``, which auto's base profile sets, so the oracle covers auto's own pick;
+  ``loader.prefetch: 2`` and ``optimizer.fused: true``, which auto's base profile sets, so the oracle covers
+  auto's own pick;
 * ``auto``: ``aiak.optimize(model, optimizer, loader)`` with a fresh tuning cache, so its trials run and are
   paid in full.
 
@@ -189,7 +190,7 @@ def oracle_space(setup: model_spec.ModelSetup, *, compile_too: bool) -> Dict[str
         label = plabel + (" +cl" if cl else "") + (" +compile" if comp else "") + (" +fused" if fused else "")
         space[label] = {"name": f"oracle {label}", "precision": precision, "channels_last": cl, "compile": comp,
                         "fused_ops": ["window_attention"] if fused else [], "loader": {"prefetch": 2},
-                        "tune": False}
+                        "optimizer": {"fused": True}, "tune": False}
     return space
 
 
