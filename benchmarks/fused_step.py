@@ -18,11 +18,12 @@ each round, median with its p10-p90. Parameter sets (random, no model built):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
 import sys
-import warnings
 from typing import Dict, List, Tuple
 
 import torch
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optimizers import make_params, resnet_like_shapes, time_round_robin  # noqa: E402
 
 import aiak  # noqa: E402
+from aiak.util.warn import quiet  # noqa: E402
 
 
 def vit_shapes(depth: int = 12, width: int = 192, patch: int = 16, classes: int = 1000) -> List[Tuple[int, ...]]:
@@ -69,8 +71,7 @@ def _pair(shapes, make) -> Dict[str, torch.optim.Optimizer]:
         if name == "fused":
             holder = torch.nn.Module()
             holder.params = torch.nn.ParameterList(params)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with quiet(), contextlib.redirect_stderr(io.StringIO()):   # the two lines optimize() says each time
                 _, opt, _ = aiak.optimize(holder, opt, None, strategy={"optimizer": {"fused": True}})
             assert opt.param_groups[0]["fused"] is True
         out[name] = opt
