@@ -22,7 +22,8 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
 * `plain compute`: the model's half-precision regions off (`aiak.amp.half_compute.HalfCompute.enabled`: the
   parameters are fp32 either way), its weights and inputs in the contiguous layout where the pick made them
   channels_last, and the process switches (threads, TF32, cuDNN autotuning) as the script had them before
-  `optimize()`: plain PyTorch's compute, exactly.
+  `optimize()`: plain PyTorch's compute, exactly. The optimizer steps as applied in every arm: torch's fused step
+  (`optimizer.fused`, `aiak.optim.fused_step`) is the same update whatever the compute, and stays.
 
 Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
@@ -253,7 +254,7 @@ class SpeedGuard:
         now = (f"the pick on {r.threads[BUDGET]} intra-op thread(s)" if r.chosen == BUDGET
                else "plain PyTorch (fp32, the script's own threads)" if r.chosen == PLAIN
                else f"the trials' candidate {r.chosen!r}")
-        return (f"aiak: in the run's first {r.steps} steps, in alternating windows, {figures} of plain PyTorch's "
+        return (f"aiak: in the run's first {r.steps} steps, in alternating windows, {figures} of plain compute's "
                 f"speed ({busy}); the rest of the run computes as {now}. The tuning cache keeps this beside the "
                 f"load; under another load the trials measure again")
 
