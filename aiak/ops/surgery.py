@@ -23,7 +23,7 @@ from aiak.runtime.class_swap import original_class, restore_class, swap_class
 from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
-           "is_window_attention"]
+           "is_window_attention", "WindowAttentionSwitch"]
 
 logger = logging.getLogger("aiak")
 
@@ -195,6 +195,27 @@ def replace_window_attention(model: nn.Module) -> int:
 def restore_window_attention(model: nn.Module) -> int:
     """Undo `replace_window_attention` in place; returns how many modules were restored."""
     return sum(restore_class(module) for module in model.modules() if _is_fused(module))
+
+
+class WindowAttentionSwitch:
+    """The window-attention modules of one model that `replace_window_attention` fused, switchable between two
+    steps: `switch` gives each its original class or its fused one again (the same modules, parameters, buffers and
+    hooks; nothing is looked for again, so nothing is warned again). The trials' switched copy and the run-time
+    guard time the fused forward against the original this way (`aiak.tune.guard`)."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [(m, type(m)) for m in model.modules() if _is_fused(m)]
+        self.on = True
+
+    def switch(self, on: bool) -> None:
+        """Every recorded module computes fused (``on``) or with its original forward, from its next call."""
+        if on != self.on:
+            for module, fused in self.modules:
+                if on:
+                    module.__class__ = fused
+                else:
+                    restore_class(module)
+            self.on = on
 
 
 def _is_fused(module: nn.Module) -> bool:

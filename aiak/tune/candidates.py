@@ -146,13 +146,17 @@ def switches_between_steps(candidate: Strategy, pick: Strategy) -> bool:
     """Whether the model ``pick`` applies can compute as ``candidate`` by switching between two steps, with nothing
     rebuilt: ``candidate`` differs from ``pick`` only in half compute off (O0), the other level of bf16 half compute
     (`aiak.amp.half_compute.HalfCompute.switch_level`; not with ``precision.keep_fp32``, whose O2 hooks O1 lacks),
-    the channels_last layout (`aiak.runtime.switches.ChannelsLast`), and `SWITCHED_KEYS`. fp8, fp16 (its loss scaling),
-    fused modules and compile are built, not switched."""
+    the channels_last layout (`aiak.runtime.switches.ChannelsLast`), the pick's fused window attention off
+    (`aiak.ops.surgery.WindowAttentionSwitch`), and `SWITCHED_KEYS`. fp8, fp16 (its loss scaling), the fused
+    language-model head and compile are built, not switched."""
     if pick.precision.fp8 != "off" or pick.compile:
         return False
     half = candidate.precision.level != "O0"
     for key, value in differences(candidate, pick).items():
         if key in SWITCHED_KEYS or (key.startswith("precision.") and not half):
+            continue
+        if key == "fused_ops" and set(pick.fused_ops) - set(candidate.fused_ops) <= {"window_attention"} \
+                and set(candidate.fused_ops) <= set(pick.fused_ops):
             continue
         if key == "precision.level" and pick.precision.dtype == "bf16" and not pick.precision.keep_fp32:
             continue

@@ -18,10 +18,11 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
   the machine is busier than torch's thread count allows (`aiak.util.machine.load`);
 * the trials' other accepted candidates that differ from the pick only in what switches exactly between two steps
   (`aiak.tune.trials` hands them over instead of timing them on copies): the precision level
-  (`HalfCompute.switch_level`), half compute off, the channels_last layout off (`aiak.runtime.switches.ChannelsLast`);
+  (`HalfCompute.switch_level`), half compute off, the channels_last layout off (`aiak.runtime.switches.ChannelsLast`),
+  the fused window attention off (`aiak.ops.surgery.WindowAttentionSwitch`);
 * `plain compute`: the model's half-precision regions off (`aiak.amp.half_compute.HalfCompute.enabled`: the
   parameters are fp32 either way), its weights and inputs in the contiguous layout where the pick made them
-  channels_last, and the process switches (threads, TF32, cuDNN autotuning) as the script had them before
+  channels_last, the window attention it fused computing with its original forward, and the process switches (threads, TF32, cuDNN autotuning) as the script had them before
   `optimize()`: plain PyTorch's compute, exactly. The optimizer steps as applied in every arm: torch's fused step
   (`optimizer.fused`, `aiak.optim.fused_step`) is the same update whatever the compute, and stays.
 
@@ -38,8 +39,8 @@ their only timing. The promise comes first: where the chosen arm took longer in 
 A change is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows the
 guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
-What the guard cannot switch between two steps is left as applied: fused modules, the loader's prefetching, fp16
-(its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where an arm computes channels_last
+What the guard cannot switch between two steps is left as applied: other fused modules (the language-model head),
+the loader's prefetching, fp16 (its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where an arm computes channels_last
 (`aiak.runtime.switches.attach_layout`); it is detached again unless the chosen arm computes so. The guard does not
 run under `torch.compile` (switching the compute would recompile), with fp8 layers (swapped modules), on several
 ranks (each rank would choose alone), or where the trials chose plain compute.
@@ -57,6 +58,7 @@ from aiak.amp.half_compute import HalfCompute
 from aiak.measure.clock import StepClock
 from aiak.measure.rounds import ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
+from aiak.ops.surgery import WindowAttentionSwitch
 from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
 from aiak.util.dist import is_distributed
 from aiak.util.machine.load import CpuLoad, cpu_load
@@ -72,14 +74,16 @@ PICK, BUDGET, PLAIN = "pick", "pick, fewer threads", "plain compute"
 @dataclass
 class Arm:
     """One way the run may compute: the process switches it writes, whether the half-precision regions run and at
-    which level (`aiak.amp.half_compute.HalfCompute.switch_level`; None: the pick's), and whether the weights and
-    inputs are channels_last (`aiak.runtime.switches.ChannelsLast`; None: the pick's)."""
+    which level (`aiak.amp.half_compute.HalfCompute.switch_level`; None: the pick's), whether the weights and
+    inputs are channels_last (`aiak.runtime.switches.ChannelsLast`; None: the pick's), and whether the window
+    attention the pick fused computes fused (`aiak.ops.surgery.WindowAttentionSwitch`; None: the pick's)."""
 
     label: str
     switches: Dict[str, Any]
     half_compute: bool
     level: Optional[str] = None
     channels_last: Optional[bool] = None
+    window_attention: Optional[bool] = None   # the fused window attention (`WindowAttentionSwitch`); None: the pick's
     seconds: List[float] = field(default_factory=list)   # per round: its window's timed steps, summed
 
 
@@ -130,6 +134,9 @@ class SpeedGuard:
             self.layout, self.attached = attach_layout(model)
         self.pick_level = compute.level if compute is not None else None   # as applied
         self.pick_layout = self.layout.on if self.layout is not None else None
+        self.attention = WindowAttentionSwitch(model)     # the modules the pick fused, fused
+        if not self.attention.modules:
+            self.attention = None
         self.prefer = list(prefer)
         self.arms = [Arm(PICK, dict(pick_switches), True)]
         threads = pick_switches.get("num_threads", torch.get_num_threads())
@@ -137,7 +144,8 @@ class SpeedGuard:
             self.arms.append(Arm(BUDGET, {**pick_switches, "num_threads": load.free_cores}, True))
         self.arms += [arm for arm in others if self._reachable(arm)]
         self.arms.append(Arm(PLAIN, dict(plain_switches), False,
-                             channels_last=False if self.layout is not None else None))
+                             channels_last=False if self.layout is not None else None,
+                             window_attention=False if self.attention is not None else None))
         self.clock = StepClock(device)
         self.steps = 0                      # real steps seen
         self.round, self.slot, self.in_window = 0, 0, 0
@@ -162,6 +170,8 @@ class SpeedGuard:
         if arm.half_compute and arm.level not in (None, self.compute.level) \
                 and not self.compute.level_switchable(self.model):
             return False
+        if arm.window_attention and self.attention is None:
+            return False
         return not arm.channels_last or self.layout is not None
 
     def _use(self, arm: Arm) -> None:
@@ -175,6 +185,8 @@ class SpeedGuard:
             on = self.pick_layout if arm.channels_last is None else arm.channels_last
             if on != self.layout.on:
                 self.layout.switch(self.model, on, self.optimizer)
+        if self.attention is not None:
+            self.attention.switch(arm.window_attention is not False)
 
     def _before_forward(self, module, args) -> None:
         if self.last_mark is None and module.training and torch.is_grad_enabled():

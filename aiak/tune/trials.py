@@ -75,6 +75,7 @@ from aiak.measure.clock import StepClock
 from aiak.measure.memory import PeakMemory
 from aiak.measure.rounds import Contender, alternate, ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
+from aiak.ops.surgery import WindowAttentionSwitch
 from aiak.runtime.rollback import Snapshot
 from aiak.runtime.switches import read_switches
 from aiak.strategy.schema import Strategy
@@ -309,6 +310,7 @@ def _build_switched(candidates: List[Candidate], model, optimizer, device) -> Li
     script = read_switches()
     shared = TrialRun(candidates[0], device)
     shared.build(model, optimizer)
+    shared.attention = WindowAttentionSwitch(shared.bare) if not shared.failed else None   # the pick's, fused
     return _agreed([SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
                     for c in candidates])
 
@@ -541,7 +543,7 @@ def _arm(c: TrialRun) -> Arm:
     s = c.candidate.strategy
     half = s.precision.level != "O0"
     return Arm(c.candidate.label, dict(c.process_switches), half, level=s.precision.level if half else None,
-               channels_last=bool(s.channels_last))
+               channels_last=bool(s.channels_last), window_attention="window_attention" in s.fused_ops)
 
 
 def _preference(contenders: List[TrialRun]) -> List[str]:

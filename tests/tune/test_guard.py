@@ -359,3 +359,46 @@ def test_channels_last_switched_on_for_a_model_the_pick_left_contiguous():
     assert set(seen[g.result.steps:]) == {nhwc[g.result.chosen]}
     attached = any(getattr(h, "__self__", None) is g.layout for h in model._forward_pre_hooks.values())
     assert attached == (g.result.chosen == "channels_last=true")
+
+
+def _small_swin():
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
+                             window_size=4, embed_dim=16, depths=(1, 1), num_heads=(2, 2), num_classes=4,
+                             drop_path_rate=0.0)
+
+
+def test_arms_that_switch_the_fused_window_attention():
+    """A small timm Swin applied at O1 bf16 with fused window attention, watched with a 'no_fused_ops' arm: every step
+    of a window computes with its arm's attention (fused or the original forward), plain compute computes exactly
+    plain PyTorch's gradients (unfused, fp32), and after the decision every step computes as the chosen arm."""
+    switches = read_switches()
+    plain_model = _small_swin()
+    model = copy.deepcopy(plain_model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, _ = aiak.optimize(model, optimizer, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}, "fused_ops": ["window_attention"]})
+    attention = [m for m in model.modules() if type(m).__name__.startswith("Fused")]
+    assert len(attention) == 2
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(
+        tuple(type(a).__name__.startswith("Fused") for a in attention)))
+    pick = read_switches()
+    g = SpeedGuard(optimizer, model, compute_of(model), pick, switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
+                   lambda result: None, others=[guard.Arm("no_fused_ops", pick, True, window_attention=False)])
+    assert [a.label for a in g.arms] == [PICK, "no_fused_ops", PLAIN]
+    fused = {PICK: (True, True), "no_fused_ops": (False, False), PLAIN: (False, False)}
+    g._use(g.arms[-1])   # plain compute: plain PyTorch's gradients, exactly
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2,))
+    off, reference = grads_of(model, x, y), grads_of(plain_model, x, y)
+    assert all(torch.equal(off[n], reference[n]) for n in reference)
+    g._use(g.arms[0])
+    seen.clear()
+    data = [(torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2,))) for _ in range(8)]
+    train_until_decided(g, model, optimizer, data * 20, switches)
+    order = list(g.arms)
+    expected = [fused[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
+    assert seen[:len(expected)] == expected
+    assert g.result is not None and set(seen[g.result.steps:]) == {fused[g.result.chosen]}

@@ -288,3 +288,33 @@ def test_candidates_timed_in_the_run_are_gated_on_one_copy_switched_between_pass
     gated = [t for t in trials if t["strategy"].get("precision.level", "O0") != "O0"]
     assert gated and all(t["accepted"] and t["grad_cosine"] < 1.0 for t in gated), gated
     assert all(t["accepted"] for t in trials)
+
+
+def test_a_swins_fused_window_attention_is_timed_in_the_run():
+    """The pick's fused window attention switches between steps (`WindowAttentionSwitch`), so a Swin's candidates
+    are gated on one copy and handed to the guard, its 'no_fused_ops' arm computing the original attention; the
+    script's model keeps its own classes; linear_cross_entropy (the LM head) is still built, not switched."""
+    import timm
+
+    from aiak.strategy.schema import Strategy
+    from aiak.tune.candidates import switches_between_steps
+
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=32, patch_size=4,
+                              window_size=4, embed_dim=16, depths=(1, 1), num_heads=(2, 2), num_classes=4,
+                              drop_path_rate=0.0)
+    classes = [type(m) for m in model.modules()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TensorDataset(torch.randn(64, 3, 32, 32), torch.randint(0, 4, (64,)))
+    loader = DataLoader(data, batch_size=8)
+    strategy = {"extends": "auto_base", "precision": {"level": "O1", "dtype": "bf16"},
+                "fused_ops": ["window_attention"], "tune": {"candidates": 4}}
+    selection = resolve_strategy(strategy, model, optimizer, loader)
+    tuning = run_trials(selection, model, optimizer, loader, torch.device("cpu"))
+    arms = {arm.label: arm for arm in tuning.arms}
+    assert arms["no_fused_ops"].window_attention is False and arms["O2"].window_attention is True
+    assert all("timed in the run" in t.why for t in tuning.trials if t.accepted)
+    assert [type(m) for m in model.modules()] == classes
+    pick = Strategy.from_dict({"fused_ops": ["window_attention", "linear_cross_entropy"]})
+    assert switches_between_steps(Strategy.from_dict({"fused_ops": ["linear_cross_entropy"]}), pick)
+    assert not switches_between_steps(Strategy.from_dict({"fused_ops": ["window_attention"]}), pick)
