@@ -60,13 +60,13 @@ OPTIMIZERS = {
 }
 
 
-def _pair(shapes, make) -> Dict[str, torch.optim.Optimizer]:
+def _pair(shapes, make, device="cpu") -> Dict[str, torch.optim.Optimizer]:
     """The same optimizer over the same parameters and gradients twice: as built, and fused by aiak."""
     out = {}
     for name in ("default", "fused"):
-        params = make_params(shapes)
+        params = make_params(shapes, device=device)
         for p in params:
-            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(device)
         opt = make(params)
         if name == "fused":
             holder = torch.nn.Module()
@@ -81,6 +81,35 @@ def _pair(shapes, make) -> Dict[str, torch.optim.Optimizer]:
 def _spread(values: List[float]) -> Tuple[float, float, float]:
     q = statistics.quantiles(values, n=10)
     return statistics.median(values), q[0], q[-1]
+
+
+def gpu_checks(device: str = "cuda") -> List[dict]:
+    """On one GPU, where torch's default is the foreach form: for SGD with momentum and AdamW over ResNet-50's
+    parameter shapes, the fused step's weights after 5 steps against the default's (max relative error, goal <= 1e-5)
+    and its step time against the default's (goal: not slower). ``device="cpu"`` runs it on the CPU (a smoke test)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return [{"check": "optim: fused step, cuda available", "ok": False, "metric": "available", "value": False}]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    shapes = SETS["resnet50"]()
+    rows = []
+    for name in ("SGD(momentum)", "AdamW"):
+        pair = _pair(shapes, OPTIMIZERS[name], dev)
+        for _ in range(5):
+            for opt in pair.values():
+                opt.step()
+        sync()
+        weights = {k: [p for g in opt.param_groups for p in g["params"]] for k, opt in pair.items()}
+        err = max(float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+                  for a, b in zip(weights["fused"], weights["default"]))
+        rows.append({"check": f"optim: {name} fused step vs torch's default ({dev.type}, 5 steps)", "ok": err <= 1e-5,
+                     "metric": "max relative error (goal <= 1e-5)", "value": err})
+        times = time_round_robin({k: v.step for k, v in pair.items()}, repeats=20, warmup=3, sync=sync)
+        ratio = statistics.median([d / f for d, f in zip(times["default"], times["fused"])])
+        rows.append({"check": f"optim: {name} default step / fused step ({dev.type}, 25.6M params)", "ok": ratio >= 1.0,
+                     "metric": "speed ratio (goal >= 1.0)", "value": ratio})
+        del pair, weights
+    return rows
 
 
 def main(argv=None) -> List[dict]:

@@ -8,8 +8,8 @@ auto (the probe on CUDA, the CUDA rules, trials timed with CUDA events and their
 final loss vs fp32, cache hit),
 amp (capability probe, exact norm layers under O2 fp16, torch's clip_grad_norm_ under O2 + accumulation,
 inductor through aiak), loaders (side-stream copy hidden under compute, record_stream, CUDA-resident source
-batches, DALI GPU output), optim (LAMB/LARS on CUDA), ops (Triton window attention: correctness, the largest
-admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream order with CPU-Reduce's host
+batches, DALI GPU output), optim (LAMB/LARS on CUDA; torch's fused step against its foreach default), ops
+(Triton window attention: correctness, the largest admitted shape, the speed goals), comm (int8 codec, the hook pipeline's stream order with CPU-Reduce's host
 copies, NaN recovery, autotune and NCCL socket candidates in child processes on a one-rank NCCL group), doctor (what it reads of the GPUs, NCCL, Triton and DALI on the GPU),
 bench (``aiak bench`` on resnet18: CUDA memory, CUDA kernels in its trace, default = plain), fp8 (a transformer
 block at widths 4096 and 8192, compiled: tensorwise and rowwise against bf16, step time and loss; several minutes
@@ -288,8 +288,9 @@ def section(name: str):
         from loader_overlap import gpu_checks
         return gpu_checks()
     if name == "optim":
+        from fused_step import gpu_checks as fused_step_checks
         from optimizers import gpu_checks
-        return gpu_checks()
+        return gpu_checks() + fused_step_checks()
     if name == "ops":
         from window_attention import gpu_checks
         return gpu_checks()

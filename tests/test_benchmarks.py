@@ -44,6 +44,20 @@ def test_fused_step_times_each_optimizer_as_built_and_fused(tmp_path):
     assert all(r["default_ms"][0] > 0 and r["fused_ms"][0] > 0 for r in rows)
 
 
+def test_fused_steps_gpu_rows_run_on_cpu():
+    """The rows gpu_check.py's optim section adds for the fused step, on the CPU: both optimizers equal torch's
+    default within the goal, and each has its timing row."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import json, fused_step; "
+            "print(json.dumps(fused_step.gpu_checks('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["check"].split(" (")[0] for r in rows] == [
+        "optim: SGD(momentum) fused step vs torch's default", "optim: SGD(momentum) default step / fused step",
+        "optim: AdamW fused step vs torch's default", "optim: AdamW default step / fused step"]
+    assert rows[0]["ok"] and rows[2]["ok"]
+
+
 def test_root_scaling_times_both_factors():
     """benchmarks/root_scaling.py, one round on the small MLP: a row for fp16's factor and one for counted items (it
     once broke when the graph walk grew a third result, with no test to say so)."""
