@@ -402,3 +402,26 @@ def test_arms_that_switch_the_fused_window_attention():
     expected = [fused[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
     assert seen[:len(expected)] == expected
     assert g.result is not None and set(seen[g.result.steps:]) == {fused[g.result.chosen]}
+
+
+@pytest.mark.parametrize("prefer,done", [([PLAIN, PICK], True), ([PICK], False)])
+def test_where_plain_compute_is_preferred_no_arm_ahead_of_it_ends_the_windows(prefer, done):
+    """After MIN_ROUNDS rounds in which no arm ran ahead of plain compute beyond the noise floor, the guard stops
+    where plain compute is preferred within noise (more rounds could not make `choose` leave it); where the pick is
+    preferred, arms within noise of plain keep the rounds going (the ranking is not clear)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.GELU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, _ = aiak.optimize(model, optimizer, strategy={
+        "extends": "default", "precision": {"level": "O1", "dtype": "bf16"}})
+    switches = read_switches()
+    g = SpeedGuard(optimizer, model, compute_of(model), switches, switches, CpuLoad(2, 0.0, 0.0),
+                   torch.device("cpu"), lambda result: None, others=[guard.Arm("O2", switches, True, level="O2")],
+                   prefer=prefer)
+    g.handle.remove()
+    g.forward_handle.remove()
+    pick, o2, plain = g.arms
+    plain.seconds, pick.seconds, o2.seconds = [1.0] * MIN_ROUNDS, [1.01, 0.99][:MIN_ROUNDS], [1.2] * MIN_ROUNDS
+    g.round = MIN_ROUNDS
+    assert g._done() is done
+    pick.seconds = [0.9] + [1.0] * (MIN_ROUNDS - 1)   # ahead of plain by 11% in one round: more rounds may tell
+    assert g._done() is False
