@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = "default"
 ACCUMULATE_2 = {"grad_accumulation": 2, "tune": False}
 PREFETCH_2 = {"loader": {"prefetch": 2}, "tune": False}
+FUSED_STEP = {"optimizer": {"fused": True}, "tune": False}
 
 # torchvision: GroupNorm and no dropout, so that two half batches hold exactly the full batch's gradient
 TV_PER_SAMPLE = {"norm_layer": "group", "dropout": 0.0}
@@ -159,11 +160,13 @@ def test_torchvision_half_batches_under_grad_accumulation_match_the_full_batch(r
     assert halves["warnings"] == []
 
 
-@pytest.mark.parametrize("setup", ["plain", "grad_accumulation"])
+@pytest.mark.parametrize("setup", ["plain", "grad_accumulation", "fused_step"])
 def test_torchvision_resume_equals_an_uninterrupted_run(run, setup):
     """The checkpoint after epoch 0 (model, optimizer with aiak's window counter, SequentialLR, EMA, random state),
-    loaded by a second run of the script with ``resume``: it ends bit for bit where the uninterrupted run did."""
-    args = {} if setup == "plain" else {"batch_size": 4, "aiak": ACCUMULATE_2, **TV_PER_SAMPLE}
+    loaded by a second run of the script with ``resume``: it ends bit for bit where the uninterrupted run did (the
+    script's SGD stepping torch's fused kernel too: the loaded optimizer stays fused)."""
+    args = ({} if setup == "plain" else {"aiak": FUSED_STEP} if setup == "fused_step"
+            else {"batch_size": 4, "aiak": ACCUMULATE_2, **TV_PER_SAMPLE})
     whole = run(torchvision_style, checkpoints=True, **args)
     resumed = run(torchvision_style, resume=os.path.join(whole["output_dir"], "model_0.pth"), **args)
     assert resumed["optimizer_steps"] == 8 and resumed["lr"] == whole["lr"][4:]
@@ -296,3 +299,16 @@ def test_two_ranks_the_scripts_own_accumulation_wins_over_aiaks(two_ranks):
         assert_close_states(plain["model"], stacked["model"], atol=1e-5, rtol=1e-5)
     first, second = (r["timm", "stacked_accumulation"]["model"] for r in two_ranks)
     assert all(torch.equal(first[k], second[k]) for k in first if "running_" not in k and "num_batches" not in k)
+
+
+def test_timm_with_the_fused_step_trains_as_plain_to_rounding(run):
+    """``optimizer: {fused: true}`` under timm's script (Mixup, AGC, ModelEmaV3, per-update cosine schedule, its own
+    accumulation): the same schedule and updates as plain, the weights and the EMA's to float rounding, no warning."""
+    plain = run(timm_style)
+    fused = run(timm_style, aiak=FUSED_STEP)
+    assert all(fused["fused_groups"]) and not any(plain["fused_groups"])
+    for key in ("lr", "updates", "mixed_batches"):
+        assert fused[key] == plain[key], key
+    assert_close_states(plain["model"], fused["model"], atol=1e-5, rtol=1e-4)
+    assert_close_states(plain["model_ema"], fused["model_ema"], atol=1e-5, rtol=1e-4)
+    assert fused["warnings"] == []

@@ -246,6 +246,7 @@ def main(args) -> dict:
         num_updates = train_one_epoch(epoch, model, loader_train, optimizer, train_loss_fn, args, lr_scheduler,
                                       model_ema, num_updates, record)
     record["updates"] = num_updates
+    record["fused_groups"] = [bool(g.get("fused")) for g in optimizer.param_groups]   # torch's fused step, per group
     bare = model.module if isinstance(model, NativeDDP) else model
     if args.distributed:
         record["ddp"] = {"module_type": type(model.module).__name__,
