@@ -22,9 +22,10 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
   the fused window attention off (`aiak.ops.surgery.WindowAttentionSwitch`);
 * `plain compute`: the model's half-precision regions off (`aiak.amp.half_compute.HalfCompute.enabled`: the
   parameters are fp32 either way), its weights and inputs in the contiguous layout where the pick made them
-  channels_last, the window attention it fused computing with its original forward, and the process switches (threads, TF32, cuDNN autotuning) as the script had them before
-  `optimize()`: plain PyTorch's compute, exactly. The optimizer steps as applied in every arm: torch's fused step
-  (`optimizer.fused`, `aiak.optim.fused_step`) is the same update whatever the compute, and stays.
+  channels_last, the window attention it fused computing with its original forward, and the process switches
+  (threads, TF32, cuDNN autotuning) as the script had them before `optimize()`: plain PyTorch's compute, exactly.
+  The optimizer steps as applied in every arm: torch's fused step (`optimizer.fused`, `aiak.optim.fused_step`) is
+  the same update whatever the compute, and stays.
 
 Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
@@ -41,10 +42,10 @@ A change is said in one line on stderr, beside `optimize()`'s own. The decision 
 guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
 
 What the guard cannot switch between two steps is left as applied: other fused modules (the language-model head),
-the loader's prefetching, fp16 (its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where an arm computes channels_last
-(`aiak.runtime.switches.attach_layout`); it is detached again unless the chosen arm computes so. The guard does not
-run under `torch.compile` (switching the compute would recompile), with fp8 layers (swapped modules), on several
-ranks (each rank would choose alone), or where the trials chose plain compute.
+the loader's prefetching, fp16 (its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where
+an arm computes channels_last (`aiak.runtime.switches.attach_layout`); it is detached again unless the chosen arm
+computes so. The guard does not run under `torch.compile` (switching the compute would recompile), with fp8 layers
+(swapped modules), on several ranks (each rank would choose alone), or where the trials chose plain compute.
 """
 from __future__ import annotations
 
@@ -135,9 +136,7 @@ class SpeedGuard:
             self.layout, self.attached = attach_layout(model)
         self.pick_level = compute.level if compute is not None else None   # as applied
         self.pick_layout = self.layout.on if self.layout is not None else None
-        self.attention = WindowAttentionSwitch(model)     # the modules the pick fused, fused
-        if not self.attention.modules:
-            self.attention = None
+        self.attention = WindowAttentionSwitch(model)     # the modules the pick fused (none: switching does nothing)
         self.prefer = list(prefer)
         self.arms = [Arm(PICK, dict(pick_switches), True)]
         threads = pick_switches.get("num_threads", torch.get_num_threads())
@@ -146,7 +145,7 @@ class SpeedGuard:
         self.arms += [arm for arm in others if self._reachable(arm)]
         self.arms.append(Arm(PLAIN, dict(plain_switches), False,
                              channels_last=False if self.layout is not None else None,
-                             window_attention=False if self.attention is not None else None))
+                             window_attention=False if self.attention.modules else None))
         self.clock = StepClock(device)
         self.steps = 0                      # real steps seen
         self.round, self.slot, self.in_window = 0, 0, 0
@@ -171,7 +170,7 @@ class SpeedGuard:
         if arm.half_compute and arm.level not in (None, self.compute.level) \
                 and not self.compute.level_switchable(self.model):
             return False
-        if arm.window_attention and self.attention is None:
+        if arm.window_attention and not self.attention.modules:
             return False
         return not arm.channels_last or self.layout is not None
 
@@ -186,8 +185,7 @@ class SpeedGuard:
             on = self.pick_layout if arm.channels_last is None else arm.channels_last
             if on != self.layout.on:
                 self.layout.switch(self.model, on, self.optimizer)
-        if self.attention is not None:
-            self.attention.switch(arm.window_attention is not False)
+        self.attention.switch(arm.window_attention is not False)
 
     def _before_forward(self, module, args) -> None:
         if self.last_mark is None and module.training and torch.is_grad_enabled():
