@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
+from aiak.runtime import malloc
 from aiak.util.machine import devices
 from aiak.util.nested import map_tensors
 from aiak.util.warn import warn
@@ -117,8 +118,20 @@ def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
 
 
 # -- the one list of process switches ---------------------------------------------------------------
+# Switches that change no computation, only how the process gets its memory: every contender of a comparison, plain
+# PyTorch's compute among them, runs with them as the strategy applied them (the trials' shared copy, the run-time
+# guard's arms), as with the optimizer's fused step. A benchmark's plain PyTorch, which is not aiak's, writes its own.
+MEMORY_SWITCHES = ("malloc_retain",)
+
+
+def with_memory_switches(switches: Dict[str, Any], applied: Dict[str, Any]) -> Dict[str, Any]:
+    """``switches`` with the `MEMORY_SWITCHES` as in ``applied``."""
+    return {**switches, **{name: applied[name] for name in MEMORY_SWITCHES if name in applied}}
+
+
 def read_switches() -> Dict[str, Any]:
-    """The process-wide settings a strategy may change (TF32, cuDNN autotuning, threads, CPU affinity), by name."""
+    """The process-wide settings a strategy may change (TF32, cuDNN autotuning, threads, CPU affinity, glibc malloc's
+    thresholds), by name."""
     return {name: read() for name, (read, _) in process_switches().items()}
 
 
@@ -141,6 +154,7 @@ def process_switches() -> Dict[str, Tuple[Callable[[], Any], Callable[[Any], Non
         "cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark,
                             lambda v: setattr(torch.backends.cudnn, "benchmark", v)),
         "num_threads": (torch.get_num_threads, torch.set_num_threads),
+        "malloc_retain": (malloc.read, malloc.write),
     }
     if hasattr(os, "sched_getaffinity"):
         switches["cpu_affinity"] = (lambda: os.sched_getaffinity(0), lambda v: os.sched_setaffinity(0, v))

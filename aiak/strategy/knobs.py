@@ -26,9 +26,10 @@ from typing import Any, Callable, Optional, Tuple
 
 from aiak.comm.algorithms import REGISTRY
 from aiak.runtime.affinity import apply_cpu_affinity
+from aiak.runtime.malloc import apply_malloc_retain
 from aiak.runtime.switches import apply_cudnn_benchmark, apply_tf32
 
-PROCESS = "process"        # process-wide switches (runtime/, runtime/affinity.py)
+PROCESS = "process"        # process-wide switches (runtime/switches.py, runtime/affinity.py, runtime/malloc.py)
 MODEL = "model"            # the model's modules, hooks, layout or precision (ops/, amp/, runtime/)
 DDP = "ddp"                # the DistributedDataParallel wrapping and its communication hook (comm/)
 OPTIMIZER = "optimizer"    # one optimizer's update and stepping (optim/, step/)
@@ -57,6 +58,8 @@ KNOBS: Tuple[Knob, ...] = (
          apply_cudnn_benchmark, ("cudnn.benchmark",)),
     Knob("cpu_affinity",          PROCESS,   False,   True,   False,
          apply_cpu_affinity, ("cpu_affinity", "num_threads")),
+    Knob("malloc_retain",         PROCESS,   False,   True,   False,
+         apply_malloc_retain, ("malloc_retain",)),
     Knob("channels_last",         MODEL,     False,   True,   True),
     Knob("compile",               MODEL,     False,   False,  True),
     Knob("precision.level",       MODEL,     False,   False,  True),

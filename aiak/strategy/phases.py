@@ -35,7 +35,8 @@ class Phase:
 
 PHASES: Tuple[Phase, ...] = (
     Phase("switches", tuple(k.path for k in KNOBS if k.acts_on == PROCESS),
-          "the process-wide switches (`runtime/switches.py`, `runtime/affinity.py`), each by its knob row's function",
+          "the process-wide switches (`runtime/switches.py`, `runtime/affinity.py`, `runtime/malloc.py`), each by its "
+          "knob row's function",
           "every process switch, as `read_switches` read it before"),
     Phase("surgery", ("fused_ops",),
           "fused modules in place of the bare model's (`ops/surgery.py`: Swin window attention; `ops/lm_head.py`: a "

@@ -87,6 +87,7 @@ class Strategy:
         comm: distributed training: the engine (DDP or FSDP2), the allreduce's route, compression and buckets,
             the communication algorithm.
         cpu_affinity: pin each rank's threads to its cores.
+        malloc_retain: glibc malloc keeps the memory a step frees for the next (no page faults each step).
         tune: time candidate strategies on the first batches and keep the fastest that trains the same model.
     """
 
@@ -105,6 +106,7 @@ class Strategy:
     fused_ops: List[str] = field(default_factory=list, metadata=choices(*FUSED_OPS))
     comm: CommConfig = field(default_factory=CommConfig)
     cpu_affinity: bool = False
+    malloc_retain: bool = False
     tune: TuneConfig = field(default_factory=TuneConfig)
 
     # -- construction -------------------------------------------------------------------------

@@ -25,7 +25,8 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
   channels_last, the window attention it fused computing with its original forward, and the process switches
   (threads, TF32, cuDNN autotuning) as the script had them before `optimize()`: plain PyTorch's compute, exactly.
   The optimizer steps as applied in every arm: torch's fused step (`optimizer.fused`, `aiak.optim.fused_step`) is
-  the same update whatever the compute, and stays.
+  the same update whatever the compute, and stays; so do glibc malloc's thresholds (`malloc_retain`,
+  `aiak.runtime.switches.MEMORY_SWITCHES`), which change how memory is obtained, not what is computed.
 
 Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
@@ -61,7 +62,7 @@ from aiak.measure.clock import StepClock
 from aiak.measure.rounds import ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.ops.surgery import WindowAttentionSwitch
-from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
+from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, with_memory_switches, write_switches
 from aiak.util.dist import is_distributed
 from aiak.util.machine.load import CpuLoad, cpu_load
 from aiak.util.warn import is_rank_zero
@@ -143,7 +144,7 @@ class SpeedGuard:
         if load.free_cores < threads:
             self.arms.append(Arm(BUDGET, {**pick_switches, "num_threads": load.free_cores}, True))
         self.arms += [arm for arm in others if self._reachable(arm)]
-        self.arms.append(Arm(PLAIN, dict(plain_switches), False,
+        self.arms.append(Arm(PLAIN, with_memory_switches(plain_switches, pick_switches), False,
                              channels_last=False if self.layout is not None else None,
                              window_attention=False if self.attention.modules else None))
         self.clock = StepClock(device)

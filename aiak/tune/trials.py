@@ -77,7 +77,7 @@ from aiak.measure.rounds import Contender, alternate, ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
 from aiak.ops.surgery import WindowAttentionSwitch
 from aiak.runtime.rollback import Snapshot
-from aiak.runtime.switches import read_switches
+from aiak.runtime.switches import read_switches, with_memory_switches
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.guard import PICK, PLAIN as PLAIN_COMPUTE, Arm, not_watched
@@ -306,12 +306,14 @@ def _agreed(built: List[TrialRun]) -> List[TrialRun]:
 
 def _build_switched(candidates: List[Candidate], model, optimizer, device) -> List[TrialRun]:
     """The pick built on one copy (`TrialRun.build`), every candidate a `SwitchedRun` of it: plain PyTorch's with the
-    process switches as the script has them, the others with the pick's."""
+    process switches as the script has them (but for the memory switches, the pick's: `with_memory_switches`), the
+    others with the pick's."""
     script = read_switches()
     shared = TrialRun(candidates[0], device)
     shared.build(model, optimizer)
     shared.attention = WindowAttentionSwitch(shared.bare) if not shared.failed else None   # the pick's, fused
-    return _agreed([SwitchedRun(c, device, shared, script if c.label == "plain" else shared.process_switches)
+    plain = with_memory_switches(script, shared.process_switches)
+    return _agreed([SwitchedRun(c, device, shared, plain if c.label == "plain" else shared.process_switches)
                     for c in candidates])
 
 

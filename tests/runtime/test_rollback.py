@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 import aiak
 from aiak.amp.half_compute import half_compute_of
 from aiak.cli.demo import DemoNet, synthetic_dataset
+from aiak.runtime import malloc
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
@@ -61,7 +62,8 @@ def _fingerprint(model, opt, sched):
         "scheduler": (type(sched), sched.state_dict()) if sched is not None else None,
         "switches": (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
                      torch.backends.cudnn.benchmark, torch.get_num_threads(),
-                     sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None),
+                     sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                     malloc.read()),
     }
 
 
@@ -113,11 +115,12 @@ CASES = {
         make_model=_swin, loader=object(), input_shape=(2, 3, 56, 56),
         strategy={"precision": {"level": "O2", "dtype": "bf16", "fp8": "rowwise"}, "loader": {"prefetch": 2}},
         error=(TypeError, "must be an iterable")),
-    # LAMB with no optimizer to take a learning rate from: fails at the optimizer swap, after CPU affinity and surgery
-    # (the optimizer and scheduler are not given to aiak; they train the model afterwards)
+    # LAMB with no optimizer to take a learning rate from: fails at the optimizer swap, after CPU affinity, glibc
+    # malloc's thresholds and surgery (the optimizer and scheduler are not given to aiak; they train the model afterwards)
     "fails-at-the-optimizer-swap": dict(
         make_model=_swin, no_optimizer=True, input_shape=(2, 3, 56, 56),
-        strategy={"optimizer": {"name": "lamb"}, "cpu_affinity": True, "fused_ops": ["window_attention"]},
+        strategy={"optimizer": {"name": "lamb"}, "cpu_affinity": True, "malloc_retain": True,
+                  "fused_ops": ["window_attention"]},
         error=(ValueError, "optimizer.lr is required")),
     # surgery refuses a model that is already compiled: fails at step 3, after CPU affinity bound the process
     # to one core and set torch's thread count (as local rank 1 of 2)
@@ -132,6 +135,7 @@ CASES = {
 def test_a_failing_optimize_leaves_everything_as_it_was(case, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")  # cpu_affinity then binds this process to half the cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    malloc.write(False)   # as a process where no earlier test turned it on reads it (the thresholds stay fixed)
     spec = CASES[case]
     model, opt, sched = _setup(spec["make_model"])
     twin_model, twin_opt, twin_sched = _setup(spec["make_model"])  # built the same way, never given to aiak

@@ -62,7 +62,7 @@ def test_each_process_knob_writes_only_the_settings_its_row_names(monkeypatch):
         before = read_switches()
         try:
             for name, (_, write) in process_switches().items():   # start from settings the knob would change
-                if name in ("matmul.allow_tf32", "cudnn.allow_tf32", "cudnn.benchmark"):
+                if name in ("matmul.allow_tf32", "cudnn.allow_tf32", "cudnn.benchmark", "malloc_retain"):
                     write(False)
             start = read_switches()
             row.apply(True, torch.device("cuda", 0))

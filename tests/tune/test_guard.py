@@ -425,3 +425,20 @@ def test_where_plain_compute_is_preferred_no_arm_ahead_of_it_ends_the_windows(pr
     assert g._done() is done
     pick.seconds = [0.9] + [1.0] * (MIN_ROUNDS - 1)   # ahead of plain by 11% in one round: more rounds may tell
     assert g._done() is False
+
+
+def test_plain_compute_keeps_the_memory_switches_as_applied():
+    """glibc malloc's thresholds (`malloc_retain`) change how memory is obtained, not what is computed: the plain
+    compute arm keeps them as the pick applied them, where every other process switch is the script's."""
+    model, optimizer, _ = make_setup(0, 64, 16, width=8)
+    switches = read_switches()
+    pick = {**switches, "malloc_retain": True, "num_threads": 2}
+    plain = {**switches, "malloc_retain": False, "num_threads": 1}
+    g = SpeedGuard(optimizer, model, None, pick, plain, CpuLoad(2, 0.0, 0.0), torch.device("cpu"), lambda r: None)
+    try:
+        assert g.arms[-1].label == PLAIN
+        assert g.arms[-1].switches == {**plain, "malloc_retain": True}
+    finally:
+        g.handle.remove()
+        g.forward_handle.remove()
+        write_switches(switches)
