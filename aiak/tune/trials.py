@@ -348,16 +348,20 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
                     grads[id(c)] = c.step(batches[0], want_grads=gated and (c is plain or needs_gate(c)))
                     seconds[id(c)] = clock.seconds(t0, clock.mark())
                 c.record.peak_mem_mb = peak.mib
-                evaluation[id(c)] = c.evaluate(batches[0])
+                if c is not plain:   # plain's own only where a candidate's fails (below)
+                    evaluation[id(c)] = c.evaluate(batches[0])
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
             c.fail(describe_error(e))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if plain is not None and not evaluation.get(id(plain)):  # the script evaluates as the trials do
-        for c in contenders:
-            if not c.failed and evaluation.get(id(c)):
-                c.fail(f"evaluation (model.eval(), a forward under torch.inference_mode()) failed: "
-                       f"{evaluation[id(c)]}")
+    failing = [c for c in contenders if not c.failed and evaluation.get(id(c))]
+    if plain is not None and failing:
+        with warn.quiet():
+            plain.switches()
+            if not plain.evaluate(batches[0]):   # plain PyTorch evaluates so: the script does, and they cannot
+                for c in failing:
+                    c.fail(f"evaluation (model.eval(), a forward under torch.inference_mode()) failed: "
+                           f"{evaluation[id(c)]}")
     reference = grads.get(id(plain)) if plain is not None else None
     noise = _sampling_noise(reference, noise_samples, batches[0])
     results: Dict[int, gate.GateResult] = {}

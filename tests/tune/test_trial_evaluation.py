@@ -61,7 +61,8 @@ class RecordsEvaluationBatches(nn.Module):
 
 
 def test_each_candidate_evaluates_on_two_samples_and_only_the_gated_ones_are_compared():
-    """The evaluation forward needs two samples, not the batch; plain PyTorch is the gate's reference and a
+    """The evaluation forward needs two samples, not the batch, and plain PyTorch's is taken only where a candidate's
+    fails (to tell the script's own failure from the candidate's); plain PyTorch is the gate's reference and a
     numerics-neutral candidate is not judged, so neither shows a cosine."""
     RecordsEvaluationBatches.seen.clear()
     torch.manual_seed(0)
@@ -74,7 +75,35 @@ def test_each_candidate_evaluates_on_two_samples_and_only_the_gated_ones_are_com
     aiak.optimize(model, optimizer, loader, strategy=strategy)
     trials = aiak.last_decision().to_dict()["trials"]
     seen = RecordsEvaluationBatches.seen
-    assert len(seen) == len(trials) and set(seen) == {2}, seen
+    assert len(seen) == len(trials) - 1 and set(seen) == {2}, seen     # every candidate's but plain's
     for t in trials:
         neutral = set(t["strategy"]) <= {"channels_last", "loader.prefetch"}
         assert (t["grad_cosine"] is None) == neutral, t
+
+
+class NeverEvaluates(nn.Module):
+    """A head that cannot run under inference mode at all, whatever the precision: the script's own limit."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("this head is never evaluated")
+        return self.head(x)
+
+
+def test_where_plain_pytorch_cannot_evaluate_either_no_candidate_is_rejected_for_it():
+    """Plain PyTorch evaluated (only once a candidate's evaluation failed) and failed too: the script does not
+    evaluate so, and the candidates are judged by their training steps alone."""
+    torch.manual_seed(0)
+    model = DemoNet(width=8)
+    model.head = NeverEvaluates(model.head)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(synthetic_dataset(128, image_size=16, seed=0), batch_size=32)
+    strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"},
+                "tune": {"candidates": 4, "steps": 3, "guard": False}}
+    aiak.optimize(model, optimizer, loader, strategy=strategy)
+    trials = aiak.last_decision().to_dict()["trials"]
+    assert len(trials) >= 2 and not any("evaluation" in t["why"] for t in trials), trials
