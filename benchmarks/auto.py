@@ -29,8 +29,8 @@ Contenders, all from the same seed (same initial weights, same batches):
   precision {O0, O1 bf16, O2 bf16} (O1/O2 fp16 too where the device computes fp16 natively, never on this
   CPU) x channels_last {off, on} (models with a Conv2d) x compile {off, on} x fused_ops
   {[], [window_attention]} (models whose window attention aiak can fuse). Every oracle strategy also has
-  ``loader.prefetch: 2`` and ``optimizer.fused: true``, which auto's base profile sets, so the oracle covers
-  auto's own pick;
+  ``loader.prefetch: 2``, ``optimizer.fused: true`` and ``malloc_retain: true``, which auto's base profile sets,
+  so the oracle covers auto's own pick;
 * ``auto``: ``aiak.optimize(model, optimizer, loader)`` with a fresh tuning cache, so its trials run and are
   paid in full.
 
@@ -43,7 +43,10 @@ within each round, median over rounds with its p10-p90. auto's *effective* step 
 ``optimize()`` call (trials included; the decision record's ``tuning_seconds`` is printed beside it) and its
 first steps' excess over steady ones while its run-time guard alternates the pick with plain compute (auto's
 warm-up goes on until the guard decided), spread over a 200-step run: ``step + one_time / 200``. The oracle's
-compile time is not counted (its steady state only), which favours the oracle.
+compile time is not counted (its steady state only), which favours the oracle. All share one process, so
+once a contender applied ``malloc_retain`` (glibc malloc's thresholds fixed: ``aiak.runtime.malloc``), plain steps
+with it too: a process cannot turn glibc's own thresholds back on. Its gain, which every ratio here leaves out, is
+``benchmarks/malloc_retain.py``'s, timed in processes of their own.
 
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
 (60) on the same batches; the final loss is the mean of the last 10 steps, and auto's must be within
@@ -190,7 +193,7 @@ def oracle_space(setup: model_spec.ModelSetup, *, compile_too: bool) -> Dict[str
         label = plabel + (" +cl" if cl else "") + (" +compile" if comp else "") + (" +fused" if fused else "")
         space[label] = {"name": f"oracle {label}", "precision": precision, "channels_last": cl, "compile": comp,
                         "fused_ops": ["window_attention"] if fused else [], "loader": {"prefetch": 2},
-                        "optimizer": {"fused": True}, "tune": False}
+                        "optimizer": {"fused": True}, "malloc_retain": True, "tune": False}
     return space
 
 

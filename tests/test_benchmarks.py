@@ -44,6 +44,19 @@ def test_fused_step_times_each_optimizer_as_built_and_fused(tmp_path):
     assert all(r["default_ms"][0] > 0 and r["fused_ms"][0] > 0 for r in rows)
 
 
+def test_malloc_retain_times_both_sides_in_processes_of_their_own(tmp_path):
+    """benchmarks/malloc_retain.py on the demo model, one round of three steps: both sides ran in child processes
+    (the retained one asserts that the knob applied) and the retained side paged in fewer pages a step."""
+    report = tmp_path / "malloc.json"
+    out = subprocess.run([sys.executable, "benchmarks/malloc_retain.py", "--models", "demo", "--rounds", "1",
+                          "--warmup", "2", "--steps", "3", "--json", str(report)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(report.read_text())
+    assert row["model"] == "demo" and row["plain_ms"] > 0 and row["retain_ms"] > 0 and len(row["ratios"]) == 1
+    assert row["retain_faults"] < row["plain_faults"], row
+
+
 def test_fused_steps_gpu_rows_run_on_cpu():
     """The rows gpu_check.py's optim section adds for the fused step, on the CPU: both optimizers equal torch's
     default within the goal, and each has its timing row."""
