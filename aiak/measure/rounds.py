@@ -35,7 +35,7 @@ import torch
 from aiak.measure.clock import StepClock
 from aiak.measure.thresholds import (MIN_ROUNDS_FOR_VERDICT, NOISE_FLOOR, NOISY_SPREAD, SLOW_CONFIRMATIONS,
                                      SLOW_FACTOR)
-from aiak.runtime.switches import read_switches, write_switches
+from aiak.runtime.switches import MEMORY_SWITCHES, read_switches, write_switches
 from aiak.util.dist import max_across_ranks
 from aiak.util.text import describe_error
 
@@ -168,7 +168,11 @@ class Contender:
 
     ``switches`` (`aiak.runtime.switches.read_switches`, taken right after the contender was set up) are put in
     place before each of its runs of steps: ``aiak.optimize`` sets process-wide settings (TF32, cuDNN
-    autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too. After each
+    autotuning, threads) that would otherwise speed up, or change the numerics of, the plain side too. Not the
+    memory switches (`aiak.runtime.switches.MEMORY_SWITCHES`: glibc malloc's thresholds, ``malloc_retain``): a
+    process cannot return to glibc's own once they were fixed, and switching them between runs of steps would make
+    each run page its memory in again. Every contender of one process runs with them as they are, so a speedup
+    timed here leaves their gain out; ``benchmarks/malloc_retain.py`` times it in processes of their own. After each
     run of steps they are read again: what the contender's own steps changed (the run-time guard,
     `aiak.tune.guard`, sets the threads of its windows) stays its own.
 
@@ -203,8 +207,8 @@ def _run(c: Contender, n: int, total: int, progress: Optional[Progress], catch: 
     """``n`` steps of ``c``, each timed on its device's clock (CUDA events, read once at the end). With ``catch``
     a step that raises stops ``c`` (``stopped`` says why, `aiak.util.text.describe_error`) and ends the
     run, whose last entry is then ``inf``."""
-    if c.switches is not None:
-        write_switches(c.switches)
+    if c.switches is not None:   # but the memory switches: every contender computes with them as they are
+        write_switches({k: v for k, v in c.switches.items() if k not in MEMORY_SWITCHES})
     clock = StepClock(c.device)
     marks = [clock.mark()]
     loss, reported = None, []

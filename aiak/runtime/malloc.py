@@ -16,10 +16,11 @@ moment before. This is what preloading tcmalloc or jemalloc does for PyTorch's C
 preload: ``mallopt`` takes effect in the running process.
 
 The setting is a process switch (`aiak.runtime.switches.process_switches`), read as whether aiak fixed the
-thresholds. Turned off again (the rollback of a failed ``optimize()``, the timing engine's plain PyTorch beside a
-strategy that turned it on), glibc cannot adapt any more: the thresholds are fixed at the ceiling of its adapting
-(32 MiB, trimming above 64 MiB), the most any untouched process reaches. Plain PyTorch timed in such a process may
-run faster than in a fresh one, never slower; a speedup timed there is at most the true one.
+thresholds. Turned off again (the rollback of a failed ``optimize()``), glibc cannot adapt any more: the thresholds
+are fixed at the ceiling of its adapting (32 MiB, trimming above 64 MiB), the most any untouched process reaches.
+So a comparison inside one process cannot show this knob's gain: the timing engine (`aiak.measure.rounds`: ``aiak
+demo``, ``aiak bench``) runs every contender with the setting as it is, plain PyTorch too once a strategy turned it
+on, and a speedup timed there leaves it out.
 
 Elsewhere (musl, macOS, Windows) ``mallopt`` does not exist: the knob warns once and is skipped.
 """

@@ -120,7 +120,7 @@ def apply_cudnn_benchmark(enabled: bool, device: torch.device) -> str:
 # -- the one list of process switches ---------------------------------------------------------------
 # Switches that change no computation, only how the process gets its memory: every contender of a comparison, plain
 # PyTorch's compute among them, runs with them as the strategy applied them (the trials' shared copy, the run-time
-# guard's arms), as with the optimizer's fused step. A benchmark's plain PyTorch, which is not aiak's, writes its own.
+# guard's arms), as with the optimizer's fused step; the timing engine leaves them as they are (`aiak.measure.rounds`).
 MEMORY_SWITCHES = ("malloc_retain",)
 
 

@@ -265,6 +265,37 @@ def test_a_contender_that_reports_its_own_seconds_is_timed_by_them_not_by_the_cl
     assert math.isnan(waited.loss)
 
 
+def test_the_memory_switches_stay_as_they_are_for_every_contender():
+    """glibc malloc's thresholds (`malloc_retain`) are not switched between contenders: a process cannot return to
+    glibc's own, and each run of steps would page its memory in again. Both sides see them as the strategy left
+    them, the plain one too; the other switches are still each contender's own."""
+    from aiak.runtime import malloc
+    from aiak.runtime.switches import read_switches, write_switches
+
+    before = read_switches()
+    seen = {"plain": set(), "tuned": set()}
+    try:
+        malloc.write(False)
+        torch.backends.cudnn.benchmark = False
+        plain_switches = read_switches()
+        malloc.write(True)                              # what aiak.optimize with malloc_retain: true leaves behind
+        torch.backends.cudnn.benchmark = True
+        tuned_switches = read_switches()
+
+        def stepper(name):
+            def step():
+                seen[name].add((malloc.read(), torch.backends.cudnn.benchmark))
+                return 0.0
+            return step
+
+        alternate([Contender("plain", stepper("plain"), switches=plain_switches),
+                   Contender("tuned", stepper("tuned"), switches=tuned_switches)],
+                  warmup=2, rounds=3, steps_per_round=2)
+    finally:
+        write_switches(before)
+    assert seen == {"plain": {(True, False)}, "tuned": {(True, True)}}
+
+
 def test_a_switch_a_contender_changes_in_its_own_steps_stays_its_own():
     """A contender's steps that change a process switch (the run-time guard sets the threads of its windows) keep
     it in that contender's later rounds, and the other contender still runs under its own."""
