@@ -212,20 +212,25 @@ def test_alternate_rejects_empty_or_impossible_plans():
 
 def test_each_contender_runs_under_its_own_process_switches():
     """``aiak.optimize`` sets process-wide switches (TF32, cuDNN autotuning): the plain side must not run under
-    the strategy's. Each contender's steps see the switches taken when it was set up, whatever ran before."""
+    the strategy's. Each contender's steps see the switches taken when it was set up, whatever ran before; but
+    glibc malloc's thresholds (`malloc_retain`), which are not switched between contenders: a process cannot return
+    to glibc's own, and each run of steps would page its memory in again. Both see them as the strategy left them."""
+    from aiak.runtime import malloc
     from aiak.runtime.switches import read_switches, write_switches
 
     before = read_switches()
     seen = {"plain": set(), "tuned": set()}
     try:
         torch.backends.cudnn.benchmark = False
+        malloc.write(False)
         plain_switches = read_switches()
         torch.backends.cudnn.benchmark = True          # what a strategy with cudnn_benchmark: true leaves behind
+        malloc.write(True)                              # ... and one with malloc_retain: true
         tuned_switches = read_switches()
 
         def stepper(name):
             def step():
-                seen[name].add(torch.backends.cudnn.benchmark)
+                seen[name].add((torch.backends.cudnn.benchmark, malloc.read()))
                 return 0.0
             return step
 
@@ -234,7 +239,7 @@ def test_each_contender_runs_under_its_own_process_switches():
                   warmup=2, rounds=3, steps_per_round=2)
     finally:
         write_switches(before)
-    assert seen == {"plain": {False}, "tuned": {True}}
+    assert seen == {"plain": {(False, True)}, "tuned": {(True, True)}}
 
 
 @pytest.mark.parametrize("total, rounds, warmup, window, plan", [
@@ -263,37 +268,6 @@ def test_a_contender_that_reports_its_own_seconds_is_timed_by_them_not_by_the_cl
     alternate([waited], warmup=1, rounds=3, steps_per_round=1, across_ranks=False)
     assert waited.warmup_seconds == [5.0] and waited.step_seconds == [1.0, 2.0, 3.0]
     assert math.isnan(waited.loss)
-
-
-def test_the_memory_switches_stay_as_they_are_for_every_contender():
-    """glibc malloc's thresholds (`malloc_retain`) are not switched between contenders: a process cannot return to
-    glibc's own, and each run of steps would page its memory in again. Both sides see them as the strategy left
-    them, the plain one too; the other switches are still each contender's own."""
-    from aiak.runtime import malloc
-    from aiak.runtime.switches import read_switches, write_switches
-
-    before = read_switches()
-    seen = {"plain": set(), "tuned": set()}
-    try:
-        malloc.write(False)
-        torch.backends.cudnn.benchmark = False
-        plain_switches = read_switches()
-        malloc.write(True)                              # what aiak.optimize with malloc_retain: true leaves behind
-        torch.backends.cudnn.benchmark = True
-        tuned_switches = read_switches()
-
-        def stepper(name):
-            def step():
-                seen[name].add((malloc.read(), torch.backends.cudnn.benchmark))
-                return 0.0
-            return step
-
-        alternate([Contender("plain", stepper("plain"), switches=plain_switches),
-                   Contender("tuned", stepper("tuned"), switches=tuned_switches)],
-                  warmup=2, rounds=3, steps_per_round=2)
-    finally:
-        write_switches(before)
-    assert seen == {"plain": {(True, False)}, "tuned": {(True, True)}}
 
 
 def test_a_switch_a_contender_changes_in_its_own_steps_stays_its_own():

@@ -10,14 +10,15 @@ from aiak.cli.demo import DemoNet, synthetic_dataset
 
 
 class EvaluatesInFp32Only(nn.Module):
-    """A head whose evaluation path refuses half-precision features (as an op without a half kernel would)."""
+    """A head whose evaluation path refuses half-precision features (as an op without a half kernel would); with
+    ``fp32_too=False`` it refuses every evaluation, whatever the precision (the script's own limit)."""
 
-    def __init__(self, head):
+    def __init__(self, head, fp32_too=True):
         super().__init__()
-        self.head = head
+        self.head, self.fp32_too = head, fp32_too
 
     def forward(self, x):
-        if torch.is_inference_mode_enabled() and x.dtype != torch.float32:
+        if torch.is_inference_mode_enabled() and (x.dtype != torch.float32 or not self.fp32_too):
             raise RuntimeError(f"evaluation needs fp32 features, got {x.dtype}")
         return self.head(x)
 
@@ -81,25 +82,12 @@ def test_each_candidate_evaluates_on_two_samples_and_only_the_gated_ones_are_com
         assert (t["grad_cosine"] is None) == neutral, t
 
 
-class NeverEvaluates(nn.Module):
-    """A head that cannot run under inference mode at all, whatever the precision: the script's own limit."""
-
-    def __init__(self, head):
-        super().__init__()
-        self.head = head
-
-    def forward(self, x):
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError("this head is never evaluated")
-        return self.head(x)
-
-
 def test_where_plain_pytorch_cannot_evaluate_either_no_candidate_is_rejected_for_it():
     """Plain PyTorch evaluated (only once a candidate's evaluation failed) and failed too: the script does not
     evaluate so, and the candidates are judged by their training steps alone."""
     torch.manual_seed(0)
     model = DemoNet(width=8)
-    model.head = NeverEvaluates(model.head)
+    model.head = EvaluatesInFp32Only(model.head, fp32_too=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = DataLoader(synthetic_dataset(128, image_size=16, seed=0), batch_size=32)
     strategy = {"extends": "default", "precision": {"level": "O1", "dtype": "bf16"},
