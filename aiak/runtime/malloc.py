@@ -5,9 +5,10 @@ and maps fresh pages for a larger one (``mmap``), unmapped again when freed; and
 to the system once more than another threshold of it is free (trimming). Both thresholds adapt: each rises to the
 size of the largest mapped block freed so far, up to 32 MiB (trimming at twice that). A training step frees its
 activations and gradients and the next allocates them again: what was unmapped or trimmed is faulted in page by
-page, zeroed by the kernel, every step. On this project's 2-core CPU a plain training step took 2,400 to 22,000
-minor page faults (``getrusage``), and the step ran 6-10% slower than with the thresholds fixed
-(``benchmarks/malloc_retain.py``: whole processes A/B, since a process cannot turn glibc's adapting back on).
+page, zeroed by the kernel, every step. On this project's 2-core CPU a plain training step of seven of
+``benchmarks/auto.py``'s eight models took 5,100 to 17,800 minor page faults (``getrusage``) and ran 1.03-1.21x
+slower than with the thresholds fixed (``benchmarks/malloc_retain.py``, each side in processes of its own, since a
+process cannot turn glibc's adapting back on); the eighth, an MLP, never paged.
 
 ``malloc_retain: true`` fixes them with ``mallopt`` (glibc's manual, "Malloc Tunable Parameters"): blocks up to
 32 MiB (the largest threshold glibc accepts on a 64-bit system) from the heap, and up to `RETAINED_BYTES` of free
