@@ -46,7 +46,7 @@ warm-up goes on until the guard decided), spread over a 200-step run: ``step + o
 compile time is not counted (its steady state only), which favours the oracle. All share one process, so
 once a contender applied ``malloc_retain`` (glibc malloc's thresholds fixed: ``aiak.runtime.malloc``), plain steps
 with it too: a process cannot turn glibc's own thresholds back on. Its gain, which every ratio here leaves out, is
-``benchmarks/malloc_retain.py``'s, timed in processes of their own.
+``benchmarks/separate_processes.py``'s, timed in processes of their own.
 
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
 (60) on the same batches; the final loss is the mean of the last 10 steps, and auto's must be within

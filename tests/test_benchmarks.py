@@ -44,17 +44,22 @@ def test_fused_step_times_each_optimizer_as_built_and_fused(tmp_path):
     assert all(r["default_ms"][0] > 0 and r["fused_ms"][0] > 0 for r in rows)
 
 
-def test_malloc_retain_times_both_sides_in_processes_of_their_own(tmp_path):
-    """benchmarks/malloc_retain.py on the demo model, one round of three steps: both sides ran in child processes
-    (the retained one asserts that the knob applied) and the retained side paged in fewer pages a step."""
-    report = tmp_path / "malloc.json"
-    out = subprocess.run([sys.executable, "benchmarks/malloc_retain.py", "--models", "demo", "--rounds", "1",
-                          "--warmup", "2", "--steps", "3", "--json", str(report)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    (row,) = json.loads(report.read_text())
-    assert row["model"] == "demo" and row["plain_ms"] > 0 and row["retain_ms"] > 0 and len(row["ratios"]) == 1
-    assert row["retain_faults"] < row["plain_faults"], row
+def test_separate_processes_times_each_side_in_processes_of_its_own(tmp_path):
+    """benchmarks/separate_processes.py, one round of three steps: on the demo model plain against malloc_retain
+    (the retained side asserts that the knob applied, and paged in fewer pages a step), on the MLP plain against
+    auto (its optimize() and trials inside the whole run timed)."""
+    for sides, model in (("plain,retain", "demo"), ("plain,auto", "mlp")):
+        report = tmp_path / f"{model}.json"
+        out = subprocess.run([sys.executable, "benchmarks/separate_processes.py", "--sides", sides, "--models", model,
+                              "--rounds", "1", "--warmup", "2", "--steps", "3", "--json", str(report)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        (row,) = json.loads(report.read_text())
+        first, second = sides.split(",")
+        assert row["model"] == model and len(row["ratios"]) == len(row["run_ratios"]) == 1
+        assert all(row[f"{side}_{k}"] > 0 for side in (first, second) for k in ("ms", "run_s"))
+        if second == "retain":
+            assert row["retain_faults"] < row["plain_faults"], row
 
 
 def test_fused_steps_gpu_rows_run_on_cpu():

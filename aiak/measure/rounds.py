@@ -172,7 +172,8 @@ class Contender:
     memory switches (`aiak.runtime.switches.MEMORY_SWITCHES`: glibc malloc's thresholds, ``malloc_retain``): a
     process cannot return to glibc's own once they were fixed, and switching them between runs of steps would make
     each run page its memory in again. Every contender of one process runs with them as they are, so a speedup
-    timed here leaves their gain out; ``benchmarks/malloc_retain.py`` times it in processes of their own. After each
+    timed here leaves their gain out; ``benchmarks/separate_processes.py`` times it in processes of their
+    own. After each
     run of steps they are read again: what the contender's own steps changed (the run-time guard,
     `aiak.tune.guard`, sets the threads of its windows) stays its own.
 

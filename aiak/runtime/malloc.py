@@ -7,8 +7,8 @@ size of the largest mapped block freed so far, up to 32 MiB (trimming at twice t
 activations and gradients and the next allocates them again: what was unmapped or trimmed is faulted in page by
 page, zeroed by the kernel, every step. On this project's 2-core CPU a plain training step of seven of
 ``benchmarks/auto.py``'s eight models took 5,100 to 17,800 minor page faults (``getrusage``) and ran 1.03-1.21x
-slower than with the thresholds fixed (``benchmarks/malloc_retain.py``, each side in processes of its own, since a
-process cannot turn glibc's adapting back on); the eighth, an MLP, never paged.
+slower than with the thresholds fixed (``benchmarks/separate_processes.py``, each side in processes of its own,
+since a process cannot turn glibc's adapting back on); the eighth, an MLP, never paged.
 
 ``malloc_retain: true`` fixes them with ``mallopt`` (glibc's manual, "Malloc Tunable Parameters"): blocks up to
 32 MiB (the largest threshold glibc accepts on a 64-bit system) from the heap, and up to `RETAINED_BYTES` of free
