@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
 from typing import Any, Optional
@@ -42,22 +43,19 @@ TRIM_CEILING = 2 * MMAP_CEILING                                  # what glibc's 
 RETAINED_BYTES = 1 << 30    # free heap kept for reuse (at most a sixteenth of the machine's memory)
 
 _retaining = False          # whether aiak fixed the thresholds for reuse (`read`)
-_library: Any = None
 
 
+@functools.lru_cache(maxsize=None)
 def _glibc() -> Optional[Any]:
     """glibc's ``mallopt``, or None where the C library is another."""
-    global _library
-    if _library is None:
-        _library = False
-        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-            try:
-                library = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                library.mallopt.argtypes, library.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-                _library = library
-            except (OSError, AttributeError):
-                pass
-    return _library or None
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        library = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        library.mallopt.argtypes, library.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return library
 
 
 def retained_bytes() -> int:

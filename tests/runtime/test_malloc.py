@@ -79,7 +79,7 @@ def test_the_switch_reads_what_aiak_set_and_turns_off_to_glibcs_ceiling():
 def test_without_glibc_it_warns_once_naming_what_to_use_instead(monkeypatch):
     from aiak.util import warn as warn_module
 
-    monkeypatch.setattr(malloc, "_library", False)    # as on musl, macOS or Windows: no mallopt
+    monkeypatch.setattr(malloc, "_glibc", lambda: None)    # as on musl, macOS or Windows: no mallopt
     monkeypatch.setattr(malloc, "_retaining", False)
     monkeypatch.setattr(warn_module, "_warned", set(), raising=False)
     monkeypatch.setattr(warn_module, "_warned", set())
