@@ -321,3 +321,25 @@ def test_a_swins_fused_window_attention_is_timed_in_the_run():
     pick = Strategy.from_dict({"fused_ops": ["window_attention", "linear_cross_entropy"]})
     assert switches_between_steps(Strategy.from_dict({"fused_ops": ["linear_cross_entropy"]}), pick)
     assert not switches_between_steps(Strategy.from_dict({"fused_ops": ["window_attention"]}), pick)
+
+
+def test_the_trials_plain_pytorch_computes_with_the_memory_switches_as_the_pick_applies_them():
+    """glibc malloc's thresholds (`malloc_retain`) change how memory is obtained, not what is computed: where the run
+    times the candidates, every trial forward, plain PyTorch's reference and noise sample among them, runs with them
+    as the pick applies them (`aiak.runtime.switches.with_memory_switches`), as the guard's plain compute does."""
+    from aiak.runtime import malloc
+    from aiak.runtime.switches import read_switches, write_switches
+
+    before = read_switches()
+    seen = []
+    try:
+        malloc.write(False)                      # as in a process where nothing turned it on
+        model, optimizer, loader = setup(n=256)
+        model.register_forward_pre_hook(
+            lambda m, a: seen.append(malloc.read()) if m.training and torch.is_grad_enabled() else None)
+        aiak.optimize(model, optimizer, loader, strategy={**TUNED, "malloc_retain": True})
+        trials = aiak.last_decision().to_dict()["trials"]
+    finally:
+        write_switches(before)
+    assert any("timed in the run" in t["why"] for t in trials), trials
+    assert seen and all(seen), seen
