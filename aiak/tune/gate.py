@@ -124,26 +124,34 @@ def _squared_norm(t: torch.Tensor) -> float:
     return norm * norm
 
 
+def squared_norms(gradients: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """``|t|^2`` of each gradient (`_squared_norm`): the reference's, taken once for every candidate `compare` gates."""
+    return {name: _squared_norm(t) for name, t in gradients.items()}
+
+
 def compare(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor],
-            noise: Optional[float] = None) -> GateResult:
+            noise: Optional[float] = None, reference_norms: Optional[Dict[str, float]] = None) -> GateResult:
     """Gate ``candidate`` gradients against the fp32 ``reference`` (same names), whose sampling noise is ``noise``
-    (`sampling_noise`; None: the error is not judged). See the module docstring."""
+    (`sampling_noise`; None: the error is not judged) and whose `squared_norms` are ``reference_norms`` (None: taken
+    here). See the module docstring."""
     if set(candidate) != set(reference):
         missing = sorted(set(reference) ^ set(candidate))[:3]
         raise ValueError(f"numerics gate: parameters differ between candidate and reference (e.g. {missing})")
+    norms = reference_norms if reference_norms is not None else squared_norms(reference)
     norm_c = norm_g = error = 0.0
     lost = ""
-    for n in sorted(reference):  # per tensor (no concatenated copy), three fp32 passes; the sums in float64
+    for n in sorted(reference):  # per tensor (no concatenated copy), fp32 passes; the sums in float64
         c, g = candidate[n], reference[n]
         squared_c = _squared_norm(c)
         if not math.isfinite(squared_c):   # an inf or NaN gradient gives an inf or NaN norm
             return GateResult(False, "", math.inf, math.inf, -1.0, math.inf)
-        squared_g = _squared_norm(g)
+        squared_g = norms[n]
         if not lost and squared_c == 0.0 and squared_g > 0.0:
             lost = n
         norm_c += squared_c
         norm_g += squared_g
-        error += _squared_norm(c - g)
+        # a gradient that is exactly zero (`_squared_norm` is 0 only then) is no error's part: |0 - g| = |g|
+        error += squared_g if squared_c == 0.0 else squared_c if squared_g == 0.0 else _squared_norm(c - g)
     dot = (norm_c + norm_g - error) / 2   # <c, g>, from |c - g|^2 = |c|^2 + |g|^2 - 2 <c, g>
     nc, ng, error = math.sqrt(norm_c), math.sqrt(norm_g), math.sqrt(error)
     ratio = None if noise is None else error / noise if noise > 0 else 0.0 if error == 0 else math.inf

@@ -366,9 +366,10 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
     noise = _sampling_noise(reference, noise_samples, batches[0])
     results: Dict[int, gate.GateResult] = {}
     packed = []  # per contender: failed, step seconds, the gate's numbers; max-reduced over ranks
+    norms = gate.squared_norms(reference) if reference is not None and gated else None   # once for every candidate
     for c in contenders:
         if not c.failed and reference is not None and needs_gate(c):
-            results[id(c)] = gate.compare(grads[id(c)], reference, noise)
+            results[id(c)] = gate.compare(grads[id(c)], reference, noise, norms)
         result = results.get(id(c), gate.GateResult(True, "", None, 1.0, 1.0, 0.0))  # failed, or no reference
         packed += [1.0 if c.failed else 0.0, seconds.get(id(c), 0.0)] + result.numbers()
     width = len(packed) // max(len(contenders), 1)

@@ -68,3 +68,22 @@ def test_gradients_too_small_or_too_large_for_fp32_squares_are_judged_exactly(si
     assert result.passed and not result.lost and math.isclose(result.cosine, 1.0, rel_tol=1e-9), result.why()
     halved = gate.compare({k: v / 2 for k, v in ref.items()}, ref)
     assert not halved.passed and math.isclose(halved.scale, 0.5, rel_tol=1e-6), halved.why()
+
+
+def test_the_numbers_are_those_of_the_whole_gradients_in_float64():
+    """Scale, cosine and error against the noise are those of the concatenated gradients taken in float64, with a
+    tensor exactly zero on either side (skipped in the error's sum: |0 - g| = |g|), and the same whether the
+    reference's norms are given (`squared_norms`, once for every candidate) or taken in `compare`."""
+    g = torch.Generator().manual_seed(3)
+    ref = {"a": torch.randn(64, 8, generator=g), "b": torch.randn(16, generator=g), "c": torch.zeros(5, 5),
+           "d": torch.randn(7, generator=g)}
+    cand = {"a": ref["a"] + 0.01 * torch.randn(64, 8, generator=g), "b": ref["b"] * 1.02,
+            "c": torch.randn(5, 5, generator=g) * 1e-3, "d": torch.zeros(7)}
+    flat = lambda d: torch.cat([d[k].double().reshape(-1) for k in sorted(d)])
+    c, r = flat(cand), flat(ref)
+    noise = 0.5
+    for result in (gate.compare(cand, ref, noise), gate.compare(cand, ref, noise, gate.squared_norms(ref))):
+        assert result.lost == "d"
+        assert math.isclose(result.scale, float(c @ r / (r @ r)), rel_tol=1e-6)
+        assert math.isclose(result.cosine, float(c @ r / (c.norm() * r.norm())), rel_tol=1e-6)
+        assert math.isclose(result.error_to_noise, float((c - r).norm()) / noise, rel_tol=1e-6)
