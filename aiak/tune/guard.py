@@ -33,8 +33,8 @@ arm's speedup is plain's seconds over its own, summed over the rounds (a sum, no
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
 choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead
 of the others in every round; or plain compute chosen, and still chosen were each arm to run every round left as far
-ahead of plain as in its best round so far); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower than another
-arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the noise of both
+ahead of plain as in its best round so far); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower
+than another arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the noise of both
 (half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it already (so
 the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the guard is
 their only timing. The promise comes first: where the chosen arm took longer in sum than plain beyond

@@ -330,7 +330,8 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
     seconds: Dict[int, float] = {}
     evaluation: Dict[int, str] = {}  # the error of each one's evaluation forward, "" when it ran
     noise_samples: List[Tuple[Dict[str, torch.Tensor], int]] = []
-    for c in sorted(contenders, key=lambda c: c is not plain):  # plain first: the reference
+    # plain last: on the pick's one copy (`SwitchedRun`) the others keep the pick's layout, and plain's is one switch
+    for c in sorted(contenders, key=lambda c: c is plain):
         if c.failed:
             continue
         if status is not None:
