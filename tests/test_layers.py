@@ -25,7 +25,7 @@ LAYERS: Dict[str, int] = {
 }
 FUNCTION_IMPORTS_ALLOWED = {"cli", "aiak"}   # CLI start-up; the package's lazy attributes
 # Modules that import an optional dependency at their top: imported where that dependency is needed.
-OPTIONAL = {"aiak.ops._triton.window_attention": "triton"}
+OPTIONAL = {"aiak.ops._triton.window_attention": "triton", "aiak.optim._triton.layerwise": "triton"}
 
 
 def _module_name(path: Path) -> str:

@@ -16,7 +16,9 @@ kernel launches over all tensors, which is what makes foreach fast there.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,7 +26,7 @@ from torch.optim import Optimizer
 
 from aiak.amp.half_compute import HALF_DTYPES
 from aiak.optim.sharded import FullSquares, any_sharded, local, squares
-from aiak.util.warn import warn
+from aiak.util.warn import warn_once
 
 # A bucket is a list of (tensor index, start, stop) in flat element coordinates; (i, 0, numel) is whole.
 Piece = Tuple[int, int, int]
@@ -346,6 +348,29 @@ def check_betas(betas) -> Tuple[float, float]:
     return float(betas[0]), float(betas[1])
 
 
+def triton_unfit(tensors: Sequence[torch.Tensor], *companions: Optional[Sequence[torch.Tensor]]) -> str:
+    """Why the Triton kernels of `aiak.optim._triton.layerwise` cannot step ``tensors`` (parameters) with their
+    ``companions`` (gradients, state: lists in the same order, or None), or "": they need CUDA tensors (CPU ones
+    run only under ``TRITON_INTERPRET=1``, the tests' interpreter), fp32, fp16 or bf16, each gradient and state in
+    its parameter's layout (`same_layout`), triton installed, and no ``torch.compile`` tracing the step (it compiles
+    the torch path)."""
+    if torch.compiler.is_compiling():
+        return "torch.compile traces the step"
+    devices = {t.device.type for t in tensors}
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if devices != {"cuda"} and not (interpret and devices == {"cpu"}):
+        return f"the parameters are on {', '.join(sorted(devices))}, and the kernels run on CUDA"
+    if len({t.device for t in tensors}) > 1:
+        return "the parameters of one group are on several devices"
+    if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in tensors):
+        return "the kernels cover fp32, fp16 and bf16 parameters"
+    if not same_layout(tensors, *(c for c in companions if c is not None)):
+        return "a gradient or state tensor is not laid out as its parameter (or not dense)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'aiak[triton]')"
+    return ""
+
+
 class LayerwiseOptimizer(Optimizer):
     """Base of `Lamb` and `Lars`: fp32 state kept fp32 on reload.
 
@@ -359,12 +384,10 @@ class LayerwiseOptimizer(Optimizer):
         if bucket_elems is not None and (not isinstance(bucket_elems, int) or bucket_elems < 0):
             raise ValueError(f"bucket_elems must be None (automatic), 0 (one bucket) or a positive int, "
                              f"got {bucket_elems!r}")
-        if fused:
-            warn(f"{type(self).__name__}(fused=True): no apex or Triton kernel ships in this build; "
-                 "using the default multi-tensor path")
         self._check_group(defaults)
         super().__init__(params, defaults)  # calls add_param_group, which checks every group
         self.bucket_elems = bucket_elems
+        self.fused = fused
         self._plans = PlanCache()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -400,6 +423,19 @@ class LayerwiseOptimizer(Optimizer):
         if torch.compiler.is_compiling():
             return 0, None
         return self.bucket_elems, self._plans
+
+    def _runs_triton(self, params: List[torch.Tensor], *companions: Optional[List[torch.Tensor]]) -> bool:
+        """Whether a group's step runs the Triton kernels (`triton_unfit`): by default (``fused=None``) where they
+        can, with ``fused=True`` too (where they cannot, it warns once and the torch path runs: the same maths),
+        never with ``fused=False``."""
+        if self.fused is False or (self.fused is None and any(p.device.type != "cuda" for p in params)):
+            return False
+        why = triton_unfit(params, *companions)
+        if why and self.fused:
+            warn_once(f"{type(self).__name__}-fused-{why}",
+                      f"aiak: {type(self).__name__}(fused=True): {why}; the multi-tensor torch path steps instead "
+                      f"(the same maths; fused=None chooses the kernels wherever they run)")
+        return not why
 
     def _sharded(self) -> bool:
         """DTensor parameters (FSDP2, tensor parallelism): the step runs on local shards (`aiak.optim.sharded`).

@@ -14,7 +14,8 @@ apex's ``FusedLAMB`` instead skips it for parameters with zero weight decay; her
 ``trust_clip`` caps the ratio, ``max_grad_norm`` rescales all gradients by one global factor before the
 moments (apex's ``max_grad_norm``), ``bias_correction=False`` drops the ``1 - beta^t`` terms.
 
-The class only gathers parameters and state; `lamb` runs the math, in a single-tensor loop or the
+The class only gathers parameters and state; `lamb` runs the math: on CUDA in two multi-tensor Triton launches
+(`aiak.optim._triton.layerwise`, apex's FusedLAMB shape), elsewhere in a single-tensor loop or the
 bucketed multi-tensor path of `aiak.optim._multi_tensor` (the default). There, the moments and
 ``u_t`` of a bucket come from one pass of torch's fused Adam kernel (the one ``Adam(fused=True)`` runs,
 on CPU and CUDA; see `_moments_and_update`), the two norms per tensor are taken while the bucket
@@ -58,8 +59,10 @@ class Lamb(LayerwiseOptimizer):
         foreach: multi-tensor path (default) or the per-tensor loop.
         bucket_elems: elements per multi-tensor bucket; `None` picks a cache-sized bucket on CPU and one
             bucket on GPU, `0` forces one bucket.
-        fused: accepted for API parity; no apex or Triton LAMB kernel ships in this build, so `True` warns
-            and the default multi-tensor path runs (which already uses torch's fused Adam kernel).
+        fused: the Triton kernels (`aiak.optim._triton.layerwise`: the moments and the norms in one multi-tensor
+            launch, the update in a second, as apex's FusedLAMB): `None` (default) where they run (CUDA
+            parameters, triton installed), `True` the same but warns once where they cannot, `False` never.
+            Elsewhere the torch paths step (`foreach`).
 
     Raises:
         ValueError: a hyper-parameter out of its range (`lr`, `eps`, `weight_decay` < 0, `betas` not a pair in
@@ -104,43 +107,41 @@ class Lamb(LayerwiseOptimizer):
                  beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                  bias_correction=group["bias_correction"], adapt=group["adapt"], trust_clip=group["trust_clip"],
                  grad_scale=grad_scale, foreach=group["foreach"] is not False, bucket_elems=bucket_elems,
-                 plans=plans)
+                 plans=plans, fused=self._runs_triton(params, grads, state["exp_avg"], state["exp_avg_sq"]))
         if plans is not None:
             plans.prune()
         return loss
 
     def _step_on_shards(self, grad_scale: float) -> None:
-        """DTensor parameters (`aiak.optim.sharded`): every group's moments and updates on the local shards, then
-        the full tensors' norms of every adapting group in one collective, then the updates (apex's FusedLAMB's two
-        passes). The loop and foreach forms as the group's ``foreach`` says; buckets do not apply."""
+        """DTensor parameters (`aiak.optim.sharded`): every group's moments on the local shards with the squared norms
+        of their weights and updates (the Triton kernels' first pass, or the loop or foreach forms as the group's
+        ``foreach`` says; buckets do not apply), then the full tensors' norms of every adapting group in one
+        collective, then the updates (apex's FusedLAMB's two passes)."""
         passes = []
         for group in self.param_groups:
             params, grads, steps, state = self._gather(group, ("exp_avg", "exp_avg_sq"))
-            if params:
-                beta1, beta2 = group["betas"]
-                w, u = lamb_updates([local(p) for p in params], [local(g) for g in grads],
-                                    [local(m) for m in state["exp_avg"]], [local(v) for v in state["exp_avg_sq"]],
-                                    steps, beta1=beta1, beta2=beta2, eps=group["eps"],
-                                    weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-                                    grad_scale=grad_scale, foreach=group["foreach"] is not False)
-                passes.append((group, params, w, u))
-        adapting = [(params, w, u) for group, params, w, u in passes if group["adapt"]]
-        if adapting:
-            ws = [t for _, w, _ in adapting for t in w]
-            full = FullSquares([p for params, _, _ in adapting for p in params])(
-                torch.cat([squares(ws), squares([t for _, _, u in adapting for t in u])])).sqrt()
-            w_norms, u_norms = full[:len(ws)].split([len(w) for _, w, _ in adapting]), \
-                full[len(ws):].split([len(w) for _, w, _ in adapting])
-        k = 0
-        for group, params, w, u in passes:
-            if group["adapt"]:
-                ratios = trust_ratio(w_norms[k], u_norms[k], group["trust_clip"])
-                k += 1
-                for wi, ui, r in zip(w, u, ratios.unbind()):
-                    wi.addcmul_(ui, r, value=-group["lr"])
+            if not params:
+                continue
+            tensors = [[local(t) for t in ts] for ts in (params, grads, state["exp_avg"], state["exp_avg_sq"])]
+            beta1, beta2 = group["betas"]
+            kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                      bias_correction=group["bias_correction"], adapt=group["adapt"], grad_scale=grad_scale)
+            if self._runs_triton(*tensors):
+                squared, second = _triton_passes(*tensors, steps, **kw)
             else:
-                torch._foreach_add_(w, u, alpha=-group["lr"])
-            write_back([local(p) for p in params], w)
+                squared, second = _torch_passes(*tensors, steps, foreach=group["foreach"] is not False, **kw)
+            if squared is not None:
+                passes.append((group, params, squared, second))
+        if not passes:
+            return
+        full = FullSquares([p for _, params, _, _ in passes for p in params])(
+            torch.cat([s[:, 0] for _, _, s, _ in passes] + [s[:, 1] for _, _, s, _ in passes])).sqrt()
+        w_norms, u_norms = full.chunk(2)
+        start = 0
+        for group, params, _, second in passes:
+            end = start + len(params)
+            second(trust_ratio(w_norms[start:end], u_norms[start:end], group["trust_clip"]))
+            start = end
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -173,15 +174,18 @@ def lamb(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[t
          exp_avg_sqs: List[torch.Tensor], steps: List[int], *, lr: float, beta1: float, beta2: float, eps: float,
          weight_decay: float, bias_correction: bool = True, adapt: bool = True, trust_clip: Optional[float] = None,
          grad_scale: float = 1.0, foreach: bool = True, bucket_elems: Optional[int] = None,
-         plans: Optional[PlanCache] = None) -> None:
+         plans: Optional[PlanCache] = None, fused: bool = False) -> None:
     """One LAMB step over lists of tensors (``steps`` already counts this step). Updates in place.
 
     ``plans`` (multi-tensor path): a `PlanCache` owned by the caller that
     keeps bucket views and scratch memory between calls; without it they are rebuilt each call.
+    ``fused``: the Triton kernels step (the tensors must fit them: `aiak.optim._multi_tensor.triton_unfit`).
     """
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
               adapt=adapt, trust_clip=trust_clip, grad_scale=grad_scale)
-    if foreach:
+    if fused:
+        _triton_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, **kw)
+    elif foreach:
         _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, bucket_elems=bucket_elems,
                            plans=plans, **kw)
     else:
@@ -195,6 +199,58 @@ def _step_scalars(step: int, beta1: float, beta2: float, eps: float, bias_correc
     bc1 = 1.0 - beta1 ** step
     bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
     return eps * bc2_sqrt, bc2_sqrt / bc1
+
+
+def _triton_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, *, trust_clip, **kw):
+    """The Triton kernels' step (`_triton_passes`), the trust ratios of this process's tensors between the passes."""
+    squared, second = _triton_passes(params, grads, exp_avgs, exp_avg_sqs, steps, **kw)
+    if squared is not None:
+        norms = squared.sqrt()
+        second(trust_ratio(norms[:, 0], norms[:, 1], trust_clip))
+
+
+def _triton_passes(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
+                   bias_correction, adapt, grad_scale) -> Tuple[Optional[torch.Tensor], Callable]:
+    """The Triton kernels' first pass over ``params`` (`aiak.optim._triton.layerwise`, per dtype and step count): the
+    moments advanced in place. Returns each weight's and update's squared norm (``[len(params), 2]``) and the second
+    pass, to call with the trust ratios; without ``adapt`` the first pass takes the whole step: ``(None, None)``."""
+    from aiak.optim._triton import layerwise
+
+    parts = []
+    squared = torch.empty((len(params), 2), dtype=torch.float32, device=params[0].device) if adapt else None
+    for (_, _, step), idx in group_by_device_dtype_step(params, steps).items():
+        p, m, v = [params[i] for i in idx], [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
+        eps_hat, step_size = _step_scalars(step, beta1, beta2, eps, bias_correction)
+        scalars = dict(eps_hat=eps_hat, step_size=step_size, weight_decay=weight_decay, lr=lr)
+        part = layerwise.lamb_moments(p, [grads[i] for i in idx], m, v, grad_scale=grad_scale, beta1=beta1,
+                                      beta2=beta2, adapt=adapt, **scalars)
+        index = torch.tensor(idx, device=params[0].device)
+        if squared is not None:
+            squared.index_copy_(0, index, part)
+        parts.append((index, p, m, v, scalars))
+
+    def second(ratios: torch.Tensor) -> None:
+        for index, p, m, v, scalars in parts:
+            layerwise.lamb_apply(p, m, v, ratios.index_select(0, index), **scalars)
+
+    return (squared, second) if adapt else (None, None)
+
+
+def _torch_passes(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, adapt, foreach, **kw
+                  ) -> Tuple[Optional[torch.Tensor], Callable]:
+    """`_triton_passes` in torch ops (`lamb_updates`, the loop or foreach form), for DTensors' local shards."""
+    w, u = lamb_updates(params, grads, exp_avgs, exp_avg_sqs, steps, foreach=foreach, **kw)
+    if not adapt:
+        torch._foreach_add_(w, u, alpha=-lr)
+        write_back(params, w)
+        return None, None
+
+    def second(ratios: torch.Tensor) -> None:
+        for wi, ui, r in zip(w, u, ratios.unbind()):
+            wi.addcmul_(ui, r, value=-lr)
+        write_back(params, w)
+
+    return torch.stack([squares(w), squares(u)], dim=1), second
 
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,

@@ -14,13 +14,14 @@ LARC; the paper folds it into ``buf``, which is the same update while ``lr`` is 
 ``adapt=False`` (biases, normalization weights; see `aiak.optim.param_groups`) take plain SGD
 momentum steps (``local = 1``).
 
-The class only gathers parameters and state; `lars` runs the math, in a single-tensor loop or the
-bucketed multi-tensor (``torch._foreach_*``) path of `aiak.optim._multi_tensor` (the default). The
+The class only gathers parameters and state; `lars` runs the math: on CUDA in two multi-tensor Triton launches
+(`aiak.optim._triton.layerwise`), elsewhere in a single-tensor loop or the bucketed multi-tensor
+(``torch._foreach_*``) path of `aiak.optim._multi_tensor` (the default). The
 momentum buffer is fp32 and the update is computed in fp32 for fp16/bf16 parameters.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -53,7 +54,8 @@ class Lars(LayerwiseOptimizer):
         adapt: default of the per-group layer-wise switch.
         foreach: multi-tensor path (default) or the per-tensor loop.
         bucket_elems: elements per multi-tensor bucket, as in [aiak.optim.Lamb][aiak.optim.lamb.Lamb].
-        fused: accepted for API parity, as in [aiak.optim.Lamb][aiak.optim.lamb.Lamb].
+        fused: the Triton kernels (the norms in one multi-tensor launch, the update in a second), as in
+            [aiak.optim.Lamb][aiak.optim.lamb.Lamb].
 
     Raises:
         ValueError: a hyper-parameter out of its range (`lr`, `weight_decay`, `eps` < 0, `momentum` outside
@@ -106,49 +108,46 @@ class Lars(LayerwiseOptimizer):
             lars(params, grads, buffers, lr=group["lr"], momentum=group["momentum"],
                  weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
                  nesterov=group["nesterov"], clip=group["clip"], adapt=group["adapt"],
-                 foreach=group["foreach"] is not False, bucket_elems=bucket_elems, plans=plans)
+                 foreach=group["foreach"] is not False, bucket_elems=bucket_elems, plans=plans,
+                 fused=self._runs_triton(params, grads, buffers))
         if plans is not None:
             plans.prune()
         return loss
 
 
     def _step_on_shards(self) -> None:
-        """DTensor parameters (`aiak.optim.sharded`): the full tensors' norms of weights and gradients of every
-        adapting group in one collective, then each group's update on the local shards (the loop or foreach form
-        as the group's ``foreach`` says; buckets do not apply)."""
+        """DTensor parameters (`aiak.optim.sharded`): the squared norms of every adapting group's local weights and
+        gradients (the Triton kernels' first pass, or torch's), the full tensors' norms in one collective, then each
+        group's update on the local shards (the kernels, or the loop or foreach form as the group's ``foreach``
+        says; buckets do not apply)."""
         passes = []
         for group in self.param_groups:
             params, grads, _, _ = self._gather(group, ())
-            if params:
-                buffers = self._buffers(group, params)
-                w = [local(p).to(math_dtype(p.dtype)) for p in params]
-                g = [local(t).to(w[0].dtype) for t in grads]
-                passes.append((group, params, w, g, [local(b) for b in buffers] if buffers is not None else None))
-        adapting = [(params, w, g) for group, params, w, g, _ in passes if group["adapt"]]
-        if adapting:
-            ws = [t for _, w, _ in adapting for t in w]
-            full = FullSquares([p for params, _, _ in adapting for p in params])(
-                torch.cat([squares(ws), squares([t for _, _, g in adapting for t in g])])).sqrt()
-            sizes = [len(w) for _, w, _ in adapting]
-            w_norms, g_norms = full[:len(ws)].split(sizes), full[len(ws):].split(sizes)
-        k = 0
-        for group, params, w, g, bufs in passes:
-            ratios = None
-            if group["adapt"]:
-                ratios = lars_trust_ratio(w_norms[k], g_norms[k], lr=group["lr"],
-                                          trust_coefficient=group["trust_coefficient"],
-                                          weight_decay=group["weight_decay"], eps=group["eps"], clip=group["clip"])
-                k += 1
-            update = dict(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
-                          nesterov=group["nesterov"])
-            if group["foreach"] is not False:
-                _foreach_update(w, g, bufs, ratios, **update)
+            if not params:
+                continue
+            buffers = self._buffers(group, params)
+            tensors = [[local(t) for t in params], [local(t) for t in grads],
+                       [local(b) for b in buffers] if buffers is not None else None]
+            kw = dict(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
+                      nesterov=group["nesterov"], adapt=group["adapt"])
+            if self._runs_triton(*tensors):
+                squared, second = _triton_passes(*tensors, **kw)
             else:
-                for i in range(len(w)):
-                    _foreach_update(w[i:i + 1], g[i:i + 1], bufs[i:i + 1] if bufs is not None else None,
-                                    ratios[i:i + 1] if ratios is not None else None, **update)
-            write_back([local(p) for p in params], w)
-
+                squared, second = _torch_passes(*tensors, foreach=group["foreach"] is not False, **kw)
+            if squared is not None:
+                passes.append((group, params, squared, second))
+        if not passes:
+            return
+        full = FullSquares([p for _, params, _, _ in passes for p in params])(
+            torch.cat([s[:, 0] for _, _, s, _ in passes] + [s[:, 1] for _, _, s, _ in passes])).sqrt()
+        w_norms, g_norms = full.chunk(2)
+        start = 0
+        for group, params, _, second in passes:
+            end = start + len(params)
+            second(lars_trust_ratio(w_norms[start:end], g_norms[start:end], lr=group["lr"],
+                                    trust_coefficient=group["trust_coefficient"], weight_decay=group["weight_decay"],
+                                    eps=group["eps"], clip=group["clip"]))
+            start = end
 
 def _check_group(group: dict) -> None:
     check_range("lr", group["lr"], 0.0)
@@ -172,17 +171,76 @@ def lars_trust_ratio(w_norm: torch.Tensor, g_norm: torch.Tensor, *, lr: float, t
 def lars(params: List[torch.Tensor], grads: List[torch.Tensor], momentum_buffers: Optional[List[torch.Tensor]], *,
          lr: float, momentum: float, weight_decay: float, trust_coefficient: float, eps: float,
          nesterov: bool = False, clip: bool = False, adapt: bool = True, foreach: bool = True,
-         bucket_elems: Optional[int] = None, plans: Optional[PlanCache] = None) -> None:
+         bucket_elems: Optional[int] = None, plans: Optional[PlanCache] = None, fused: bool = False) -> None:
     """One LARS step over lists of tensors; ``momentum_buffers`` (fp32, zero at start) when momentum > 0.
 
-    ``plans``: as in `aiak.optim.lamb.lamb`.
+    ``plans``, ``fused``: as in `aiak.optim.lamb.lamb`.
     """
     kw = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, adapt=adapt,
               ratio=dict(lr=lr, trust_coefficient=trust_coefficient, weight_decay=weight_decay, eps=eps, clip=clip))
-    if foreach:
+    if fused:
+        _triton_lars(params, grads, momentum_buffers, **kw)
+    elif foreach:
         _multi_tensor_lars(params, grads, momentum_buffers, bucket_elems=bucket_elems, plans=plans, **kw)
     else:
         _single_tensor_lars(params, grads, momentum_buffers, **kw)
+
+
+def _triton_lars(params, grads, momentum_buffers, *, ratio, **kw):
+    """The Triton kernels' step (`_triton_passes`), the trust ratios of this process's tensors between the passes."""
+    squared, second = _triton_passes(params, grads, momentum_buffers, **kw)
+    if squared is not None:
+        norms = squared.sqrt()
+        second(lars_trust_ratio(norms[:, 0], norms[:, 1], **ratio))
+
+
+def _triton_passes(params, grads, momentum_buffers, *, lr, momentum, weight_decay, nesterov, adapt
+                   ) -> Tuple[Optional[torch.Tensor], Optional[Callable]]:
+    """The Triton kernels' first pass over ``params`` (`aiak.optim._triton.layerwise`, per dtype). Returns each
+    weight's and gradient's squared norm (``[len(params), 2]``) and the second pass, the update, to call with the
+    trust ratios; without ``adapt`` it takes the update at once: ``(None, None)``."""
+    from aiak.optim._triton import layerwise
+
+    update = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    parts = []
+    squared = torch.empty((len(params), 2), dtype=torch.float32, device=params[0].device) if adapt else None
+    for _, idx in group_by_device_dtype_step(params, [0] * len(params)).items():
+        p, g = [params[i] for i in idx], [grads[i] for i in idx]
+        b = [momentum_buffers[i] for i in idx] if momentum_buffers is not None else None
+        if not adapt:
+            layerwise.lars_apply(p, g, b, None, **update)
+            continue
+        index = torch.tensor(idx, device=params[0].device)
+        squared.index_copy_(0, index, layerwise.lars_squares(p, g))
+        parts.append((index, p, g, b))
+
+    def second(ratios: torch.Tensor) -> None:
+        for index, p, g, b in parts:
+            layerwise.lars_apply(p, g, b, ratios.index_select(0, index), **update)
+
+    return (squared, second) if adapt else (None, None)
+
+
+def _torch_passes(params, grads, momentum_buffers, *, lr, momentum, weight_decay, nesterov, adapt, foreach
+                  ) -> Tuple[Optional[torch.Tensor], Optional[Callable]]:
+    """`_triton_passes` in torch ops (`_foreach_update`, over all tensors or one at a time), for DTensors' shards."""
+    w = [p.to(math_dtype(p.dtype)) for p in params]
+    g = [t.to(w[0].dtype) for t in grads]
+    update = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+
+    def second(ratios: Optional[torch.Tensor]) -> None:
+        if foreach:
+            _foreach_update(w, g, momentum_buffers, ratios, **update)
+        else:
+            for i in range(len(w)):
+                _foreach_update(w[i:i + 1], g[i:i + 1], momentum_buffers[i:i + 1] if momentum_buffers is not None else None,
+                                ratios[i:i + 1] if ratios is not None else None, **update)
+        write_back(params, w)
+
+    if not adapt:
+        second(None)
+        return None, None
+    return torch.stack([squares(w), squares(g)], dim=1), second
 
 
 def _single_tensor_lars(params, grads, momentum_buffers, *, lr, momentum, weight_decay, ratio, nesterov, adapt):

@@ -35,7 +35,13 @@ CASES = {
                   None, False),
     "lars_buckets": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4, "bucket_elems": 64}}, "sgd", 1,
                      None, False),
+    # fused: LAMB's and LARS's Triton kernels, run by the interpreter (the launch sets TRITON_INTERPRET=1)
+    "lamb_triton": ({"optimizer": {"name": "lamb", "lr": 0.02, "weight_decay": 0.01, "max_grad_norm": 0.5}}, "sgd",
+                    1, None, False),
+    "lars_triton": ({"optimizer": {"name": "lars", "lr": 0.5, "weight_decay": 1e-4, "momentum": 0.9,
+                                   "nesterov": True, "clip": True}}, "sgd", 1, None, False),
 }
+FUSED = ("lamb_triton", "lars_triton")
 SIZES = {"lamb_even": (32, 8)}  # (hidden, out) of a case's model: 32 and 8 rows shard evenly over 2 and 4 ranks
 SCHEDULED = ("accumulation",)   # cases with a StepLR (halving the rate at each real step), stepped at each step()
 
@@ -115,6 +121,14 @@ def _run_case(rank, case):
         warnings.simplefilter("ignore")
         model, opt, _ = aiak.optimize(model, opt, strategy={"tune": False, **strategy},
                                       count_items=True if counted else None)
+    first_passes, counted_passes = [], {}   # the Triton kernels' first passes (FUSED), counted
+    if case in FUSED:
+        from aiak.optim._triton import layerwise
+
+        opt.fused = True   # the kernels: on CPU only under the interpreter, where fused=None keeps the torch path
+        for name in ("lamb_moments", "lars_squares"):
+            counted_passes[name] = real = getattr(layerwise, name)
+            setattr(layerwise, name, lambda *a, _real=real, **k: first_passes.append(1) or _real(*a, **k))
     reduce_scatters, step_all_reduces = [], []
     for step in range(STEPS):
         for k in range(micro):
@@ -132,9 +146,15 @@ def _run_case(rank, case):
             opt.zero_grad()
             if scheduler is not None:
                 scheduler.step()  # (at every step() call, as a script does; aiak counts the real steps)
+    if counted_passes:
+        from aiak.optim._triton import layerwise
+
+        for name, real in counted_passes.items():
+            setattr(layerwise, name, real)
     reference = _reference(CASES[case], dist.get_world_size(), SIZES.get(case, (31, 7)), case in SCHEDULED)
     return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()], "reference": reference,
-            "reduce_scatters": reduce_scatters, "step_all_reduces": step_all_reduces, "micro": micro}
+            "reduce_scatters": reduce_scatters, "step_all_reduces": step_all_reduces, "micro": micro,
+            "first_passes": len(first_passes)}
 
 
 REFUSED = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.comm.conftest import WORKER
-from tests.comm.sharded_worker import CASES
+from tests.comm.sharded_worker import CASES, FUSED, STEPS
 
 SHARDED_WORKER = WORKER.with_name("sharded_worker.py")
 
@@ -16,7 +16,8 @@ SHARDED_WORKER = WORKER.with_name("sharded_worker.py")
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def cases(request, launch_ranks):
     world = request.param
-    return world, launch_ranks("cases", world=world, nodes=[0] * world, timeout=280, worker=SHARDED_WORKER)
+    return world, launch_ranks("cases", world=world, nodes=[0] * world, timeout=280, worker=SHARDED_WORKER,
+                               env={"TRITON_INTERPRET": "1"})   # LAMB's and LARS's kernels, interpreted (FUSED)
 
 
 def _max_difference(result):
@@ -35,6 +36,9 @@ def test_shard_then_optimize_equals_one_process(cases, case):
     tolerance = 2e-3 if case == "o1_bf16" else 1e-6
     for rank, result in enumerate(ranks):
         assert _max_difference(result[case]) < tolerance, (world, rank)
+        # LAMB's and LARS's Triton kernels stepped the FUSED cases: a first pass at every step, at least
+        passes = result[case]["first_passes"]
+        assert passes >= STEPS if case in FUSED else passes == 0, (world, rank, passes)
 
 
 @pytest.mark.slow
@@ -54,11 +58,12 @@ def test_micro_steps_do_not_reduce_scatter(cases):
 @pytest.mark.timeout(300)
 def test_lamb_and_lars_norms_travel_in_one_collective(cases):
     """LAMB and LARS on DTensors: the full tensors' norms of every tensor of a step in one all-reduce, whatever the
-    path or bucket size (LAMB's max_grad_norm adds one for the global gradient norm); plain AdamW issues none."""
+    path (the loop, foreach, the Triton kernels) or bucket size (LAMB's max_grad_norm adds one for the global
+    gradient norm); plain AdamW issues none."""
     _, ranks = cases
     for result in ranks:
         for case, per_step in (("lamb", 1), ("lars", 1), ("lars_loop", 1), ("lamb_loop", 2), ("lamb_even", 1),
-                               ("lars_buckets", 1), ("default", 0)):
+                               ("lars_buckets", 1), ("lamb_triton", 2), ("lars_triton", 1), ("default", 0)):
             micro = result[case]["micro"]
             counts = result[case]["step_all_reduces"]
             assert counts == [per_step if (i + 1) % micro == 0 else 0 for i in range(len(counts))], case

@@ -178,15 +178,6 @@ def test_bad_group_override_is_refused():
         Lamb([{"params": [torch.nn.Parameter(torch.ones(2))], "weight_decay": -1.0}], lr=0.1)
 
 
-def test_fused_warns_and_still_steps():
-    p = torch.nn.Parameter(torch.ones(4))
-    with pytest.warns(UserWarning, match="fused"):
-        opt = Lamb([p], lr=0.1, fused=True)
-    p.grad = torch.ones(4)
-    opt.step()
-    assert not torch.equal(p, torch.ones(4))
-
-
 def test_channels_last_and_non_contiguous_gradients():
     """Layouts the bucketing must respect: a channels_last weight larger than a bucket, a transposed grad."""
     gen = torch.Generator().manual_seed(4)
