@@ -424,11 +424,13 @@ class LayerwiseOptimizer(Optimizer):
             return 0, None
         return self.bucket_elems, self._plans
 
-    def _runs_triton(self, params: List[torch.Tensor], *companions: Optional[List[torch.Tensor]]) -> bool:
+    def _runs_triton(self, group: dict, params: List[torch.Tensor], *companions: Optional[List[torch.Tensor]]
+                     ) -> bool:
         """Whether a group's step runs the Triton kernels (`triton_unfit`): by default (``fused=None``) where they
-        can, with ``fused=True`` too (where they cannot, it warns once and the torch path runs: the same maths),
-        never with ``fused=False``."""
-        if self.fused is False or (self.fused is None and any(p.device.type != "cuda" for p in params)):
+        can, unless the group asks for the single-tensor loop (``foreach=False``); with ``fused=True`` too (where
+        they cannot, it warns once and the torch path runs: the same maths); never with ``fused=False``."""
+        if self.fused is False or (self.fused is None and (group["foreach"] is False
+                                                           or any(p.device.type != "cuda" for p in params))):
             return False
         why = triton_unfit(params, *companions)
         if why and self.fused:

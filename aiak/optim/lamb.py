@@ -61,7 +61,8 @@ class Lamb(LayerwiseOptimizer):
             bucket on GPU, `0` forces one bucket.
         fused: the Triton kernels (`aiak.optim._triton.layerwise`: the moments and the norms in one multi-tensor
             launch, the update in a second, as apex's FusedLAMB): `None` (default) where they run (CUDA
-            parameters, triton installed), `True` the same but warns once where they cannot, `False` never.
+            parameters, triton installed) and a group does not ask for the loop (`foreach=False`), `True` there
+            and in every group but warns once where they cannot, `False` never.
             Elsewhere the torch paths step (`foreach`).
 
     Raises:
@@ -107,7 +108,8 @@ class Lamb(LayerwiseOptimizer):
                  beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                  bias_correction=group["bias_correction"], adapt=group["adapt"], trust_clip=group["trust_clip"],
                  grad_scale=grad_scale, foreach=group["foreach"] is not False, bucket_elems=bucket_elems,
-                 plans=plans, fused=self._runs_triton(params, grads, state["exp_avg"], state["exp_avg_sq"]))
+                 plans=plans, fused=self._runs_triton(group, params, grads, state["exp_avg"],
+                                                      state["exp_avg_sq"]))
         if plans is not None:
             plans.prune()
         return loss
@@ -126,7 +128,7 @@ class Lamb(LayerwiseOptimizer):
             beta1, beta2 = group["betas"]
             kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                       bias_correction=group["bias_correction"], adapt=group["adapt"], grad_scale=grad_scale)
-            if self._runs_triton(*tensors):
+            if self._runs_triton(group, *tensors):
                 squared, second = _triton_passes(*tensors, steps, **kw)
             else:
                 squared, second = _torch_passes(*tensors, steps, foreach=group["foreach"] is not False, **kw)

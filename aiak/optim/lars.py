@@ -109,7 +109,7 @@ class Lars(LayerwiseOptimizer):
                  weight_decay=group["weight_decay"], trust_coefficient=group["trust_coefficient"], eps=group["eps"],
                  nesterov=group["nesterov"], clip=group["clip"], adapt=group["adapt"],
                  foreach=group["foreach"] is not False, bucket_elems=bucket_elems, plans=plans,
-                 fused=self._runs_triton(params, grads, buffers))
+                 fused=self._runs_triton(group, params, grads, buffers))
         if plans is not None:
             plans.prune()
         return loss
@@ -130,7 +130,7 @@ class Lars(LayerwiseOptimizer):
                        [local(b) for b in buffers] if buffers is not None else None]
             kw = dict(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
                       nesterov=group["nesterov"], adapt=group["adapt"])
-            if self._runs_triton(*tensors):
+            if self._runs_triton(group, *tensors):
                 squared, second = _triton_passes(*tensors, **kw)
             else:
                 squared, second = _torch_passes(*tensors, foreach=group["foreach"] is not False, **kw)
@@ -233,8 +233,9 @@ def _torch_passes(params, grads, momentum_buffers, *, lr, momentum, weight_decay
             _foreach_update(w, g, momentum_buffers, ratios, **update)
         else:
             for i in range(len(w)):
-                _foreach_update(w[i:i + 1], g[i:i + 1], momentum_buffers[i:i + 1] if momentum_buffers is not None else None,
-                                ratios[i:i + 1] if ratios is not None else None, **update)
+                buffer = momentum_buffers[i:i + 1] if momentum_buffers is not None else None
+                _foreach_update(w[i:i + 1], g[i:i + 1], buffer, ratios[i:i + 1] if ratios is not None else None,
+                                **update)
         write_back(params, w)
 
     if not adapt:
