@@ -185,8 +185,11 @@ def same_layout(*lists: Sequence[torch.Tensor]) -> bool:
     pairs the wrong elements otherwise: a channels_last gradient beside contiguous moments, for example).
     """
     for peers in zip(*lists):
-        stride = peers[0].stride()
-        if dense_strides(peers[0]) != stride or any(t.stride() != stride for t in peers[1:]):
+        first = peers[0]
+        stride = first.stride()
+        dense = first.is_contiguous() or (first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last)) \
+            or dense_strides(first) == stride   # (the two common layouts without sorting the strides: every step)
+        if not dense or any(t.stride() != stride for t in peers[1:]):
             return False
     return True
 
@@ -348,6 +351,9 @@ def check_betas(betas) -> Tuple[float, float]:
     return float(betas[0]), float(betas[1])
 
 
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def triton_unfit(tensors: Sequence[torch.Tensor], *companions: Optional[Sequence[torch.Tensor]]) -> str:
     """Why the Triton kernels of `aiak.optim._triton.layerwise` cannot step ``tensors`` (parameters) with their
     ``companions`` (gradients, state: lists in the same order, or None), or "": they need CUDA tensors (CPU ones
@@ -356,14 +362,15 @@ def triton_unfit(tensors: Sequence[torch.Tensor], *companions: Optional[Sequence
     the torch path)."""
     if torch.compiler.is_compiling():
         return "torch.compile traces the step"
-    devices = {t.device.type for t in tensors}
+    device = tensors[0].device
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if devices != {"cuda"} and not (interpret and devices == {"cpu"}):
-        return f"the parameters are on {', '.join(sorted(devices))}, and the kernels run on CUDA"
-    if len({t.device for t in tensors}) > 1:
-        return "the parameters of one group are on several devices"
-    if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in tensors):
-        return "the kernels cover fp32, fp16 and bf16 parameters"
+    if device.type != "cuda" and not (interpret and device.type == "cpu"):
+        return f"the parameters are on {device.type}, and the kernels run on CUDA"
+    for t in tensors:   # (one pass: this runs at every step)
+        if t.device != device:
+            return "the parameters of one group are on several devices"
+        if t.dtype not in TRITON_DTYPES:
+            return "the kernels cover fp32, fp16 and bf16 parameters"
     if not same_layout(tensors, *(c for c in companions if c is not None)):
         return "a gradient or state tensor is not laid out as its parameter (or not dense)"
     if importlib.util.find_spec("triton") is None:

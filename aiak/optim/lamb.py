@@ -219,21 +219,23 @@ def _triton_passes(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, be
     from aiak.optim._triton import layerwise
 
     parts = []
+    groups = group_by_device_dtype_step(params, steps)
+    whole = len(groups) == 1   # (as a rule: one dtype and step count; no index to scatter and gather with)
     squared = torch.empty((len(params), 2), dtype=torch.float32, device=params[0].device) if adapt else None
-    for (_, _, step), idx in group_by_device_dtype_step(params, steps).items():
+    for (_, _, step), idx in groups.items():
         p, m, v = [params[i] for i in idx], [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
         eps_hat, step_size = _step_scalars(step, beta1, beta2, eps, bias_correction)
         scalars = dict(eps_hat=eps_hat, step_size=step_size, weight_decay=weight_decay, lr=lr)
         part = layerwise.lamb_moments(p, [grads[i] for i in idx], m, v, grad_scale=grad_scale, beta1=beta1,
                                       beta2=beta2, adapt=adapt, **scalars)
-        index = torch.tensor(idx, device=params[0].device)
-        if squared is not None:
-            squared.index_copy_(0, index, part)
+        index = None if whole else torch.tensor(idx, device=params[0].device)
+        if adapt:
+            squared = part if whole else squared.index_copy_(0, index, part)
         parts.append((index, p, m, v, scalars))
 
     def second(ratios: torch.Tensor) -> None:
         for index, p, m, v, scalars in parts:
-            layerwise.lamb_apply(p, m, v, ratios.index_select(0, index), **scalars)
+            layerwise.lamb_apply(p, m, v, ratios if index is None else ratios.index_select(0, index), **scalars)
 
     return (squared, second) if adapt else (None, None)
 

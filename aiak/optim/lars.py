@@ -203,20 +203,23 @@ def _triton_passes(params, grads, momentum_buffers, *, lr, momentum, weight_deca
 
     update = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
     parts = []
+    groups = group_by_device_dtype_step(params, [0] * len(params))
+    whole = len(groups) == 1   # (as a rule: one dtype; no index to scatter and gather with)
     squared = torch.empty((len(params), 2), dtype=torch.float32, device=params[0].device) if adapt else None
-    for _, idx in group_by_device_dtype_step(params, [0] * len(params)).items():
+    for _, idx in groups.items():
         p, g = [params[i] for i in idx], [grads[i] for i in idx]
         b = [momentum_buffers[i] for i in idx] if momentum_buffers is not None else None
         if not adapt:
             layerwise.lars_apply(p, g, b, None, **update)
             continue
-        index = torch.tensor(idx, device=params[0].device)
-        squared.index_copy_(0, index, layerwise.lars_squares(p, g))
+        index = None if whole else torch.tensor(idx, device=params[0].device)
+        part = layerwise.lars_squares(p, g)
+        squared = part if whole else squared.index_copy_(0, index, part)
         parts.append((index, p, g, b))
 
     def second(ratios: torch.Tensor) -> None:
         for index, p, g, b in parts:
-            layerwise.lars_apply(p, g, b, ratios.index_select(0, index), **update)
+            layerwise.lars_apply(p, g, b, ratios if index is None else ratios.index_select(0, index), **update)
 
     return (squared, second) if adapt else (None, None)
 

@@ -81,7 +81,7 @@ def lamb_moments(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
     ``||w||^2`` and ``||u||^2`` (its shard's, for a DTensor's local tensors); without, the step is taken (ratio 1)
     and None is returned. ``eps_hat`` and ``step_size`` carry the bias corrections (`aiak.optim.lamb`)."""
     blocks = _blocks(params)
-    partials = torch.zeros((max(blocks.count, 1), 2), dtype=torch.float32, device=params[0].device)
+    partials = torch.empty((max(blocks.count, 1), 2), dtype=torch.float32, device=params[0].device)  # all written
     if blocks.count:
         _lamb_moments_kernel[(blocks.count,)](
             _pointers(params), _pointers(grads), _pointers(exp_avgs), _pointers(exp_avg_sqs), blocks.tensor,
@@ -105,7 +105,7 @@ def lamb_apply(params: List[torch.Tensor], exp_avgs: List[torch.Tensor], exp_avg
 def lars_squares(params: List[torch.Tensor], grads: List[torch.Tensor]) -> torch.Tensor:
     """LARS's first pass: ``[len(params), 2]``, each tensor's ``||w||^2`` and ``||g||^2``."""
     blocks = _blocks(params)
-    partials = torch.zeros((max(blocks.count, 1), 2), dtype=torch.float32, device=params[0].device)
+    partials = torch.empty((max(blocks.count, 1), 2), dtype=torch.float32, device=params[0].device)  # all written
     if blocks.count:
         _lars_squares_kernel[(blocks.count,)](_pointers(params), _pointers(grads), blocks.tensor, blocks.start,
                                               blocks.sizes, partials, PARAM=DTYPES[params[0].dtype], BLOCK=BLOCK,
