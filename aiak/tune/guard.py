@@ -34,13 +34,14 @@ what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROU
 choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead
 of the others in every round; or plain compute chosen, and still chosen were each arm to run every round left as far
 ahead of plain as in its best round so far); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower
-than another arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the noise of both
-(half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it already (so
-the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the guard is
-their only timing. The promise comes first: where the chosen arm took longer in sum than plain beyond
+than another arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the
+noise of both (half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it
+already (so the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the
+guard is their only timing. The promise comes first: where the chosen arm took longer in sum than plain beyond
 `NOISE_FLOOR` (a wide spread of the rounds is no reason to keep it), the rest of the run computes as plain PyTorch.
-A change is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows the
-guard's figures, and the tuning cache learns its choice beside the load it was measured under (`aiak.tune.trials`).
+A change is said in one line on stderr, beside `optimize()`'s own. The decision record (`aiak.last_decision()`) shows
+the guard's figures, and the tuning cache learns its choice beside the load it was measured under
+(`aiak.tune.trials`).
 
 What the guard cannot switch between two steps is left as applied: other fused modules (the language-model head),
 the loader's prefetching, fp16 (its loss scaling). A model the pick left contiguous gets a `ChannelsLast`, off, where
