@@ -32,7 +32,7 @@ import torch
 from aiak.optim._multi_tensor import (LayerwiseOptimizer, PlanCache, add_scaled_, cached_plan, check_betas,
                                       check_range, clip_coefficient, default_bucket_elems, group_by_device_dtype_step,
                                       math_dtype, norms, working_copies, write_back)
-from aiak.optim.sharded import FullSquares, local, squares
+from aiak.optim.sharded import full_norms, local, squares
 
 __all__ = ["Lamb", "lamb"]
 
@@ -134,16 +134,9 @@ class Lamb(LayerwiseOptimizer):
                 squared, second = _torch_passes(*tensors, steps, foreach=group["foreach"] is not False, **kw)
             if squared is not None:
                 passes.append((group, params, squared, second))
-        if not passes:
-            return
-        full = FullSquares([p for _, params, _, _ in passes for p in params])(
-            torch.cat([s[:, 0] for _, _, s, _ in passes] + [s[:, 1] for _, _, s, _ in passes])).sqrt()
-        w_norms, u_norms = full.chunk(2)
-        start = 0
-        for group, params, _, second in passes:
-            end = start + len(params)
-            second(trust_ratio(w_norms[start:end], u_norms[start:end], group["trust_clip"]))
-            start = end
+        if passes:
+            for (group, _, _, second), (w_norms, u_norms) in zip(passes, full_norms([p[1:3] for p in passes])):
+                second(trust_ratio(w_norms, u_norms, group["trust_clip"]))
 
     def state_dict(self) -> dict:
         out = super().state_dict()

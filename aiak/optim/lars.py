@@ -28,7 +28,7 @@ import torch
 from aiak.optim._multi_tensor import (LayerwiseOptimizer, PlanCache, add_scaled_, cached_plan, check_range,
                                       default_bucket_elems, group_by_device_dtype_step, math_dtype, norms,
                                       per_tensor_scalars, working_copies, write_back)
-from aiak.optim.sharded import FullSquares, local, squares
+from aiak.optim.sharded import full_norms, local, squares
 
 __all__ = ["Lars", "lars"]
 
@@ -136,18 +136,10 @@ class Lars(LayerwiseOptimizer):
                 squared, second = _torch_passes(*tensors, foreach=group["foreach"] is not False, **kw)
             if squared is not None:
                 passes.append((group, params, squared, second))
-        if not passes:
-            return
-        full = FullSquares([p for _, params, _, _ in passes for p in params])(
-            torch.cat([s[:, 0] for _, _, s, _ in passes] + [s[:, 1] for _, _, s, _ in passes])).sqrt()
-        w_norms, g_norms = full.chunk(2)
-        start = 0
-        for group, params, _, second in passes:
-            end = start + len(params)
-            second(lars_trust_ratio(w_norms[start:end], g_norms[start:end], lr=group["lr"],
-                                    trust_coefficient=group["trust_coefficient"], weight_decay=group["weight_decay"],
-                                    eps=group["eps"], clip=group["clip"]))
-            start = end
+        if passes:
+            for (group, _, _, second), (w_norms, g_norms) in zip(passes, full_norms([p[1:3] for p in passes])):
+                second(lars_trust_ratio(w_norms, g_norms, lr=group["lr"], trust_coefficient=group["trust_coefficient"],
+                                        weight_decay=group["weight_decay"], eps=group["eps"], clip=group["clip"]))
 
 def _check_group(group: dict) -> None:
     check_range("lr", group["lr"], 0.0)

@@ -69,6 +69,23 @@ class FullSquares:
         return values
 
 
+def full_norms(passes: Sequence[Tuple[Sequence[torch.Tensor], torch.Tensor]]
+               ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """The full tensors' two norms of each group of a step, their squares in one collective (`FullSquares`).
+
+    ``passes`` holds, per group, its parameters (DTensors) and the squared norms of their local shards, ``[n, 2]``
+    (LAMB: weight and update; LARS: weight and gradient). Returns, per group, the two columns' full norms."""
+    full = FullSquares([p for params, _ in passes for p in params])(
+        torch.cat([s[:, 0] for _, s in passes] + [s[:, 1] for _, s in passes])).sqrt()
+    first, second = full.chunk(2)
+    out, start = [], 0
+    for params, _ in passes:
+        end = start + len(params)
+        out.append((first[start:end], second[start:end]))
+        start = end
+    return out
+
+
 def _layout(p: torch.Tensor):
     """``(mesh, mesh dimensions it is sharded along)`` of a DTensor sharded somewhere, else None."""
     if not is_dtensor(p):
