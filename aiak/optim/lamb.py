@@ -14,7 +14,7 @@ apex's ``FusedLAMB`` instead skips it for parameters with zero weight decay; her
 ``trust_clip`` caps the ratio, ``max_grad_norm`` rescales all gradients by one global factor before the
 moments (apex's ``max_grad_norm``), ``bias_correction=False`` drops the ``1 - beta^t`` terms.
 
-The class only gathers parameters and state; `lamb` runs the math: on CUDA in two multi-tensor Triton launches
+The class only gathers parameters and state; `lamb` runs the math: on CUDA in two multi-tensor Triton passes
 (`aiak.optim._triton.layerwise`, apex's FusedLAMB shape), elsewhere in a single-tensor loop or the
 bucketed multi-tensor path of `aiak.optim._multi_tensor` (the default). There, the moments and
 ``u_t`` of a bucket come from one pass of torch's fused Adam kernel (the one ``Adam(fused=True)`` runs,

@@ -14,7 +14,7 @@ LARC; the paper folds it into ``buf``, which is the same update while ``lr`` is 
 ``adapt=False`` (biases, normalization weights; see `aiak.optim.param_groups`) take plain SGD
 momentum steps (``local = 1``).
 
-The class only gathers parameters and state; `lars` runs the math: on CUDA in two multi-tensor Triton launches
+The class only gathers parameters and state; `lars` runs the math: on CUDA in two multi-tensor Triton passes
 (`aiak.optim._triton.layerwise`), elsewhere in a single-tensor loop or the bucketed multi-tensor
 (``torch._foreach_*``) path of `aiak.optim._multi_tensor` (the default). The
 momentum buffer is fp32 and the update is computed in fp32 for fp16/bf16 parameters.
