@@ -28,7 +28,10 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
   the same update whatever the compute, and stays; so do glibc malloc's thresholds (`malloc_retain`,
   `aiak.runtime.switches.MEMORY_SWITCHES`), which change how memory is obtained, not what is computed.
 
-Each window is `WINDOW_STEPS` steps, its first untimed (the switch's own cost); the order rotates every round. Each
+Each window is `TIMED_STEPS` timed steps, after one untimed step where the window switched the compute (the switch's
+own cost: a layout change copies every 4-D weight and optimizer state, and an arm's first steps create kernels). The
+order runs forwards in even rounds and backwards in odd ones, so the arm that ends a round begins the next with no
+switch, and an arm of the other layout (plain compute, against a channels_last pick) changes it once a round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
 choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead
@@ -68,7 +71,7 @@ from aiak.util.dist import is_distributed
 from aiak.util.machine.load import CpuLoad, cpu_load
 from aiak.util.warn import is_rank_zero
 
-WINDOW_STEPS = 3   # steps per window, the first untimed
+TIMED_STEPS = 2    # timed steps per window, after an untimed one where the window switched the compute
 MIN_ROUNDS = 2     # rounds before the guard may stop early ...
 MAX_ROUNDS = 4     # ... and at most
 
@@ -151,6 +154,7 @@ class SpeedGuard:
         self.clock = StepClock(device)
         self.steps = 0                      # real steps seen
         self.round, self.slot, self.in_window = 0, 0, 0
+        self.lead = 1                       # the current window's untimed steps: 1 after a switch, else 0
         self.window: List[float] = []       # the current window's timed seconds
         self.last_mark: Any = None
         self.result: Optional[GuardResult] = None
@@ -161,9 +165,8 @@ class SpeedGuard:
 
     # -- the schedule ---------------------------------------------------------------------------------
     def _order(self) -> List[Arm]:
-        """This round's arms, rotated by one every round."""
-        k = self.round % len(self.running)
-        return self.running[k:] + self.running[:k]
+        """This round's arms: forwards in even rounds, backwards in odd ones (the module docstring)."""
+        return list(self.running) if self.round % 2 == 0 else self.running[::-1]
 
     def _reachable(self, arm: Arm) -> bool:
         """The model can compute as ``arm`` exactly (see `Arm`)."""
@@ -195,15 +198,16 @@ class SpeedGuard:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         mark = self.clock.mark()
-        if self.last_mark is not None and self.in_window > 0:   # the window's first step is not timed
+        if self.last_mark is not None and self.in_window >= self.lead:   # a step after a switch is not timed
             self.window.append(self.clock.seconds(self.last_mark, mark))
         self.last_mark = None
         self.steps += 1
         self.in_window += 1
-        if self.in_window < WINDOW_STEPS:
+        if self.in_window < self.lead + TIMED_STEPS:
             return
         order = self._order()
-        order[self.slot].seconds.append(sum(self.window))
+        ending = order[self.slot]
+        ending.seconds.append(sum(self.window))
         self.window, self.in_window = [], 0
         self.slot += 1
         if self.slot == len(order):
@@ -213,7 +217,9 @@ class SpeedGuard:
             if self._done():
                 self._decide()
                 return
-        self._use(self._order()[self.slot])
+        following = self._order()[self.slot]
+        self.lead = 0 if following is ending else 1
+        self._use(following)
 
     # -- the decision ---------------------------------------------------------------------------------
     def _ratios(self, arm: Arm) -> List[float]:

@@ -13,7 +13,7 @@ from aiak.amp.half_compute import HalfCompute
 from aiak.cli.demo import DemoNet, make_setup, training_steps
 from aiak.runtime.switches import read_switches, write_switches
 from aiak.tune import guard
-from aiak.tune.guard import BUDGET, MAX_ROUNDS, MIN_ROUNDS, PICK, PLAIN, WINDOW_STEPS, SpeedGuard, choose
+from aiak.tune.guard import BUDGET, MAX_ROUNDS, MIN_ROUNDS, PICK, PLAIN, TIMED_STEPS, SpeedGuard, choose
 from aiak.tune.decision import Decision
 from aiak.tune.trials import Tuning, load_changed
 from aiak.util.machine.load import CpuLoad, cpu_load
@@ -49,6 +49,20 @@ def test_plain_compute_is_plain_pytorch_and_the_pick_is_not(level):
     assert model(x).dtype == torch.float32
 
 
+WINDOW_MAX = TIMED_STEPS + 1   # a window's steps at most: its timed ones after an untimed one
+
+
+def schedule(arms, rounds):
+    """The arms of each step of the guard's first ``rounds`` rounds, as its docstring says: forwards in even rounds,
+    backwards in odd ones; each window `TIMED_STEPS` timed steps, after an untimed one where the arm changed."""
+    steps, last = [], None
+    for r in range(rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            steps += [arm] * (TIMED_STEPS + (arm is not last))
+            last = arm
+    return steps
+
+
 def run_guard(load, steps=None):
     """A demo model under O1 bf16 with a guard on its optimizer; returns the guard, the arm each step computed with
     (read in the forward: half compute on or off, intra-op threads) and the decisions it reported."""
@@ -65,7 +79,7 @@ def run_guard(load, steps=None):
     g = SpeedGuard(optimizer, model, compute, pick, plain, load, torch.device("cpu"), decided.append)
     it = training_steps(model, optimizer, loader, None)
     try:
-        for _ in range(steps or (MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 6)):
+        for _ in range(steps or (MAX_ROUNDS * len(g.arms) * WINDOW_MAX + 6)):
             next(it)
     finally:
         write_switches(switches)
@@ -73,20 +87,20 @@ def run_guard(load, steps=None):
 
 
 def test_the_windows_alternate_then_the_guard_lets_go():
-    """Windows of WINDOW_STEPS steps, the arms rotating by one each round, each arm's state in its forward; after
-    the decision the hook is gone and the chosen arm computes every later step."""
+    """Windows of TIMED_STEPS steps after an untimed one where the arm changed, the arms forwards then backwards,
+    each arm's state in its forward; after the decision the hook is gone and the chosen arm computes every later
+    step."""
     g, seen, decided, compute = run_guard(CpuLoad(cores=2, busy_elsewhere=1.5, load1=3.0))
     assert [a.label for a in g.arms] == [PICK, BUDGET, PLAIN]   # one core free of 2: a thread budget is offered
     state = {PICK: (True, 2), BUDGET: (True, 1), PLAIN: (False, 2)}
-    expected = []
-    for r in range(MIN_ROUNDS):   # (after them, an arm slower than plain and than another one is dropped)
-        order = g.arms[r % 3:] + g.arms[:r % 3]
-        expected += [state[a.label] for a in order for _ in range(WINDOW_STEPS)]
+    # (after MIN_ROUNDS rounds, an arm slower than plain and than another one is dropped)
+    expected = [state[a.label] for a in schedule(g.arms, MIN_ROUNDS)]
     assert seen[:len(expected)] == expected
-    windows = [seen[i:i + WINDOW_STEPS] for i in range(0, g.result.steps, WINDOW_STEPS)]
-    assert all(len(set(w)) == 1 for w in windows) and g.result.steps % WINDOW_STEPS == 0
-    plain_rounds = sum(w[0] == state[PLAIN] for w in windows)
-    assert MIN_ROUNDS <= plain_rounds <= MAX_ROUNDS and len(g.result.rounds[PICK]) <= plain_rounds
+    assert expected[:9] == [state[PICK]] * 3 + [state[BUDGET]] * 3 + [state[PLAIN]] * 3   # round 1: forwards
+    assert expected[9:] == [state[PLAIN]] * 2 + [state[BUDGET]] * 3 + [state[PICK]] * 3   # round 2: backwards
+    plain_steps = seen[:g.result.steps].count(state[PLAIN])
+    rounds = len(g.result.rounds[PICK])
+    assert MIN_ROUNDS <= rounds <= MAX_ROUNDS and rounds * TIMED_STEPS <= plain_steps <= rounds * WINDOW_MAX
     assert len(decided) == 1 and decided[0] is g.result
     assert set(seen[g.result.steps:]) == {state[g.result.chosen]}   # the rest of the run: the chosen arm
     assert set(g.result.speedups) == {PICK, BUDGET, PLAIN} and g.result.speedups[PLAIN] == 1.0
@@ -210,7 +224,7 @@ def test_the_guard_reports_into_the_decision_and_the_cache(cache_file):
         decision = aiak.last_decision()
         assert decision.cache_hit and "watching" in decision.guard["why"]
         it = training_steps(model, optimizer, loader, None)
-        for _ in range(MAX_ROUNDS * 3 * WINDOW_STEPS):
+        for _ in range(MAX_ROUNDS * 3 * WINDOW_MAX):
             next(it)
     finally:
         write_switches(switches)
@@ -274,7 +288,7 @@ def train_until_decided(g, model, optimizer, loader, switches):
     """Enough training steps for the guard to decide at its last round, and a few more; the switches put back."""
     it = training_steps(model, optimizer, loader, None)
     try:
-        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_STEPS + 4):
+        for _ in range(MAX_ROUNDS * len(g.arms) * WINDOW_MAX + 4):
             next(it)
     finally:
         write_switches(switches)
@@ -312,9 +326,10 @@ def test_arms_that_switch_the_level_and_the_layout():
              PLAIN: (False, None, False)}
     assert [a.label for a in g.arms] == [PICK, "O2", "fp32, channels_last", PLAIN]
     train_until_decided(g, model, optimizer, loader, switches)
-    order = list(g.arms)
-    expected = [state[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
+    expected = [state[a.label] for a in schedule(g.arms, MIN_ROUNDS)]
     assert seen[:len(expected)] == expected
+    # the layout changes twice in two rounds, into plain compute's window and out of it (rotating the order: four)
+    assert sum(a[2] != b[2] for a, b in zip(seen[:len(expected)], seen[1:len(expected)])) == 2
     assert g.result is not None and set(seen[g.result.steps:]) == {state[g.result.chosen]}
     assert len(momentum) == len(seen) - 1 and all(momentum)
 
@@ -353,8 +368,7 @@ def test_channels_last_switched_on_for_a_model_the_pick_left_contiguous():
     assert [a.label for a in g.arms] == [PICK, "channels_last=true", PLAIN] and g.attached is not None
     train_until_decided(g, model, optimizer, loader, switches)
     nhwc = {PICK: (True, True), "channels_last=true": (False, False), PLAIN: (True, True)}
-    order = list(g.arms)
-    expected = [nhwc[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
+    expected = [nhwc[a.label] for a in schedule(g.arms, MIN_ROUNDS)]
     assert seen[:len(expected)] == expected
     assert set(seen[g.result.steps:]) == {nhwc[g.result.chosen]}
     attached = any(getattr(h, "__self__", None) is g.layout for h in model._forward_pre_hooks.values())
@@ -398,8 +412,7 @@ def test_arms_that_switch_the_fused_window_attention():
     seen.clear()
     data = [(torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2,))) for _ in range(8)]
     train_until_decided(g, model, optimizer, data * 20, switches)
-    order = list(g.arms)
-    expected = [fused[a.label] for r in range(MIN_ROUNDS) for a in order[r:] + order[:r] for _ in range(WINDOW_STEPS)]
+    expected = [fused[a.label] for a in schedule(g.arms, MIN_ROUNDS)]
     assert seen[:len(expected)] == expected
     assert g.result is not None and set(seen[g.result.steps:]) == {fused[g.result.chosen]}
 
