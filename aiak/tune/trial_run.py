@@ -115,6 +115,7 @@ class TrialRun:
         self.warmup_s: List[float] = []             # steps' seconds before timing began (slowest rank), the gate's first
         self.timer: Optional[Contender] = None      # its side in the timed rounds (aiak.measure.rounds)
         self.attention: Optional[WindowAttentionSwitch] = None   # a switched copy's fused window attention
+        self.outputs: Optional[List[torch.Tensor]] = None         # the floating outputs of its last `gradients`
 
     def build(self, model: nn.Module, optimizer: Any) -> None:
         """Apply the candidate to deep copies of ``model`` and ``optimizer`` (quietly; failures are recorded).
@@ -190,16 +191,23 @@ class TrialRun:
         order = itertools.cycle(batches[1:] + batches[:1])
         return lambda: self.step(next(order), want_grads=False)
 
-    def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
+    def gradients(self, batch: Any, unless: Optional[Callable[[List[torch.Tensor]], bool]] = None
+                  ) -> Optional[Dict[str, torch.Tensor]]:
         """The gradients of one forward and backward on ``batch`` from the current weights, as
         `aiak.tune.gate.gradients` gives them, the copy left as it was: taken by ``autograd.grad``, so no
         ``.grad`` is written and no gradient hook sees a backward (a step controller counts them to tell a
-        script's own accumulation); no optimizer step; buffers (BatchNorm's running statistics) put back."""
+        script's own accumulation); no optimizer step; buffers (BatchNorm's running statistics) put back.
+        The forward's floating outputs are kept in ``outputs``; where ``unless`` returns True on them, no backward
+        runs and None is returned."""
         named = [(n, p) for n, p in self.bare.named_parameters() if p.requires_grad]
         buffers = [b.detach().clone() for b in self.bare.buffers()]
         try:
-            grads = torch.autograd.grad(trial_loss_of(self.model, self.prepare(batch)), [p for _, p in named],
-                                        allow_unused=True)
+            prepared = self.prepare(batch)
+            output = _call(self.model, prepared)
+            self.outputs = [t.detach() for t in iter_tensors(output) if t.is_floating_point()]
+            if unless is not None and unless(self.outputs):
+                return None
+            grads = torch.autograd.grad(trial_loss(output, prepared), [p for _, p in named], allow_unused=True)
         finally:
             with torch.no_grad():
                 for b, saved in zip(self.bare.buffers(), buffers):
@@ -237,17 +245,19 @@ class SwitchedRun(TrialRun):
         if self.attention is not None:
             self.attention.switch("window_attention" in s.fused_ops)
 
-    def step(self, batch: Any, want_grads: bool) -> Optional[Dict[str, torch.Tensor]]:
+    def step(self, batch: Any, want_grads: bool, unless: Optional[Callable[[List[torch.Tensor]], bool]] = None
+             ) -> Optional[Dict[str, torch.Tensor]]:
         self.configure()
-        return self.gradients(batch) if want_grads else None
+        return self.gradients(batch, unless) if want_grads else None
 
     def evaluate(self, batch: Any) -> str:
         self.configure()
         return super().evaluate(batch)
 
-    def gradients(self, batch: Any) -> Dict[str, torch.Tensor]:
+    def gradients(self, batch: Any, unless: Optional[Callable[[List[torch.Tensor]], bool]] = None
+                  ) -> Optional[Dict[str, torch.Tensor]]:
         self.configure()
-        return super().gradients(batch)
+        return super().gradients(batch, unless)
 
 
 def plain_value(value: Any) -> Any:

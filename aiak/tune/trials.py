@@ -16,7 +16,10 @@ How (``tune: {candidates, steps, max_seconds}``; on by default for ``"auto"``):
    gate: one more fp32 gradient, of batch 1 (or of the two halves of batch 0 when only one batch was
    borrowed). Then each evaluates as a script does between epochs (``model.eval()``, a forward of two samples
    under ``torch.inference_mode()``, ``model.train()``): a candidate whose evaluation fails where plain
-   PyTorch's runs is rejected, with the error in its record.
+   PyTorch's runs is rejected, with the error in its record. On the pick's one copy (step 3), a candidate that
+   differs from an earlier one only in the precision level and whose forward gives that one's outputs bit for bit
+   computes as it does (`_level_twins`): no backward, and it is dropped with that reason, neither evaluated nor
+   timed.
 5. Where the run can time them instead (`_timed_in_run`: every candidate is the pick's model switched between
    steps, `aiak.tune.candidates.switches_between_steps`, and the run-time guard can watch), no round runs here:
    the pick is applied and its guard (`aiak.tune.guard`) times the accepted candidates against plain compute in
@@ -81,7 +84,8 @@ from aiak.runtime.switches import read_switches, with_memory_switches
 from aiak.strategy.schema import Strategy
 from aiak.tune import gate
 from aiak.tune.guard import PICK, PLAIN as PLAIN_COMPUTE, Arm, not_watched
-from aiak.tune.candidates import Candidate, candidate_strategies, switches_between_steps, with_picks_knobs
+from aiak.tune.candidates import (Candidate, candidate_strategies, differences, switches_between_steps,
+                                  with_picks_knobs)
 from aiak.tune.replay import RandomStreams, borrow
 from aiak.tune.trial_run import SwitchedRun, TrialRecord, TrialRun, batch_rows, batch_size_of
 from aiak.util import warn
@@ -329,6 +333,7 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
     grads: Dict[int, Dict[str, torch.Tensor]] = {}
     seconds: Dict[int, float] = {}
     evaluation: Dict[int, str] = {}  # the error of each one's evaluation forward, "" when it ran
+    same: Dict[int, TrialRun] = {}   # a candidate that computes as an earlier one does (`_level_twins`)
     noise_samples: List[Tuple[Dict[str, torch.Tensor], int]] = []
     # plain last: on the pick's one copy (`SwitchedRun`) the others keep the pick's layout, and plain's is one switch
     for c in sorted(contenders, key=lambda c: c is plain):
@@ -344,12 +349,23 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
                     noise_samples = _noise_samples(plain, batches)
                 rng.restore()
                 clock = StepClock(device)
+                want = gated and (c is plain or needs_gate(c))
+                twins = _level_twins(c, [o for o in contenders if o is not c and not o.failed]) if want else []
                 with PeakMemory(device) as peak:
                     t0 = clock.mark()
-                    grads[id(c)] = c.step(batches[0], want_grads=gated and (c is plain or needs_gate(c)))
+                    if twins:   # where its forward gives a twin's outputs, no backward (`_level_twins`)
+                        def is_twin(outputs: List[torch.Tensor], c: TrialRun = c, twins=twins) -> bool:
+                            twin = _same_outputs(outputs, twins)
+                            if twin is not None:
+                                same[id(c)] = twin
+                            return twin is not None
+
+                        grads[id(c)] = c.step(batches[0], want_grads=True, unless=is_twin)
+                    else:
+                        grads[id(c)] = c.step(batches[0], want_grads=want)
                     seconds[id(c)] = clock.seconds(t0, clock.mark())
                 c.record.peak_mem_mb = peak.mib
-                if c is not plain:   # plain's own only where a candidate's fails (below)
+                if c is not plain and id(c) not in same:   # plain's own only where a candidate's fails (below)
                     evaluation[id(c)] = c.evaluate(batches[0])
         except Exception as e:  # noqa: BLE001 - error or OOM: this candidate is dropped on every rank
             c.fail(describe_error(e))
@@ -369,8 +385,12 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
     packed = []  # per contender: failed, step seconds, the gate's numbers; max-reduced over ranks
     norms = gate.squared_norms(reference) if reference is not None and gated else None   # once for every candidate
     for c in contenders:
-        if not c.failed and reference is not None and needs_gate(c):
-            results[id(c)] = gate.compare(grads[id(c)], reference, noise, norms)
+        if not c.failed and reference is not None and needs_gate(c):   # a twin's are its twin's, by its gradients
+            twin = same.get(id(c))
+            if twin is None:
+                results[id(c)] = gate.compare(grads[id(c)], reference, noise, norms)
+            elif id(twin) in results:
+                results[id(c)] = results[id(twin)]
         result = results.get(id(c), gate.GateResult(True, "", None, 1.0, 1.0, 0.0))  # failed, or no reference
         packed += [1.0 if c.failed else 0.0, seconds.get(id(c), 0.0)] + result.numbers()
     width = len(packed) // max(len(contenders), 1)
@@ -388,7 +408,12 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
         result = gate.GateResult.from_numbers(numbers, lost=local.lost if local is not None else "")
         if has_reference and needs_gate(c):
             c.record.grad_cosine, c.record.grad_norm_diff = result.cosine, result.norm_diff
-        if c is plain:
+        if id(c) in same:
+            twin = same[id(c)]
+            c.fail(f"computes as {twin.candidate.label!r} does: the same outputs, bit for bit, where the two differ only "
+                   f"in the precision level, " + (f"and {twin.candidate.label!r} was dropped: {twin.failed}"
+                                                  if twin.failed else "so the run's first steps time one of them"))
+        elif c is plain:
             c.record.why = "plain PyTorch: the fp32 reference"
         elif c.candidate.neutral:
             c.record.why = "numerics-neutral: no gate needed"
@@ -398,6 +423,25 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
             c.fail(result.why())
         else:
             c.record.why = result.why()
+
+
+def _level_twins(c: TrialRun, others: List[TrialRun]) -> List[TrialRun]:
+    """The candidates of ``others`` on the pick's one copy (`SwitchedRun`) whose gate pass ran and that differ from
+    ``c`` only in ``precision.level`` (O1 or O2 bf16): where ``c``'s forward gives one's outputs bit for bit, ``c``
+    computes as it does. O2 runs more ops in half than O1 only where autocast leaves an op to its inputs' dtype; where
+    every output is the same, every op ran in the same dtype (timm's ResNet-50 and Swin, whose normalization layers
+    are kept in fp32 and hand autocast's ops fp32 activations either way), the backward mirrors the forward, and
+    timing both would only cost the run the second one's windows. Dropping a twin never changes what trains."""
+    if not isinstance(c, SwitchedRun):
+        return []
+    return [o for o in others if isinstance(o, SwitchedRun) and o.outputs is not None
+            and set(differences(c.candidate.strategy, o.candidate.strategy)) == {"precision.level"}]
+
+
+def _same_outputs(outputs: List[torch.Tensor], twins: List[TrialRun]) -> Optional[TrialRun]:
+    """The one of ``twins`` whose gate pass gave ``outputs``, bit for bit, or None."""
+    return next((twin for twin in twins if len(twin.outputs) == len(outputs) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(outputs, twin.outputs))), None)
 
 
 def _noise_samples(plain: TrialRun, batches) -> List[Tuple[Dict[str, torch.Tensor], int]]:
