@@ -50,7 +50,10 @@ with it too: a process cannot turn glibc's own thresholds back on. Its gain, whi
 
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
 (60) on the same batches; the final loss is the mean of the last 10 steps, and auto's must be within
-``max(5%, 0.02)`` of plain fp32's. Each model's synthetic images carry enough noise that plain fp32 is
+``max(5%, 0.02)`` of plain fp32's, or within plain's own spread where that is wider: the largest difference that
+``--loss-perturbations`` (3) plain runs make from weights moved by a relative 1e-6, rounding-sized, before their first
+step (MobileNetV3's loss after 60 steps moved by -0.078 to +0.090 so, six seeds, where 5% of it is 0.069: its early
+steps amplify any difference, the few steps auto's guard computes in bf16 among them). Each model's synthetic images carry enough noise that plain fp32 is
 still at a loss of 1.0-1.4 after 60 steps (measured: demo 1.11, vit 1.42, swin 1.14, mlp 1.01, mobilenet 1.30,
 nfnet 1.23, resnet50 1.03, vit_small 1.31), so a numerics difference would show.
 
@@ -89,6 +92,7 @@ from aiak.tune.trials import BUDGET_FRACTION, BUDGET_RUN_STEPS  # noqa: E402
 RUN_STEPS = 200            # the run length auto's tuning cost is spread over
 LOSS_TAIL = 10             # final loss = mean of the last 10 steps
 LOSS_RTOL, LOSS_ATOL = 0.05, 0.02
+PERTURBATION = 1e-6        # plain's weights moved by this much of their mean magnitude: rounding-sized
 GOAL_VS_ORACLE, GOAL_VS_PLAIN, GOAL_DEMO = 0.95, 0.98, 1.8
 
 
@@ -355,10 +359,18 @@ def _ratio_stats(ratios: List[float]) -> tuple:
     return statistics.median(ratios), _quantile(ratios, 0.1), _quantile(ratios, 0.9)
 
 
-def final_loss(case: ModelCase, batch_size: int, samples: int, steps: int, strategy: Any) -> float:
-    """Mean loss of the last :data:`LOSS_TAIL` of ``steps`` steps, from the benchmark's seed."""
+def final_loss(case: ModelCase, batch_size: int, samples: int, steps: int, strategy: Any,
+               perturbed: Optional[int] = None) -> float:
+    """Mean loss of the last :data:`LOSS_TAIL` of ``steps`` steps, from the benchmark's seed; with ``perturbed`` (a
+    seed), plain PyTorch from weights each moved by a normal draw of :data:`PERTURBATION` times its tensor's mean
+    magnitude."""
     setup = make_setup(case, batch_size, samples)
     model, optimizer, loader = setup.model, setup.optimizer, setup.loader
+    if perturbed is not None:
+        draw = torch.Generator().manual_seed(perturbed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=draw, dtype=p.dtype) * (PERTURBATION * float(p.abs().mean())))
     if strategy is not None:
         with quiet():
             model, optimizer, loader = aiak.optimize(model, optimizer, loader, **({} if strategy == "auto" else
@@ -436,9 +448,15 @@ def run_model(case: ModelCase, args) -> dict:
     losses = {"plain": final_loss(case, batch, samples, args.loss_steps, None),
               "auto": final_loss(case, batch, samples, args.loss_steps, "auto"),
               f"oracle best ({best.label})": final_loss(case, batch, samples, args.loss_steps, best_strategy)}
-    tol = max(LOSS_RTOL * losses["plain"], LOSS_ATOL)
+    chaos = [final_loss(case, batch, samples, args.loss_steps, None, perturbed=seed) - losses["plain"]
+             for seed in range(args.loss_perturbations)]
+    band = max(map(abs, chaos), default=0.0)
+    tol = max(LOSS_RTOL * losses["plain"], LOSS_ATOL, band)
     for k, v in losses.items():
         print(f"    {k:<44} {v:.4f}" + ("" if k == "plain" else f"  (diff {v - losses['plain']:+.4f})"))
+    if chaos:
+        print(f"    {f'plain, weights moved by {PERTURBATION:g} (x{len(chaos)})':<44} diffs "
+              + ", ".join(f"{d:+.4f}" for d in chaos))
 
     print("   goals (speed ratios: median over rounds, p10-p90 across rounds):")
     effective = times["auto effective"]
@@ -449,7 +467,8 @@ def run_model(case: ModelCase, args) -> dict:
           f"{eager[2]:.2f})  {eager_best.label}")
     loss_ok = abs(losses["auto"] - losses["plain"]) <= tol
     print(f"    {'final loss auto vs plain fp32':<44} {losses['auto'] - losses['plain']:+.4f}   "
-          f"tolerance +-{tol:.4f} (max({LOSS_RTOL:.0%} of plain, {LOSS_ATOL}))  {'ok' if loss_ok else 'NOT ok'}")
+          f"tolerance +-{tol:.4f} (max({LOSS_RTOL:.0%} of plain, {LOSS_ATOL}, plain's own spread))  "
+          f"{'ok' if loss_ok else 'NOT ok'}")
     goals.append({"goal": "final loss", "value": losses["auto"] - losses["plain"], "target": tol, "ok": loss_ok})
     if case.name == "demo":
         goals.append(_goal("demo: auto effective / plain", paired_ratios(times["plain"], effective), GOAL_DEMO))
@@ -459,7 +478,7 @@ def run_model(case: ModelCase, args) -> dict:
             "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}, "auto_optimize_s": auto_c.optimize_s,
             "auto_tuning_s": auto_c.tuning_s, "auto_budget_s": budget_s, "auto_guard_excess_s": guard_excess,
             "auto_guard": auto_c.decision.guard if auto_c.decision is not None else {},
-            "losses": losses, "loss_tolerance": tol,
+            "losses": losses, "loss_tolerance": tol, "plain_perturbed_diffs": chaos,
             "goals": goals}
 
 
@@ -492,6 +511,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per contender first (default 3; --quick 1)")
     ap.add_argument("--loss-steps", type=int, default=None,
                     help="steps of the loss comparison (default 60; --quick 12)")
+    ap.add_argument("--loss-perturbations", type=int, default=None,
+                    help="plain runs from rounding-sized moves of its weights, whose spread widens the loss "
+                         "tolerance (default 3; --quick 0)")
     ap.add_argument("--no-compile", action="store_true", help="leave compile out of the oracle's space")
     ap.add_argument("--quick", action="store_true", help="smoke run: small batches, few rounds, no compile")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results there")
@@ -500,6 +522,8 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     args.rounds = args.rounds or (3 if args.quick else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.loss_steps = args.loss_steps or (12 if args.quick else 60)
+    if args.loss_perturbations is None:
+        args.loss_perturbations = 0 if args.quick else 3
     if args.loss_steps <= LOSS_TAIL:
         ap.error(f"--loss-steps must be more than {LOSS_TAIL}")
     names = (args.models or ("demo,mlp" if args.quick else ",".join(CASES))).split(",")
