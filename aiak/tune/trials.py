@@ -434,7 +434,7 @@ def _level_twins(c: TrialRun, others: List[TrialRun]) -> List[TrialRun]:
     timing both would only cost the run the second one's windows. Dropping a twin never changes what trains."""
     if not isinstance(c, SwitchedRun):
         return []
-    return [o for o in others if isinstance(o, SwitchedRun) and o.outputs is not None
+    return [o for o in others if isinstance(o, SwitchedRun) and o.outputs   # a forward that gave floating outputs
             and set(differences(c.candidate.strategy, o.candidate.strategy)) == {"precision.level"}]
 
 

@@ -402,3 +402,27 @@ def test_the_trials_plain_pytorch_computes_with_the_memory_switches_as_the_pick_
         write_switches(before)
     assert any("timed in the run" in t["why"] for t in trials), trials
     assert seen and all(seen), seen
+
+
+def test_a_level_twin_is_told_by_floating_outputs_alone():
+    """`_level_twins` offers only a candidate whose forward gave floating outputs (an empty list would match any),
+    and `_same_outputs` wants every output's shape, dtype and bits."""
+    from aiak.strategy.schema import Strategy
+    from aiak.tune.candidates import Candidate
+    from aiak.tune.trial_run import SwitchedRun, TrialRun
+    from aiak.tune.trials import _level_twins, _same_outputs
+
+    o1, o2, cl = (Candidate(label, Strategy.from_dict(data), {}) for label, data in [
+        ("pick", {"precision": {"level": "O1", "dtype": "bf16"}}),
+        ("O2", {"precision": {"level": "O2", "dtype": "bf16"}}),
+        ("O2 +cl", {"precision": {"level": "O2", "dtype": "bf16"}, "channels_last": True})])
+    shared = TrialRun(o1, torch.device("cpu"))
+    shared.bare = shared.model = shared.optimizer = None
+    pick, other, laid_out = (SwitchedRun(c, torch.device("cpu"), shared, {}) for c in (o1, o2, cl))
+    pick.outputs = []
+    assert _level_twins(other, [pick]) == []
+    pick.outputs = [torch.ones(2)]
+    assert _level_twins(other, [pick]) == [pick] and _level_twins(laid_out, [pick]) == []   # the level alone differs
+    assert _same_outputs([torch.ones(2)], [pick]) is pick
+    assert _same_outputs([torch.ones(2).double()], [pick]) is None
+    assert _same_outputs([torch.tensor([1.0, 1.0 + 2 ** -20])], [pick]) is None
