@@ -35,8 +35,9 @@ switch, and an arm of the other layout (plain compute, against a channels_last p
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
 choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead
-of the others in every round; or plain compute chosen, and still chosen were each arm to run every round left as far
-ahead of plain as in its best round so far); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower
+of the others in every round; or the chosen arm, plain compute or one ahead of it beyond `NOISE_FLOOR` in every round, still
+chosen were each other arm to run every round left as far ahead of plain as in its best round so far, and the chosen
+one as far behind as in its worst); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower
 than another arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the
 noise of both (half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it
 already (so the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the
@@ -240,28 +241,35 @@ class SpeedGuard:
     def _done(self) -> bool:
         """After `MAX_ROUNDS`, or from `MIN_ROUNDS` on where more rounds would not change the decision: every arm
         faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest of those
-        faster ahead of each other one in every round (`aiak.measure.rounds.ranking_is_clear`); or plain compute
-        is chosen and stays chosen however the rounds left go, short of an arm beating its best round so far
-        (`_plain_stays`). The windows of an arm the run will not keep only cost the run."""
+        faster ahead of each other one in every round (`aiak.measure.rounds.ranking_is_clear`); or the arm `choose`
+        picks stays picked however the rounds left go, short of an arm beating its best round so far or the chosen
+        one falling behind its worst (`_choice_stays`). The windows of an arm the run will not keep only cost the
+        run."""
         if self.round >= MAX_ROUNDS:
             return True
         if self.round < MIN_ROUNDS:
             return False
-        return self._plain_stays() or ranking_is_clear([self._ratios(a) for a in self.running[:-1]])
+        return self._choice_stays() or ranking_is_clear([self._ratios(a) for a in self.running[:-1]])
 
-    def _plain_stays(self) -> bool:
-        """`choose` picks plain compute on the rounds so far, and would still pick it were every arm still timed
-        to run each round left up to `MAX_ROUNDS` as far ahead of plain as in its best round so far (plain at its
-        mean)."""
-        def arms(left: int) -> List[Tuple[str, List[float], Optional[int]]]:
+    def _choice_stays(self) -> bool:
+        """`choose` picks an arm on the rounds so far, and would still pick it were every arm still timed to run each
+        round left up to `MAX_ROUNDS` as far ahead of plain as in its best round so far, the chosen one as far
+        behind as in its worst (plain at its mean); an arm other than plain compute only where it ran ahead of plain
+        beyond `NOISE_FLOOR` in every round. So beside a near tie that cannot win (DemoNet's fp32 channels_last arm at
+        1.01-1.13x plain, its pick at 1.8x), the rounds end."""
+        def arms(left: int, chosen: Optional[str]) -> List[Tuple[str, List[float], Optional[int]]]:
             plain = self.arms[-1].seconds
             typical = statistics.mean(plain)
-            return [(a.label, a.seconds + ([typical / max(self._ratios(a))] * left if a in self.running else []),
+            return [(a.label, a.seconds + ([typical / (min if a.label == chosen else max)(self._ratios(a))] * left
+                                           if a in self.running else []),
                      a.switches.get("num_threads")) for a in self.arms[:-1]] + [(PLAIN, plain + [typical] * left, None)]
 
         if not all(self._ratios(a) for a in self.running[:-1]):
             return False
-        return all(choose(arms(left), self.prefer)[0] == PLAIN for left in (0, MAX_ROUNDS - self.round))
+        chosen = choose(arms(0, None), self.prefer)[0]
+        if chosen != PLAIN and min(self._ratios(next(a for a in self.arms if a.label == chosen))) <= 1 + NOISE_FLOOR:
+            return False   # an arm near plain: a tail of slow steps under load may yet show (the rounds go on)
+        return all(choose(arms(left, chosen), self.prefer)[0] == chosen for left in (0, MAX_ROUNDS - self.round))
 
     def _decide(self) -> None:
         chosen, why, speedups, rounds = choose([(a.label, a.seconds, a.switches.get("num_threads")) for a in self.arms],
