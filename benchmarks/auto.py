@@ -49,13 +49,13 @@ with it too: a process cannot turn glibc's own thresholds back on. Its gain, whi
 ``benchmarks/separate_processes.py``'s, timed in processes of their own.
 
 Loss: plain, auto and the oracle's best are trained again from the same seed for ``--loss-steps`` steps
-(60) on the same batches; the final loss is the mean of the last 10 steps, and auto's must be within
-``max(5%, 0.02)`` of plain fp32's, or within plain's own spread where that is wider: the largest difference that
-``--loss-perturbations`` (3) plain runs make from weights moved by a relative 1e-6, rounding-sized, before their first
-step (MobileNetV3's loss after 60 steps moved by -0.078 to +0.090 so, six seeds, where 5% of it is 0.069: its early
-steps amplify any difference, the few steps auto's guard computes in bf16 among them). Each model's synthetic images carry enough noise that plain fp32 is
-still at a loss of 1.0-1.4 after 60 steps (measured: demo 1.11, vit 1.42, swin 1.14, mlp 1.01, mobilenet 1.30,
-nfnet 1.23, resnet50 1.03, vit_small 1.31), so a numerics difference would show.
+(60) on the same batches; the final loss is the mean of the last 10 steps. Each model's synthetic images carry
+enough noise that plain fp32 is still at a loss of 1.0-1.4 after 60 steps (measured: demo 1.11, vit 1.42, swin 1.14,
+mlp 1.01, mobilenet 1.30, nfnet 1.23, resnet50 1.03, vit_small 1.31), so a numerics difference would show. auto's
+must be within ``max(5%, 0.02)`` of plain fp32's, or within plain's own spread where that is wider: the largest
+difference that ``--loss-perturbations`` (3) plain runs make from weights moved by a relative 1e-6, rounding-sized,
+before their first step (MobileNetV3's loss after 60 steps moved by -0.078 to +0.090 so, six seeds, where 5% of it
+is 0.069: its early steps amplify any difference, the few steps auto's guard computes in bf16 among them).
 
 Goals per model (each printed ok / NOT ok): auto effective >= 0.95x the oracle's best; auto effective
 >= 0.98x plain; final loss within tolerance; on ``demo``, auto effective >= 1.8x plain. A ratio whose

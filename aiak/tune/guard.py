@@ -34,11 +34,11 @@ order runs forwards in even rounds and backwards in odd ones, so the arm that en
 switch, and an arm of the other layout (plain compute, against a channels_last pick) changes it once a round. Each
 arm's speedup is plain's seconds over its own, summed over the rounds (a sum, not a median: a tail of slow steps is
 what the run pays). The guard stops after `MAX_ROUNDS` rounds, or after `MIN_ROUNDS` where more would not change its
-choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead
-of the others in every round; or the chosen arm, plain compute or one ahead of it beyond `NOISE_FLOOR` in every round, still
-chosen were each other arm to run every round left as far ahead of plain as in its best round so far, and the chosen
-one as far behind as in its worst); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower
-than another arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the
+choice (each arm faster than plain beyond `NOISE_FLOOR` in every round or slower in every one, and the fastest ahead of
+the others in every round; or the chosen arm, plain compute or one ahead of it beyond `NOISE_FLOOR` in every round,
+still chosen were each other arm to run every round left as far ahead of plain as in its best round so far, and the
+chosen one as far behind as in its worst); from `MIN_ROUNDS` on, an arm slower than plain in every round and slower than
+another arm in every round is no longer timed. The fastest arm is chosen, unless a preferred one is within the
 noise of both (half the range of their per-round ratios, at least `NOISE_FLOOR`): the pick where the trials timed it
 already (so the thread budget replaces it only beyond noise), plain compute and then the simpler candidates where the
 guard is their only timing. The promise comes first: where the chosen arm took longer in sum than plain beyond

@@ -354,13 +354,10 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
                 with PeakMemory(device) as peak:
                     t0 = clock.mark()
                     if twins:   # where its forward gives a twin's outputs, no backward (`_level_twins`)
-                        def is_twin(outputs: List[torch.Tensor], c: TrialRun = c, twins=twins) -> bool:
-                            twin = _same_outputs(outputs, twins)
-                            if twin is not None:
-                                same[id(c)] = twin
-                            return twin is not None
-
-                        grads[id(c)] = c.step(batches[0], want_grads=True, unless=is_twin)
+                        grads[id(c)] = c.step(batches[0], want_grads=True,
+                                              unless=lambda outputs: _same_outputs(outputs, twins) is not None)
+                        if grads[id(c)] is None:
+                            same[id(c)] = _same_outputs(c.outputs, twins)
                     else:
                         grads[id(c)] = c.step(batches[0], want_grads=want)
                     seconds[id(c)] = clock.seconds(t0, clock.mark())
@@ -385,7 +382,7 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
     packed = []  # per contender: failed, step seconds, the gate's numbers; max-reduced over ranks
     norms = gate.squared_norms(reference) if reference is not None and gated else None   # once for every candidate
     for c in contenders:
-        if not c.failed and reference is not None and needs_gate(c):   # a twin's are its twin's, by its gradients
+        if not c.failed and reference is not None and needs_gate(c):   # a twin's results are its twin's
             twin = same.get(id(c))
             if twin is None:
                 results[id(c)] = gate.compare(grads[id(c)], reference, noise, norms)
@@ -410,9 +407,9 @@ def _warm_up(contenders: List[TrialRun], batches, rng: _Rng, device, status: Opt
             c.record.grad_cosine, c.record.grad_norm_diff = result.cosine, result.norm_diff
         if id(c) in same:
             twin = same[id(c)]
-            c.fail(f"computes as {twin.candidate.label!r} does: the same outputs, bit for bit, where the two differ only "
-                   f"in the precision level, " + (f"and {twin.candidate.label!r} was dropped: {twin.failed}"
-                                                  if twin.failed else "so the run's first steps time one of them"))
+            c.fail(f"computes as {twin.candidate.label!r} does: the same outputs, bit for bit, where the two differ "
+                   f"only in the precision level, " + (f"and {twin.candidate.label!r} was dropped: {twin.failed}"
+                                                       if twin.failed else "so the run's first steps time one of them"))
         elif c is plain:
             c.record.why = "plain PyTorch: the fp32 reference"
         elif c.candidate.neutral:

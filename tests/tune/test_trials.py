@@ -310,7 +310,8 @@ class InputResidual(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv, self.conv2, self.head = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 10)
+        self.conv, self.conv2 = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 10)
 
     def forward(self, x):
         return self.head(self.conv2(x + self.conv(x)).mean((2, 3)))
