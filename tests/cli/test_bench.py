@@ -90,10 +90,15 @@ def table_rows(text):
 def test_default_reads_within_noise():
     """Plain PyTorch against itself over 16 rounds is never a speedup: the 99.6% interval of the per-round ratio
     holds 1.00x, or the median is within the noise floor (CI once read "1.01x faster (99.6% CI 1.00-1.02x)")."""
-    code, out, _ = run("--model", "demo", "--batch-size", "8", "--steps", "16", "--rounds", "16", "--warmup", "2",
-                       "--strategy", "default", "--no-progress")
-    assert code == 0
-    line = next(line for line in out.splitlines() if line.strip().startswith("default:"))
+    # A stretch of the machine 20x slower once made every step `default` ran slow (345-356 ms, where the baseline's
+    # fastest had taken 15 ms), and the 10x rule stopped it: that is the load's doing, so it is measured again once.
+    for _ in range(2):
+        code, out, _ = run("--model", "demo", "--batch-size", "8", "--steps", "16", "--rounds", "16", "--warmup", "2",
+                           "--strategy", "default", "--no-progress")
+        assert code == 0
+        line = next(line for line in out.splitlines() if line.strip().startswith("default:"))
+        if "stopped after" not in line:
+            break
     # within noise, or on a loaded machine no verdict at all (aiak.measure.rounds.Speedup.too_noisy): never a ratio
     assert ("within noise" in line or "no verdict: the machine was too busy" in line) and "16 rounds" in line, out
     low, high = (float(v) for v in re.search(r"(?:CI|span) ([\d.]+)-([\d.]+)x", line).groups())
