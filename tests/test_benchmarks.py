@@ -58,8 +58,9 @@ def test_separate_processes_times_each_side_in_processes_of_its_own(tmp_path):
         first, second = sides.split(",")
         assert row["model"] == model and len(row["ratios"]) == len(row["run_ratios"]) == 1
         assert all(row[f"{side}_{k}"] > 0 for side in (first, second) for k in ("ms", "run_s"))
-        if second == "retain":
-            assert row["retain_faults"] < row["plain_faults"], row
+        if second == "retain":   # fewer pages a step wherever plain paged at all (glibc's adapting thresholds
+            # keep a whole step in some runs: a fresh clone's CI read 0 and 0)
+            assert row["retain_faults"] < row["plain_faults"] or row["plain_faults"] == 0, row
 
 
 def test_fused_steps_gpu_rows_run_on_cpu():
