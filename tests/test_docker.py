@@ -231,3 +231,28 @@ def test_check_script_help_is_its_header():
     for flag in ("--save FILE", "--keep", "AIAK_CHECK_TIMEOUT"):
         assert flag in out.stdout
 
+
+
+def _smoke_report(tmp_path, log: str):
+    """Run check.sh's smoke_report function alone on a build log (the rest of the script needs root and podman)."""
+    path = tmp_path / "build.log"
+    path.write_text(log)
+    body = re.search(r"^smoke_report\(\) \{\n.*?^\}\n", CHECK.read_text(), re.M | re.S)
+    assert body, "docker/check.sh defines smoke_report()"
+    return subprocess.run(["bash", "-c", body.group(0) + 'smoke_report "$1"', "-", str(path)],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_check_script_accepts_a_smoke_check_layer_from_the_engines_cache(tmp_path):
+    # podman's own lines: a build of the same tree before (an image left from a stopped run) reuses the layer, which
+    # then prints no count; CI failed on such a warm engine when the count was required.
+    built = _smoke_report(tmp_path, "STEP 8/11: RUN aiak doctor || [ $? -eq 1 ]\n  pass  python  3.11\n"
+                                    "21 pass, 1 warn, 0 fail\n--> 1b38c5d1a42\n")
+    assert built.returncode == 0 and built.stdout.strip() == "build smoke check (aiak doctor): 21 pass, 1 warn, 0 fail"
+    cached = _smoke_report(tmp_path, "STEP 8/11: RUN aiak doctor || [ $? -eq 1 ]\n"
+                                     "--> Using cache f1543fdc3899a8368530c492c524c5072b80fb6f7b7e88a9307ce0456221b3f6\n"
+                                     "--> f1543fdc389\nSTEP 9/11: COPY examples ./examples\n")
+    assert cached.returncode == 0 and "from the engine's cache" in cached.stdout, cached.stdout + cached.stderr
+    # A build whose doctor step printed nothing it recognises (neither count nor cache) fails, saying why.
+    silent = _smoke_report(tmp_path, "STEP 8/11: RUN aiak doctor || [ $? -eq 1 ]\n--> 3c0ffee\n")
+    assert silent.returncode == 1 and "no smoke check (aiak doctor) count" in silent.stderr
