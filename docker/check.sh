@@ -149,6 +149,13 @@ pip_sources() {
 }
 pip_sources
 
+# An image of an earlier run that was stopped before its cleanup (kill -9, a machine shut down) is named after a
+# process that is gone: removed, 1.2 GB each.
+podman images --format '{{.Repository}}' | sed -n 's|^localhost/aiak-check-\([0-9][0-9]*\)$|\1|p' | sort -u \
+    | while read -r pid; do
+        kill -0 "$pid" 2>/dev/null || podman rmi -f "localhost/aiak-check-$pid:latest" >/dev/null 2>&1 || true
+    done
+
 # -- 2. base -----------------------------------------------------------------------------------------------------
 debian="localhost/aiak-check-debian:$suite"
 key="$( (echo "$suite $torch_spec"; cat docker/cpu-base.Dockerfile) | sha256sum | cut -c1-12)"
