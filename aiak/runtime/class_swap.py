@@ -58,11 +58,20 @@ def original_class(module: nn.Module) -> Optional[type]:
 
 
 def restore_class(module: nn.Module) -> bool:
-    """Undo `swap_class` on ``module``; returns whether it was swapped."""
+    """Undo `swap_class` on ``module``; returns whether it was swapped.
+
+    A class made on top of the swapped one after the swap (torch's parametrizations make ``Parametrized<Name>``, a
+    subclass holding the parametrized attributes as properties) is made again on top of the original class, with
+    the same attributes, so the module keeps what was added after the swap."""
     original = original_class(module)
-    if original is not None:
-        module.__class__ = original
-    return original is not None
+    if original is None:
+        return False
+    cls = type(module)
+    if "_aiak_original_class" not in vars(cls):
+        made_after = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        original = type(cls.__name__, (original,), made_after)
+    module.__class__ = original
+    return True
 
 
 def __getattr__(name: str):
