@@ -1,4 +1,4 @@
-"""Module surgery: put fused window attention into existing Swin models, in place.
+"""Module surgery: put fused window attention into existing Swin models, in place; the registry of ``fused_ops``.
 
 Policies in the style of Composer's module surgery: each policy recognises one implementation by class
 name and structure (never by importing its library) and names the fused forward that replaces it
@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Collection, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from torch import nn
 
 from aiak.ops import swin_fused
 from aiak.ops.lm_head import replace_lm_heads
+from aiak.ops.pointwise_conv import pointwise_convs, replace_pointwise_convs
 from aiak.runtime.class_swap import original_class, restore_class, swap_class
 from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
-           "is_window_attention", "WindowAttentionSwitch"]
+           "is_window_attention", "SWITCHED_OPS", "FusedOpsSwitch"]
 
 logger = logging.getLogger("aiak")
 
-FUSED_OPS = ("window_attention", "linear_cross_entropy")
+FUSED_OPS = ("window_attention", "linear_cross_entropy", "pointwise_conv")
+# The fused ops whose modules only change class, so a model computes with or without them from one step to the next
+# (`FusedOpsSwitch`); the fused language-model head changes the loss the model returns and is built, not switched.
+SWITCHED_OPS = ("window_attention", "pointwise_conv")
 
 
 @dataclass(frozen=True)
@@ -197,25 +201,36 @@ def restore_window_attention(model: nn.Module) -> int:
     return sum(restore_class(module) for module in model.modules() if _is_fused(module))
 
 
-class WindowAttentionSwitch:
-    """The window-attention modules of one model that `replace_window_attention` fused, switchable between two
-    steps: `switch` gives each its original class or its fused one again (the same modules, parameters, buffers and
-    hooks; nothing is looked for again, so nothing is warned again). The trials' switched copy and the run-time
-    guard time the fused forward against the original this way (`aiak.tune.guard`)."""
+class FusedOpsSwitch:
+    """The modules of one model that `SWITCHED_OPS` swapped, switchable between two steps: `switch` gives each its
+    original class or its swapped one again (the same modules, parameters, buffers and hooks; nothing is looked for
+    again, so nothing is warned again). The trials' switched copy and the run-time guard time a pick with and without
+    its fused ops this way (`aiak.tune.guard`)."""
 
     def __init__(self, model: nn.Module):
-        self.modules = [(m, type(m)) for m in model.modules() if _is_fused(m)]
-        self.on = True
+        found = {"window_attention": [m for m in model.modules() if _is_fused(m)],
+                 "pointwise_conv": pointwise_convs(model)}
+        self.modules: Dict[str, List[Tuple[nn.Module, type]]] = {
+            op: [(m, type(m)) for m in modules] for op, modules in found.items() if modules}
+        self.on = self.ops
 
-    def switch(self, on: bool) -> None:
-        """Every recorded module computes fused (``on``) or with its original forward, from its next call."""
-        if on != self.on:
-            for module, fused in self.modules:
-                if on:
-                    module.__class__ = fused
-                else:
-                    restore_class(module)
-            self.on = on
+    @property
+    def ops(self) -> FrozenSet[str]:
+        """The ops this model can switch (those the pick applied and that replaced something)."""
+        return frozenset(self.modules)
+
+    def switch(self, ops: Collection[str]) -> None:
+        """The modules of each op in ``ops`` compute swapped, the others with their original forward, from their
+        next call (ops this model cannot switch are ignored)."""
+        wanted = self.ops & frozenset(ops)
+        for op, modules in self.modules.items():
+            if (op in wanted) != (op in self.on):
+                for module, swapped in modules:
+                    if op in wanted:
+                        module.__class__ = swapped
+                    else:
+                        restore_class(module)
+        self.on = wanted
 
 
 def _is_fused(module: nn.Module) -> bool:
@@ -223,7 +238,8 @@ def _is_fused(module: nn.Module) -> bool:
 
 
 _APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_window_attention,
-                                                    "linear_cross_entropy": replace_lm_heads}
+                                                    "linear_cross_entropy": replace_lm_heads,
+                                                    "pointwise_conv": replace_pointwise_convs}
 
 
 def apply_fused_ops(model: nn.Module, names: Iterable[str]) -> Dict[str, int]:

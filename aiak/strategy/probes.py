@@ -28,6 +28,7 @@ from aiak.comm.allreduce.topology import detect_topology
 from aiak.comm.sharded import sharding_of
 from aiak.loaders.balanced_loader import sample_length
 from aiak.ops.lm_head import fusable_lm_heads
+from aiak.ops.pointwise_conv import is_pointwise_conv
 from aiak.ops.surgery import is_window_attention
 from aiak.util.machine.cpu import NATIVE_FP16_CPU_FLAGS, cpu_features, cpu_model, has_native_bf16_cpu, usable_cores
 from aiak.util.dist import process_group_exists
@@ -37,7 +38,7 @@ from aiak.util.norm_layers import norm_kind
 from aiak.util.rng import preserved
 
 # Module kinds a profile's ``match.modules`` can name; `module_counts` counts each.
-MODULE_KINDS = ("conv2d", "conv3d", "batchnorm", "layernorm", "groupnorm", "linear", "embedding",
+MODULE_KINDS = ("conv2d", "pointwise_conv", "conv3d", "batchnorm", "layernorm", "groupnorm", "linear", "embedding",
                 "multihead_attention", "window_attention", "dropout")
 
 # How many samples of a map-style dataset the loader probe reads, at most, to tell variable-length data.
@@ -159,7 +160,9 @@ def module_counts(model: Optional[nn.Module]) -> Dict[str, int]:
       `aiak.util.norm_layers.norm_kind`);
     * ``batchnorm``: every ``_BatchNorm`` (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``); ``embedding``:
       ``nn.Embedding`` and ``nn.EmbeddingBag``;
-    * ``dropout``: dropout modules with ``p > 0`` (``p = 0`` is the identity many models build by default).
+    * ``dropout``: dropout modules with ``p > 0`` (``p = 0`` is the identity many models build by default);
+    * ``pointwise_conv``: the 1x1 convolutions ``fused_ops: [pointwise_conv]`` would compute as a matrix multiply
+      (`aiak.ops.pointwise_conv.is_pointwise_conv`), also counted in ``conv2d``.
     """
     counts = dict.fromkeys(MODULE_KINDS, 0)
     if model is None:
@@ -186,6 +189,7 @@ def module_counts(model: Optional[nn.Module]) -> Dict[str, int]:
 
 _SIMPLE_KINDS = (
     ("conv2d", lambda m: isinstance(m, nn.Conv2d)),
+    ("pointwise_conv", is_pointwise_conv),
     ("conv3d", lambda m: isinstance(m, nn.Conv3d)),
     ("batchnorm", lambda m: norm_kind(m) == "batchnorm"),
     ("layernorm", lambda m: norm_kind(m) == "layernorm"),

@@ -4,7 +4,8 @@ In order of preference (the order breaks ties within noise, and ``tune.candidate
 
 1. the rules' pick (`aiak.strategy.select.select`);
 2. its numerics-neutral subset: the pick with every knob that changes numerics set back to plain PyTorch
-   (layouts and loader knobs kept, `aiak.tune.gate.NEUTRAL_KEYS`; the training knobs kept as below);
+   (layouts, loader knobs and the fused ops that only change the kernel kept, `aiak.tune.gate.NEUTRAL_KEYS` and
+   `aiak.tune.gate.NEUTRAL_FUSED_OPS`; the training knobs kept as below);
 3. plain: plain PyTorch compute (the ``default`` profile's precision, layout, kernels) training what the pick
    trains; always timed, since it is also the fp32 reference of the gate and the speed auto must never fall
    below;
@@ -37,11 +38,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from aiak.ops.surgery import SWITCHED_OPS
 from aiak.strategy import knobs
 from aiak.strategy.profiles import load_strategy
 from aiak.strategy.schema import Strategy
 from aiak.strategy.select import leaves
-from aiak.tune.gate import is_neutral
+from aiak.tune.gate import is_neutral, neutral_ops
 from aiak.strategy.key_paths import put_leaf
 
 # torch.compile spends 10-60 s compiling before its first step on a 2-core CPU (DemoNet: 16.7 s measured with
@@ -98,7 +100,9 @@ def candidate_strategies(pick: Strategy, probes: Any, *, limit: int, max_seconds
     plain_data["name"] = "plain"
     plain = Strategy.from_dict(plain_data, source="<candidate plain>")
     changed = differences(pick, plain)
-    neutral_changes = {k: v for k, v in changed.items() if is_neutral([k])}
+    neutral_changes = {k: v for k, v in changed.items() if is_neutral({k: v})}
+    if neutral_ops(changed.get("fused_ops", [])):   # the neutral ops of a list that also holds others
+        neutral_changes["fused_ops"] = neutral_ops(changed["fused_ops"])
     proposals = [(pick.name, pick), ("neutral", _variant(plain, "neutral", neutral_changes)), ("plain", plain)]
 
     p = pick.precision
@@ -146,16 +150,16 @@ def switches_between_steps(candidate: Strategy, pick: Strategy) -> bool:
     """Whether the model ``pick`` applies can compute as ``candidate`` by switching between two steps, with nothing
     rebuilt: ``candidate`` differs from ``pick`` only in half compute off (O0), the other level of bf16 half compute
     (`aiak.amp.half_compute.HalfCompute.switch_level`; not with ``precision.keep_fp32``, whose O2 hooks O1 lacks),
-    the channels_last layout (`aiak.runtime.switches.ChannelsLast`), the pick's fused window attention off
-    (`aiak.ops.surgery.WindowAttentionSwitch`), and `SWITCHED_KEYS`. fp8, fp16 (its loss scaling), the fused
-    language-model head and compile are built, not switched."""
+    the channels_last layout (`aiak.runtime.switches.ChannelsLast`), the pick's fused window attention or 1x1
+    convolutions as matrix multiplies off (`aiak.ops.surgery.FusedOpsSwitch`), and `SWITCHED_KEYS`. fp8, fp16 (its
+    loss scaling), the fused language-model head and compile are built, not switched."""
     if pick.precision.fp8 != "off" or pick.compile:
         return False
     half = candidate.precision.level != "O0"
     for key, value in differences(candidate, pick).items():
         if key in SWITCHED_KEYS or (key.startswith("precision.") and not half):
             continue
-        if key == "fused_ops" and set(pick.fused_ops) - set(candidate.fused_ops) <= {"window_attention"} \
+        if key == "fused_ops" and set(pick.fused_ops) - set(candidate.fused_ops) <= set(SWITCHED_OPS) \
                 and set(candidate.fused_ops) <= set(pick.fused_ops):
             continue
         if key == "precision.level" and pick.precision.dtype == "bf16" and not pick.precision.keep_fp32:

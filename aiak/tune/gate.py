@@ -25,13 +25,14 @@ gradient dropped (lost), an overflowing loss scale (not finite). No error bound 
 with a wide margin: with ``|g| / noise`` at 0.8-1.1, even a wholly wrong gradient is only 1-1.5 noise away,
 so the scale and lost-gradient checks carry the clear cases and the error bound the rest.
 
-Numerics-neutral candidates (layout, prefetching, bucket sizes: `NEUTRAL_KEYS`) skip the gate.
+Numerics-neutral candidates (layout, prefetching, bucket sizes: `NEUTRAL_KEYS`; ``fused_ops`` listing only
+`NEUTRAL_FUSED_OPS`) skip the gate.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -44,6 +45,10 @@ MAX_SCALE_ERROR = 0.3
 # (which memory layout convolutions use, how batches reach the device, cuDNN's algorithm choice, DDP's bucket
 # sizes): the knob table's numerics-neutral rows. Everything else goes through the gate.
 NEUTRAL_KEYS = knobs.neutral_keys()
+# Fused ops that compute the same products with another kernel, as a layout does (`aiak.ops.pointwise_conv`: a 1x1
+# convolution as one matrix multiply, gradients equal to the convolution's within fp32 rounding on every architecture
+# its tests train). The others replace a computation (fused attention, a loss taken a slice at a time) and are gated.
+NEUTRAL_FUSED_OPS = ("pointwise_conv",)
 
 
 @dataclass
@@ -161,6 +166,15 @@ def compare(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tenso
     return GateResult(True, lost, ratio, dot / norm_g, dot / (nc * ng) if nc > 0 else 0.0, abs(nc / ng - 1.0))
 
 
-def is_neutral(changed_keys, neutral=NEUTRAL_KEYS) -> bool:
-    """True when every changed key path is numerics-neutral."""
-    return all(any(k == n or k.startswith(n + ".") for n in neutral) for k in changed_keys)
+def neutral_ops(fused_ops: Sequence[str]) -> List[str]:
+    """The numerics-neutral ops of a ``fused_ops`` list (`NEUTRAL_FUSED_OPS`), in its order."""
+    return [op for op in fused_ops if op in NEUTRAL_FUSED_OPS]
+
+
+def is_neutral(changes, neutral=NEUTRAL_KEYS) -> bool:
+    """True when every change is numerics-neutral. ``changes``: key paths with their values (a mapping), or key paths
+    alone (then a ``fused_ops`` change, whose ops are unknown, is not neutral)."""
+    values: Mapping[str, Any] = changes if isinstance(changes, Mapping) else dict.fromkeys(changes)
+    return all(any(k == n or k.startswith(n + ".") for n in neutral)
+               or k == "fused_ops" and isinstance(v, (list, tuple)) and neutral_ops(v) == list(v)
+               for k, v in values.items())

@@ -19,10 +19,11 @@ same for every arm, an evaluation, or another run's steps when `aiak bench` and 
 * the trials' other accepted candidates that differ from the pick only in what switches exactly between two steps
   (`aiak.tune.trials` hands them over instead of timing them on copies): the precision level
   (`HalfCompute.switch_level`), half compute off, the channels_last layout off (`aiak.runtime.switches.ChannelsLast`),
-  the fused window attention off (`aiak.ops.surgery.WindowAttentionSwitch`);
+  the fused window attention or the 1x1 convolutions as matrix multiplies off (`aiak.ops.surgery.FusedOpsSwitch`);
 * `plain compute`: the model's half-precision regions off (`aiak.amp.half_compute.HalfCompute.enabled`: the
   parameters are fp32 either way), its weights and inputs in the contiguous layout where the pick made them
-  channels_last, the window attention it fused computing with its original forward, and the process switches
+  channels_last, the modules it swapped (window attention, 1x1 convolutions) computing with their original forward,
+  and the process switches
   (threads, TF32, cuDNN autotuning) as the script had them before `optimize()`: plain PyTorch's compute, exactly.
   The optimizer steps as applied in every arm: torch's fused step (`optimizer.fused`, `aiak.optim.fused_step`) is
   the same update whatever the compute, and stays; so do glibc malloc's thresholds (`malloc_retain`,
@@ -58,7 +59,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,7 +67,7 @@ from aiak.amp.half_compute import HalfCompute
 from aiak.measure.clock import StepClock
 from aiak.measure.rounds import ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
-from aiak.ops.surgery import WindowAttentionSwitch
+from aiak.ops.surgery import FusedOpsSwitch
 from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, with_memory_switches, write_switches
 from aiak.util.dist import is_distributed
 from aiak.util.machine.load import CpuLoad, cpu_load
@@ -83,15 +84,15 @@ PICK, BUDGET, PLAIN = "pick", "pick, fewer threads", "plain compute"
 class Arm:
     """One way the run may compute: the process switches it writes, whether the half-precision regions run and at
     which level (`aiak.amp.half_compute.HalfCompute.switch_level`; None: the pick's), whether the weights and
-    inputs are channels_last (`aiak.runtime.switches.ChannelsLast`; None: the pick's), and whether the window
-    attention the pick fused computes fused (`aiak.ops.surgery.WindowAttentionSwitch`; None: the pick's)."""
+    inputs are channels_last (`aiak.runtime.switches.ChannelsLast`; None: the pick's), and which of the fused ops the
+    pick applied compute swapped (`aiak.ops.surgery.FusedOpsSwitch`; None: the pick's)."""
 
     label: str
     switches: Dict[str, Any]
     half_compute: bool
     level: Optional[str] = None
     channels_last: Optional[bool] = None
-    window_attention: Optional[bool] = None   # the fused window attention (`WindowAttentionSwitch`); None: the pick's
+    fused_ops: Optional[FrozenSet[str]] = None   # the switched fused ops on (`FusedOpsSwitch`); None: the pick's
     seconds: List[float] = field(default_factory=list)   # per round: its window's timed steps, summed
 
 
@@ -142,7 +143,7 @@ class SpeedGuard:
             self.layout, self.attached = attach_layout(model)
         self.pick_level = compute.level if compute is not None else None   # as applied
         self.pick_layout = self.layout.on if self.layout is not None else None
-        self.attention = WindowAttentionSwitch(model)     # the modules the pick fused (none: switching does nothing)
+        self.fused = FusedOpsSwitch(model)     # the modules the pick swapped (none: switching does nothing)
         self.prefer = list(prefer)
         self.arms = [Arm(PICK, dict(pick_switches), True)]
         threads = pick_switches.get("num_threads", torch.get_num_threads())
@@ -151,7 +152,7 @@ class SpeedGuard:
         self.arms += [arm for arm in others if self._reachable(arm)]
         self.arms.append(Arm(PLAIN, with_memory_switches(plain_switches, pick_switches), False,
                              channels_last=False if self.layout is not None else None,
-                             window_attention=False if self.attention.modules else None))
+                             fused_ops=frozenset() if self.fused.modules else None))
         self.clock = StepClock(device)
         self.steps = 0                      # real steps seen
         self.round, self.slot, self.in_window = 0, 0, 0
@@ -176,7 +177,7 @@ class SpeedGuard:
         if arm.half_compute and arm.level not in (None, self.compute.level) \
                 and not self.compute.level_switchable(self.model):
             return False
-        if arm.window_attention and not self.attention.modules:
+        if arm.fused_ops is not None and not arm.fused_ops <= self.fused.ops:
             return False
         return not arm.channels_last or self.layout is not None
 
@@ -191,7 +192,7 @@ class SpeedGuard:
             on = self.pick_layout if arm.channels_last is None else arm.channels_last
             if on != self.layout.on:
                 self.layout.switch(self.model, on, self.optimizer)
-        self.attention.switch(arm.window_attention is not False)
+        self.fused.switch(self.fused.ops if arm.fused_ops is None else arm.fused_ops)
 
     def _before_forward(self, module, args) -> None:
         if self.last_mark is None and module.training and torch.is_grad_enabled():

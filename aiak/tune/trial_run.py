@@ -17,7 +17,7 @@ from torch import nn
 from aiak.amp.half_compute import half_compute_of
 from aiak.apply import apply_strategy
 from aiak.measure.rounds import Contender
-from aiak.ops.surgery import WindowAttentionSwitch
+from aiak.ops.surgery import FusedOpsSwitch
 from aiak.runtime.switches import attach_layout, channels_last_of, read_switches, write_switches
 from aiak.step.training_step import training_step
 from aiak.tune import gate
@@ -114,7 +114,7 @@ class TrialRun:
         self.process_switches: Dict[str, Any] = {}  # aiak.runtime.rollback's switches as applying this candidate left them
         self.warmup_s: List[float] = []             # steps' seconds before timing began (slowest rank), the gate's first
         self.timer: Optional[Contender] = None      # its side in the timed rounds (aiak.measure.rounds)
-        self.attention: Optional[WindowAttentionSwitch] = None   # a switched copy's fused window attention
+        self.fused: Optional[FusedOpsSwitch] = None   # a switched copy's swapped modules (fused ops)
         self.outputs: Optional[List[torch.Tensor]] = None         # the floating outputs of its last `gradients`
 
     def build(self, model: nn.Module, optimizer: Any) -> None:
@@ -225,7 +225,7 @@ class SwitchedRun(TrialRun):
     def __init__(self, candidate: Candidate, device: torch.device, shared: TrialRun, process_switches: Dict[str, Any]):
         super().__init__(candidate, device)
         self.bare, self.model, self.optimizer = shared.bare, shared.model, shared.optimizer
-        self.attention = shared.attention
+        self.fused = shared.fused
         self.failed = shared.failed
         self.process_switches = dict(process_switches)
 
@@ -242,8 +242,8 @@ class SwitchedRun(TrialRun):
             layout = attach_layout(self.bare)[0]
         if layout is not None and layout.on != bool(s.channels_last):
             layout.switch(self.bare, bool(s.channels_last), self.optimizer)
-        if self.attention is not None:
-            self.attention.switch("window_attention" in s.fused_ops)
+        if self.fused is not None:
+            self.fused.switch(s.fused_ops)
 
     def step(self, batch: Any, want_grads: bool, unless: Optional[Callable[[List[torch.Tensor]], bool]] = None
              ) -> Optional[Dict[str, torch.Tensor]]:

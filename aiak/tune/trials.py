@@ -78,7 +78,7 @@ from aiak.measure.clock import StepClock
 from aiak.measure.memory import PeakMemory
 from aiak.measure.rounds import Contender, alternate, ranking_is_clear
 from aiak.measure.thresholds import NOISE_FLOOR
-from aiak.ops.surgery import WindowAttentionSwitch
+from aiak.ops.surgery import SWITCHED_OPS, FusedOpsSwitch
 from aiak.runtime.rollback import Snapshot
 from aiak.runtime.switches import read_switches, with_memory_switches
 from aiak.strategy.schema import Strategy
@@ -315,7 +315,7 @@ def _build_switched(candidates: List[Candidate], model, optimizer, device) -> Li
     script = read_switches()
     shared = TrialRun(candidates[0], device)
     shared.build(model, optimizer)
-    shared.attention = WindowAttentionSwitch(shared.bare) if not shared.failed else None   # the pick's, fused
+    shared.fused = FusedOpsSwitch(shared.bare) if not shared.failed else None   # the pick's swapped modules
     plain = with_memory_switches(script, shared.process_switches)
     return _agreed([SwitchedRun(c, device, shared, plain if c.label == "plain" else shared.process_switches)
                     for c in candidates])
@@ -592,7 +592,7 @@ def _arm(c: TrialRun) -> Arm:
     s = c.candidate.strategy
     half = s.precision.level != "O0"
     return Arm(c.candidate.label, dict(c.process_switches), half, level=s.precision.level if half else None,
-               channels_last=bool(s.channels_last), window_attention="window_attention" in s.fused_ops)
+               channels_last=bool(s.channels_last), fused_ops=frozenset(s.fused_ops) & frozenset(SWITCHED_OPS))
 
 
 def _preference(contenders: List[TrialRun]) -> List[str]:

@@ -335,7 +335,7 @@ def test_apply_fused_ops_counts_and_warns_when_nothing_matches(said):
 
 def test_apply_fused_ops_rejects_unknown_names():
     with pytest.raises(ValueError, match=r"unknown op\(s\) \['flash'\]; valid choices: \['window_attention', "
-                                         r"'linear_cross_entropy'\]"):
+                                         r"'linear_cross_entropy', 'pointwise_conv'\]"):
         ops.apply_fused_ops(nn.Linear(4, 4), ["flash"])
 
 

@@ -81,7 +81,7 @@ def test_extends_cycle_is_an_error(tmp_path):
     ({"comm": {"compression": "zip"}}, r"comm.compression must be one of \['none', 'fp16', 'bf16', 'int8'\]"),
     ({"comm": {"hierarchical": 1}}, r"comm.hierarchical must be one of \['auto', true, false\]"),
     ({"fused_ops": ["flash"]},
-     r"fused_ops: unknown entry 'flash'; valid choices: \['window_attention', 'linear_cross_entropy'\]"),
+     r"fused_ops: unknown entry 'flash'; valid choices: \['window_attention', 'linear_cross_entropy', 'pointwise_conv'\]"),
     ({"optimizer": {"name": "adamw"}}, r"optimizer.name must be one of \['keep', 'lamb', 'lars'\]"),
     ({"precision": "O2"}, r"precision must be a mapping"),
     ({"precision": {"level": "O2", "dtype": "fp16", "loss_scale": "none"}}, r"fp16 at O2 needs loss scaling"),

@@ -401,7 +401,7 @@ def test_arms_that_switch_the_fused_window_attention():
         tuple(type(a).__name__.startswith("Fused") for a in attention)))
     pick = read_switches()
     g = SpeedGuard(optimizer, model, compute_of(model), pick, switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
-                   lambda result: None, others=[guard.Arm("no_fused_ops", pick, True, window_attention=False)])
+                   lambda result: None, others=[guard.Arm("no_fused_ops", pick, True, fused_ops=frozenset())])
     assert [a.label for a in g.arms] == [PICK, "no_fused_ops", PLAIN]
     fused = {PICK: (True, True), "no_fused_ops": (False, False), PLAIN: (False, False)}
     g._use(g.arms[-1])   # plain compute: plain PyTorch's gradients, exactly

@@ -352,7 +352,7 @@ def test_a_level_that_computes_as_the_pick_is_not_timed_apart(net, twin, monkeyp
 
 
 def test_a_swins_fused_window_attention_is_timed_in_the_run():
-    """The pick's fused window attention switches between steps (`WindowAttentionSwitch`), so a Swin's candidates
+    """The pick's fused window attention switches between steps (`FusedOpsSwitch`), so a Swin's candidates
     are gated on one copy and handed to the guard, its 'no_fused_ops' arm computing the original attention; the
     script's model keeps its own classes; linear_cross_entropy (the LM head) is still built, not switched."""
     import timm
@@ -373,7 +373,7 @@ def test_a_swins_fused_window_attention_is_timed_in_the_run():
     selection = resolve_strategy(strategy, model, optimizer, loader)
     tuning = run_trials(selection, model, optimizer, loader, torch.device("cpu"))
     arms = {arm.label: arm for arm in tuning.arms}
-    assert arms["no_fused_ops"].window_attention is False
+    assert arms["no_fused_ops"].fused_ops == frozenset()
     assert set(arms) == {"no_fused_ops"}   # O2 computes as the pick does here (LayerNorm kept fp32; the fused kernel)
     assert "bit for bit" in next(t for t in tuning.trials if t.label == "O2").why
     assert all("timed in the run" in t.why for t in tuning.trials if t.accepted)
