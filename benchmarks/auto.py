@@ -28,7 +28,8 @@ Contenders, all from the same seed (same initial weights, same batches):
 * the oracle: every strategy of the space, each a strategy dict through ``aiak.optimize`` with tune off:
   precision {O0, O1 bf16, O2 bf16} (O1/O2 fp16 too where the device computes fp16 natively, never on this
   CPU) x channels_last {off, on} (models with a Conv2d) x compile {off, on} x fused_ops
-  {[], [window_attention]} (models whose window attention aiak can fuse). Every oracle strategy also has
+  {[], [window_attention]} (models whose window attention aiak can fuse) x {[], [pointwise_conv]} (models with
+  1x1 convolutions it computes as matrix multiplies: `` +1x1mm``). Every oracle strategy also has
   ``loader.prefetch: 2``, ``optimizer.fused: true`` and ``malloc_retain: true``, which auto's base profile sets,
   so the oracle covers auto's own pick;
 * ``auto``: ``aiak.optimize(model, optimizer, loader)`` with a fresh tuning cache, so its trials run and are
@@ -190,15 +191,24 @@ def oracle_space(setup: model_spec.ModelSetup, *, compile_too: bool) -> Dict[str
         precisions += [("O1 fp16", {"level": "O1", "dtype": "fp16"}), ("O2 fp16", {"level": "O2", "dtype": "fp16"})]
     has_conv = any(isinstance(m, nn.Conv2d) for m in setup.model.modules())
     fusable = ops.replace_window_attention(copy.deepcopy(setup.model)) > 0
+    pointwise = probes.modules.get("pointwise_conv", 0) > 0
     space = {}
-    for (plabel, precision), cl, comp, fused in itertools.product(
+    for (plabel, precision), cl, comp, fused, mm in itertools.product(
             precisions, [False, True] if has_conv else [False], [False, True] if compile_too else [False],
-            [False, True] if fusable else [False]):
-        label = plabel + (" +cl" if cl else "") + (" +compile" if comp else "") + (" +fused" if fused else "")
+            [False, True] if fusable else [False], [False, True] if pointwise else [False]):
+        fused_ops = ["window_attention"] * fused + ["pointwise_conv"] * mm
+        label = plabel + (" +cl" if cl else "") + (" +compile" if comp else "") + _ops_label(fused_ops)
         space[label] = {"name": f"oracle {label}", "precision": precision, "channels_last": cl, "compile": comp,
-                        "fused_ops": ["window_attention"] if fused else [], "loader": {"prefetch": 2},
+                        "fused_ops": fused_ops, "loader": {"prefetch": 2},
                         "optimizer": {"fused": True}, "malloc_retain": True, "tune": False}
     return space
+
+
+def _ops_label(fused_ops) -> str:
+    """The oracle's label of ``fused_ops``: `` +fused`` (window attention), `` +1x1mm`` (1x1 convolutions as matrix
+    multiplies)."""
+    ops = set(fused_ops or ())
+    return " +fused" * ("window_attention" in ops) + " +1x1mm" * ("pointwise_conv" in ops)
 
 
 # ------------------------------------------------------------------------------------------ contenders
@@ -251,7 +261,7 @@ def _pick_label(decision) -> str:
     precision = applied["precision"]
     label = "fp32" if precision["level"] == "O0" else f"{precision['level']} {precision['dtype']}"
     return (label + (" +cl" if applied["channels_last"] else "") + (" +compile" if applied["compile"] else "")
-            + (" +fused" if applied["fused_ops"] else ""))
+            + _ops_label(applied["fused_ops"]))
 
 
 def _arm_label(changes: Dict[str, Any]) -> str:
@@ -260,7 +270,7 @@ def _arm_label(changes: Dict[str, Any]) -> str:
     dtype = changes.get("precision.dtype", aiak.Strategy().precision.dtype)
     label = "fp32" if level == "O0" else f"{level} {dtype}"
     return (label + (" +cl" if changes.get("channels_last") else "") + (" +compile" if changes.get("compile") else "")
-            + (" +fused" if changes.get("fused_ops") else ""))
+            + _ops_label(changes.get("fused_ops")))
 
 
 def guard_choice(c: Contender) -> None:

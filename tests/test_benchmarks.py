@@ -98,6 +98,24 @@ def test_precision_cpu_one_round_of_fp8_against_bf16():
     assert rows[1].split()[-1] == "1.00x"  # the baseline against itself
 
 
+def test_pointwise_conv_times_every_1x1_layer_and_each_step_variant():
+    """benchmarks/pointwise_conv.py on timm's ResNet-18 (three 1x1 shortcut convolutions), one round: a row for each
+    layer and their sum, and a step row for each layout and precision with and without the matrix multiplies."""
+    from aiak.util.machine.cpu import has_native_bf16_cpu
+
+    out = subprocess.run([sys.executable, "benchmarks/pointwise_conv.py", "--model", "resnet18", "--size", "32",
+                          "--batch", "4", "--rounds", "2", "--warmup", "0"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 such layers" in out.stdout
+    layers = out.stdout.split("== layers")[1].split("== steps")[0].splitlines()[2:]
+    assert len([line for line in layers if line.strip()]) == 4 and layers[3].split()[0] == "sum", out.stdout
+    steps = [line.strip().split("  ")[0] for line in out.stdout.split("== steps")[1].splitlines()[2:] if line.strip()]
+    variants = ["fp32", "fp32 +1x1mm", "fp32 +cl", "fp32 +cl +1x1mm"]
+    assert steps == variants + ([v.replace("fp32", "O1 bf16") for v in variants] if has_native_bf16_cpu() else []), \
+        out.stdout
+
+
 def test_fp8_loss_rows_run_here_under_emulation():
     """benchmarks/fp8.py on the CPU: the loss rows of gpu_check's fp8 section, at a small width (torchao emulates
     fp8 here; the timed rows need CUDA and are not taken)."""
