@@ -38,3 +38,21 @@ def test_a_pick_with_channels_last_gets_the_variant_without_it_on_any_convolutio
     pick = Strategy.from_dict({"extends": "default", "channels_last": True,
                                "precision": {"level": "O1", "dtype": "bf16"}}, source="<test>")
     assert "channels_last=false" in labels(one_conv, pick)
+
+
+def test_the_neutral_candidate_keeps_the_1x1_convolutions_as_matrix_multiplies():
+    """`pointwise_conv` computes the same products with another kernel (`aiak.tune.gate.NEUTRAL_FUSED_OPS`): the
+    pick's numerics-neutral subset keeps it beside the layout and leaves the gated window attention out, so the
+    neutral candidate is timed with the kernel that makes a bottleneck ResNet fast on a CPU, without the gate."""
+    from aiak.tune.gate import is_neutral
+
+    pick = Strategy.from_dict({"extends": "default", "channels_last": True, "precision": {"level": "O1", "dtype": "bf16"},
+                               "fused_ops": ["window_attention", "pointwise_conv"]}, source="<test>")
+    candidates = {c.label: c for c in candidate_strategies(pick, probe(timm.create_model("resnet26", num_classes=10)),
+                                                            limit=8, max_seconds=None)}
+    neutral = candidates["neutral"]
+    assert neutral.changes.get("fused_ops") == ["pointwise_conv"] and neutral.changes.get("channels_last") is True
+    assert neutral.neutral and "precision.level" not in neutral.changes
+    assert is_neutral({"fused_ops": ["pointwise_conv"]}) and not is_neutral({"fused_ops": ["window_attention"]})
+    assert not is_neutral({"fused_ops": ["pointwise_conv", "linear_cross_entropy"]})
+    assert not is_neutral(["fused_ops"])   # a key without its value: its ops unknown, gated

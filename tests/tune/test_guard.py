@@ -417,6 +417,52 @@ def test_arms_that_switch_the_fused_window_attention():
     assert g.result is not None and set(seen[g.result.steps:]) == {fused[g.result.chosen]}
 
 
+def test_plain_compute_computes_the_1x1_convolutions_as_convolutions():
+    """A timm ResNet-26 applied with its 1x1 convolutions as matrix multiplies (`fused_ops: [pointwise_conv]`): the
+    guard's plain compute restores their convolution forward, so its gradients are plain PyTorch's bit for bit; the
+    pick's arm computes them as matrix multiplies again (the same within fp32 rounding, not bit for bit)."""
+    import timm
+
+    from aiak.ops.pointwise_conv import PointwiseConvAsMatmul
+
+    switches = read_switches()
+    torch.manual_seed(0)
+    plain_model = timm.create_model("resnet26", num_classes=4)
+    model = copy.deepcopy(plain_model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, _ = aiak.optimize(model, optimizer, strategy={"extends": "default",
+                                                                    "fused_ops": ["pointwise_conv"]})
+    try:
+        swapped = [m for m in model.modules() if isinstance(m, PointwiseConvAsMatmul)]
+        assert len(swapped) == probe_count(plain_model) > 0
+        g = SpeedGuard(optimizer, model, None, read_switches(), switches, CpuLoad(2, 0.0, 0.0), torch.device("cpu"),
+                       lambda result: None)
+        assert [a.label for a in g.arms] == [PICK, PLAIN] and g.fused.ops == {"pointwise_conv"}
+        x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 4, (8,))
+        reference = grads_of(plain_model, x, y)
+        g._use(g.arms[-1])
+        assert not any(isinstance(m, PointwiseConvAsMatmul) for m in model.modules())
+        off = grads_of(model, x, y)
+        assert all(torch.equal(off[n], reference[n]) for n in reference)
+        g._use(g.arms[0])
+        assert all(isinstance(m, PointwiseConvAsMatmul) for m in swapped)
+        on = grads_of(model, x, y)
+        assert any(not torch.equal(on[n], reference[n]) for n in reference)
+        # fp32 rounding through train-mode BatchNorm over tiny maps: 1e-3 of the whole gradient's norm
+        flat_on, flat_ref = (torch.cat([t[n].flatten() for n in reference]) for t in (on, reference))
+        assert float((flat_on - flat_ref).norm() / flat_ref.norm()) < 1e-3
+    finally:
+        g.handle.remove()
+        g.forward_handle.remove()
+        write_switches(switches)
+
+
+def probe_count(model):
+    from aiak.strategy.probes import module_counts
+
+    return module_counts(model)["pointwise_conv"]
+
+
 def guard_with_o2(prefer):
     """A guard on an O1 bf16 model with an O2 arm beside the pick, its hooks off: its rounds are set by hand."""
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.GELU(), nn.Linear(8, 3))
