@@ -54,9 +54,11 @@ Loss: plain, auto and the oracle's best are trained again from the same seed for
 enough noise that plain fp32 is still at a loss of 1.0-1.4 after 60 steps (measured: demo 1.11, vit 1.42, swin 1.14,
 mlp 1.01, mobilenet 1.30, nfnet 1.23, resnet50 1.03, vit_small 1.31), so a numerics difference would show. auto's
 must be within ``max(5%, 0.02)`` of plain fp32's, or within plain's own spread where that is wider: the largest
-difference that ``--loss-perturbations`` (3) plain runs make from weights moved by a relative 1e-6, rounding-sized,
+difference that ``--loss-perturbations`` (8) plain runs make from weights moved by a relative 1e-6, rounding-sized,
 before their first step (MobileNetV3's loss after 60 steps moved by -0.078 to +0.090 so, six seeds, where 5% of it
 is 0.069: its early steps amplify any difference, the few steps auto's guard computes in bf16 among them).
+ResNet-50's train-mode BatchNorm over 1x1 maps of 16 images amplifies more: seeds 1-8 moved its loss by +0.003 to
++0.731, where seeds 0-2 moved it by +0.025 to +0.186: three runs understate the spread.
 
 Goals per model (each printed ok / NOT ok): auto effective >= 0.95x the oracle's best; auto effective
 >= 0.98x plain; final loss within tolerance; on ``demo``, auto effective >= 1.8x plain. A ratio whose
@@ -523,7 +525,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
                     help="steps of the loss comparison (default 60; --quick 12)")
     ap.add_argument("--loss-perturbations", type=int, default=None,
                     help="plain runs from rounding-sized moves of its weights, whose spread widens the loss "
-                         "tolerance (default 3; --quick 0)")
+                         "tolerance (default 8; --quick 0)")
     ap.add_argument("--no-compile", action="store_true", help="leave compile out of the oracle's space")
     ap.add_argument("--quick", action="store_true", help="smoke run: small batches, few rounds, no compile")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results there")
@@ -533,7 +535,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.loss_steps = args.loss_steps or (12 if args.quick else 60)
     if args.loss_perturbations is None:
-        args.loss_perturbations = 0 if args.quick else 3
+        args.loss_perturbations = 0 if args.quick else 8
     if args.loss_steps <= LOSS_TAIL:
         ap.error(f"--loss-steps must be more than {LOSS_TAIL}")
     names = (args.models or ("demo,mlp" if args.quick else ",".join(CASES))).split(",")
