@@ -90,7 +90,14 @@ def replace_pointwise_convs(model: nn.Module) -> int:
 
 
 def restore_pointwise_convs(model: nn.Module) -> int:
-    """Undo `replace_pointwise_convs` in place; returns how many modules were restored."""
+    """Undo `replace_pointwise_convs` in place: each swapped module computes as a convolution again.
+
+    Args:
+        model: a model `replace_pointwise_convs` changed.
+
+    Returns:
+        How many modules were restored.
+    """
     return sum(restore_class(module) for module in model.modules() if _is_swapped(module))
 
 
