@@ -39,8 +39,10 @@ PHASES: Tuple[Phase, ...] = (
           "knob row's function",
           "every process switch, as `read_switches` read it before"),
     Phase("surgery", ("fused_ops",),
-          "fused modules in place of the bare model's (`ops/surgery.py`: Swin window attention; `ops/lm_head.py`: a "
-          "causal or masked LM's loss without its logits, `ops/linear_cross_entropy.py`), before any wrapping",
+          "fused modules in place of the bare model's (`ops/surgery.py`, the registry of fused ops: Swin window "
+          "attention; `ops/lm_head.py`: a causal or masked LM's loss without its logits, "
+          "`ops/linear_cross_entropy.py`; `ops/pointwise_conv.py`: 1x1 convolutions as matrix multiplies), before any "
+          "wrapping",
           "each submodule's class and attribute dicts: the replaced modules back in their parents"),
     Phase("optimizer", ("optimizer",),
           "LAMB or LARS in place of the given optimizer (`optim/factory.py`), or the given one kept, stepping torch's "
