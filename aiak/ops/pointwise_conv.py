@@ -12,16 +12,17 @@ float rounding (another summation order of the same products, like another convo
 How: the module's class changes (`aiak.runtime.class_swap`) to one whose ``forward`` strides the input (exact for
 a 1x1 kernel with no padding), reads it as ``[N, H, W, C]`` (a view of a channels_last tensor; one copy of a
 contiguous one) and calls ``F.linear`` with the weight as a ``[out, in]`` matrix, so autocast, O2 and every hook
-treat it as the convolution. The output has the memory format the convolution would give: channels_last for a
-channels_last input, contiguous otherwise. Parameters, buffers, ``state_dict`` keys and hooks are untouched.
+treat it as the convolution. The output has the memory format the convolution would give: channels_last where the
+input's or the weight's strides are ordered so, contiguous otherwise. Parameters, buffers, ``state_dict`` keys and
+hooks are untouched.
 
 Which modules: a `torch.nn.Conv2d` whose forward is Conv2d's own (timm's weight-standardized and "same"-padded
 convolutions, which override it, are left alone), with a 1x1 kernel, no padding and one group; not a
 ``LazyConv2d``, which becomes a plain ``Conv2d`` at its first call. A call with an unbatched ``[C, H, W]`` input,
 and `torch.fx` tracing (torchvision's feature extractors), compute as the convolution.
 
-Whether it pays depends on the map size and the layout (measured with ``python benchmarks/auto.py``): the trials
-time it against the step without it.
+Whether it pays depends on the map size and the layout (``python benchmarks/pointwise_conv.py`` times each layer and
+the whole step): `auto`'s trials and run-time guard time it against the step without it.
 """
 from __future__ import annotations
 

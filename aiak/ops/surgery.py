@@ -24,7 +24,7 @@ from aiak.runtime.class_swap import original_class, restore_class, swap_class
 from aiak.util.warn import warn
 
 __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", "apply_fused_ops",
-           "is_window_attention", "SWITCHED_OPS", "FusedOpsSwitch"]
+           "is_window_attention", "SWITCHED_OPS", "NEUTRAL_FUSED_OPS", "FusedOpsSwitch"]
 
 logger = logging.getLogger("aiak")
 
@@ -32,6 +32,11 @@ FUSED_OPS = ("window_attention", "linear_cross_entropy", "pointwise_conv")
 # The fused ops whose modules only change class, so a model computes with or without them from one step to the next
 # (`FusedOpsSwitch`); the fused language-model head changes the loss the model returns and is built, not switched.
 SWITCHED_OPS = ("window_attention", "pointwise_conv")
+# The fused ops that compute the same products with another kernel, as a layout does (a 1x1 convolution as one matrix
+# multiply: gradients equal to the convolution's within fp32 rounding on every architecture its tests train), so the
+# numerics gate does not judge them (`aiak.tune.gate`); the others replace a computation (fused attention, a loss
+# taken a slice at a time) and are gated.
+NEUTRAL_FUSED_OPS = ("pointwise_conv",)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ In order of preference (the order breaks ties within noise, and ``tune.candidate
 1. the rules' pick (`aiak.strategy.select.select`);
 2. its numerics-neutral subset: the pick with every knob that changes numerics set back to plain PyTorch
    (layouts, loader knobs and the fused ops that only change the kernel kept, `aiak.tune.gate.NEUTRAL_KEYS` and
-   `aiak.tune.gate.NEUTRAL_FUSED_OPS`; the training knobs kept as below);
+   `aiak.ops.surgery.NEUTRAL_FUSED_OPS`; the training knobs kept as below);
 3. plain: plain PyTorch compute (the ``default`` profile's precision, layout, kernels) training what the pick
    trains; always timed, since it is also the fp32 reference of the gate and the speed auto must never fall
    below;

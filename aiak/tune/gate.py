@@ -26,7 +26,7 @@ with a wide margin: with ``|g| / noise`` at 0.8-1.1, even a wholly wrong gradien
 so the scale and lost-gradient checks carry the clear cases and the error bound the rest.
 
 Numerics-neutral candidates (layout, prefetching, bucket sizes: `NEUTRAL_KEYS`; ``fused_ops`` listing only
-`NEUTRAL_FUSED_OPS`) skip the gate.
+`aiak.ops.surgery.NEUTRAL_FUSED_OPS`) skip the gate.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from aiak.ops.surgery import NEUTRAL_FUSED_OPS
 from aiak.strategy import knobs
 
 MAX_ERROR_TO_NOISE = 1.0
@@ -45,10 +46,6 @@ MAX_SCALE_ERROR = 0.3
 # (which memory layout convolutions use, how batches reach the device, cuDNN's algorithm choice, DDP's bucket
 # sizes): the knob table's numerics-neutral rows. Everything else goes through the gate.
 NEUTRAL_KEYS = knobs.neutral_keys()
-# Fused ops that compute the same products with another kernel, as a layout does (`aiak.ops.pointwise_conv`: a 1x1
-# convolution as one matrix multiply, gradients equal to the convolution's within fp32 rounding on every architecture
-# its tests train). The others replace a computation (fused attention, a loss taken a slice at a time) and are gated.
-NEUTRAL_FUSED_OPS = ("pointwise_conv",)
 
 
 @dataclass

@@ -41,7 +41,7 @@ def test_a_pick_with_channels_last_gets_the_variant_without_it_on_any_convolutio
 
 
 def test_the_neutral_candidate_keeps_the_1x1_convolutions_as_matrix_multiplies():
-    """`pointwise_conv` computes the same products with another kernel (`aiak.tune.gate.NEUTRAL_FUSED_OPS`): the
+    """`pointwise_conv` computes the same products with another kernel (`aiak.ops.surgery.NEUTRAL_FUSED_OPS`): the
     pick's numerics-neutral subset keeps it beside the layout and leaves the gated window attention out, so the
     neutral candidate is timed with the kernel that makes a bottleneck ResNet fast on a CPU, without the gate."""
     from aiak.tune.gate import is_neutral
