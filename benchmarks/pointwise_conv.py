@@ -19,37 +19,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import List
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from aiak.ops.pointwise_conv import is_pointwise_conv, replace_pointwise_convs  # noqa: E402
 from aiak.util.machine.cpu import has_native_bf16_cpu  # noqa: E402
-
-
-def alternate(fns: Dict[str, Callable[[], None]], rounds: int, warmup: int) -> Dict[str, List[float]]:
-    """Seconds of each function per round, the order shuffled every round, after ``warmup`` calls of each."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: Dict[str, List[float]] = {k: [] for k in fns}
-    order, rng = list(fns), random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
+from optimizers import time_round_robin  # noqa: E402
 
 
 def _spread(values: List[float]) -> tuple:
@@ -90,7 +74,7 @@ def bench_layers(model: nn.Module, x: torch.Tensor, rounds: int, warmup: int) ->
             y = module(a)
             y.backward(torch.ones_like(y))
 
-        t = alternate({"conv": lambda: run(conv), "matmul": lambda: run(matmul)}, rounds, warmup)
+        t = time_round_robin({"conv": lambda: run(conv), "matmul": lambda: run(matmul)}, rounds, warmup)
         for k in totals:
             totals[k] = [a + b for a, b in zip(totals[k], t[k])]
         c, m = _spread(t["conv"]), _spread(t["matmul"])
@@ -124,7 +108,7 @@ def bench_steps(base: nn.Module, x: torch.Tensor, y: torch.Tensor, rounds: int, 
             optimizer.zero_grad(set_to_none=True)
 
         steps[label] = step
-    t = alternate(steps, rounds, warmup)
+    t = time_round_robin(steps, rounds, warmup)
     print("\n== steps: a whole SGD training step, ms (baseline: fp32, contiguous)")
     print(f"   {'contender':<22} {'median (p10-p90)':>24}  vs fp32 (p10-p90)")
     for label, seconds in t.items():

@@ -29,9 +29,6 @@ __all__ = ["FUSED_OPS", "replace_window_attention", "restore_window_attention", 
 logger = logging.getLogger("aiak")
 
 FUSED_OPS = ("window_attention", "linear_cross_entropy", "pointwise_conv")
-# The fused ops whose modules only change class, so a model computes with or without them from one step to the next
-# (`FusedOpsSwitch`); the fused language-model head changes the loss the model returns and is built, not switched.
-SWITCHED_OPS = ("window_attention", "pointwise_conv")
 # The fused ops that compute the same products with another kernel, as a layout does (a 1x1 convolution as one matrix
 # multiply: gradients equal to the convolution's within fp32 rounding on every architecture its tests train), so the
 # numerics gate does not judge them (`aiak.tune.gate`); the others replace a computation (fused attention, a loss
@@ -213,8 +210,7 @@ class FusedOpsSwitch:
     its fused ops this way (`aiak.tune.guard`)."""
 
     def __init__(self, model: nn.Module):
-        found = {"window_attention": [m for m in model.modules() if _is_fused(m)],
-                 "pointwise_conv": pointwise_convs(model)}
+        found = {op: _SWITCHED[op](model) for op in SWITCHED_OPS}
         self.modules: Dict[str, List[Tuple[nn.Module, type]]] = {
             op: [(m, type(m)) for m in modules] for op, modules in found.items() if modules}
         self.on = self.ops
@@ -241,6 +237,14 @@ class FusedOpsSwitch:
 def _is_fused(module: nn.Module) -> bool:
     return isinstance(module, tuple(p.fused for p in _POLICIES))
 
+
+# The fused ops whose modules only change class, so a model computes with or without them from one step to the next
+# (`FusedOpsSwitch`), each with the function that finds its swapped modules in a model; the fused language-model head
+# changes the loss the model returns and is built, not switched.
+_SWITCHED: Dict[str, Callable[[nn.Module], List[nn.Module]]] = {
+    "window_attention": lambda model: [m for m in model.modules() if _is_fused(m)],
+    "pointwise_conv": pointwise_convs}
+SWITCHED_OPS = tuple(_SWITCHED)
 
 _APPLIERS: Dict[str, Callable[[nn.Module], int]] = {"window_attention": replace_window_attention,
                                                     "linear_cross_entropy": replace_lm_heads,
